@@ -1,0 +1,512 @@
+"""The config schema: every knob once, with its default, unit and doc.
+
+`Config.from_yaml(path, overrides)` and `Config.from_dict(d)` validate strictly: unknown keys are
+errors with a "did you mean" hint, wrong types name the key and the value, and YAML syntax errors
+name the line. `docs/config.md` is generated from this module (`python -m maximus.config`).
+"""
+from __future__ import annotations
+
+import difflib
+import re
+from pathlib import Path
+from typing import Any, Literal, Union
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from maximus.errors import ConfigError
+
+# --------------------------------------------------------------------------------------------
+# Memory sizes
+
+_UNITS = {
+    "": 1, "b": 1,
+    "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40,
+    "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12,
+}
+
+# Memory a card offers to one process, in bytes (what torch.cuda.mem_get_info reports when empty,
+# rounded down). Prices are indicative on-demand US$/hour from public cloud lists (2025-2026).
+GPU_CARDS: dict[str, tuple[int, float]] = {
+    "T4": (15 * 2**30, 0.35),
+    "L4": (22 * 2**30, 0.70),
+    "A10": (22 * 2**30, 1.00),
+    "RTX3090": (23 * 2**30, 0.45),
+    "RTX4090": (23 * 2**30, 0.70),
+    "A100-40GB": (39 * 2**30, 1.80),
+    "A100-80GB": (79 * 2**30, 2.50),
+    "H100": (79 * 2**30, 3.50),
+    "H200": (139 * 2**30, 4.50),
+}
+
+
+def _card_key(name: str) -> str:
+    return re.sub(r"[\s_\-]", "", name).upper()
+
+
+_CARD_LOOKUP = {_card_key(k): k for k in GPU_CARDS}
+_CARD_LOOKUP.update({"A100": "A100-80GB", "A10G": "A10", "H10080GB": "H100", "GEFORCERTX4090": "RTX4090",
+                     "GEFORCERTX3090": "RTX3090", "TESLAT4": "T4"})
+
+
+def parse_bytes(value: Any, key: str = "target_vram") -> int | Literal["auto"] | None:
+    """Parse a memory size: ``16GB`` (10^9), ``16 GiB`` (2^30), ``16000MB``, a number of bytes,
+    a card name (``T4``, ``RTX4090``, ``A100-40GB``), ``auto`` or null."""
+    if value is None:
+        return None
+    if isinstance(value, bool):
+        raise ConfigError(f"{key}: expected a memory size, got {value!r}", "write e.g. 16GB, 24GiB, T4 or auto")
+    if isinstance(value, (int, float)):
+        if value <= 0:
+            raise ConfigError(f"{key}: memory size must be positive, got {value!r}", "write e.g. 16GB")
+        return int(value)
+    if isinstance(value, str):
+        text = value.strip()
+        if text.lower() in ("auto",):
+            return "auto"
+        if text.lower() in ("null", "none", ""):
+            return None
+        card = _CARD_LOOKUP.get(_card_key(text))
+        if card:
+            return GPU_CARDS[card][0]
+        m = re.fullmatch(r"([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([a-zA-Z]*)", text)
+        if m and m.group(2).lower() in _UNITS:
+            number = float(m.group(1)) * _UNITS[m.group(2).lower()]
+            if number <= 0:
+                raise ConfigError(f"{key}: memory size must be positive, got {value!r}", "write e.g. 16GB")
+            return int(number)
+    cards = ", ".join(GPU_CARDS)
+    raise ConfigError(f"{key}: cannot parse {value!r} as a memory size",
+                      f"write e.g. 16GB, 16 GiB, 16000MB, a number of bytes, auto, or a card name ({cards})")
+
+
+def format_bytes(n: float | int | None) -> str:
+    """Human-readable size in binary units (GiB), as the progress bar and plan tables show it."""
+    if n is None:
+        return "-"
+    n = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
+        n /= 1024
+    return f"{n:.2f} TiB"
+
+
+# --------------------------------------------------------------------------------------------
+# Sections
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "chat", "prompt_completion", "preference"]
+
+
+class DatasetSpec(_Section):
+    """One data source. A bare string in the config is shorthand for `{path: <string>}`."""
+
+    path: str = Field(description="Local file or folder (jsonl, json, csv, parquet, txt) or a Hugging Face dataset name.")
+    format: DataFormat = Field("auto", description="Record shape; `auto` detects it from the fields of the first record.")
+    split: str = Field("train", description="Split to read when `path` is a Hugging Face dataset or a folder of splits.")
+    name: str | None = Field(None, description="Hugging Face dataset configuration name, if any.")
+    text_field: str = Field("text", description="Field holding the text for `format: text`.")
+    prompt_field: str = Field("prompt", description="Prompt field for `prompt_completion` and `preference` records.")
+    completion_field: str = Field("completion", description="Completion field for `prompt_completion` records.")
+    messages_field: str | None = Field(None, description="Field holding a chat (`messages` for chat, `conversations` for sharegpt); default by format.")
+    chosen_field: str = Field("chosen", description="Preferred answer field for `preference` records (DPO).")
+    rejected_field: str = Field("rejected", description="Rejected answer field for `preference` records (DPO).")
+    max_samples: int | None = Field(None, ge=1, description="Read at most this many records (after shuffling); null = all.")
+    on_error: Literal["error", "skip"] = Field("error", description="A record that fails to parse: stop with file and line (`error`) or skip and count it (`skip`).")
+
+
+class LoraConfig(_Section):
+    """LoRA / DoRA adapter settings (PEFT)."""
+
+    r: int = Field(16, ge=1, description="Adapter rank.")
+    alpha: float = Field(32, gt=0, description="Scaling numerator: the update is scaled by alpha / r (alpha / sqrt(r) with rsLoRA).")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the adapter input.")
+    target_modules: Union[Literal["all-linear"], list[str], str] = Field("all-linear", description="`all-linear` (every linear layer except the output head) or a list of module names, e.g. [q_proj, v_proj].")
+    use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
+    use_rslora: bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(r).")
+    modules_to_save: list[str] = Field(default_factory=list, description="Extra modules trained in full and saved with the adapter (e.g. [lm_head]).")
+
+
+class OffloadConfig(_Section):
+    """Smart Memory: what may move between device and host memory."""
+
+    activations: Literal["auto", "on", "off"] = Field("auto", description="Checkpointed layer inputs to host memory, prefetched one layer ahead in backward.")
+    optimizer: Literal["auto", "on", "off"] = Field("auto", description="Optimizer state in host memory (or 8-bit/paged), chosen by the planner when `auto`.")
+    params: Literal["on", "off"] = Field("off", description="Stream frozen base-model layers to the device one ahead of use (opt-in).")
+
+
+class GhostLogitConfig(_Section):
+    """Ghost Logit loss details (used when `optimization.use_ghost_logit` is true)."""
+
+    candidates: int = Field(1024, ge=1, description="Number of hard-negative vocabulary rows per chunk of tokens, besides the targets.")
+    prefix_dims: int = Field(64, ge=1, description="Leading hidden dimensions used for the cheap scan that finds hard negatives.")
+
+
+class KroneckerConfig(_Section):
+    """Kronecker Sketching attention details."""
+
+    detail_tokens: int = Field(256, ge=1, description="Exact-attention budget per query: local window plus selected past tokens.")
+    sketch_slots: int = Field(64, ge=1, description="Number of compressed slots summarising the rest of the past.")
+    block: int = Field(64, ge=1, description="Query block size; slots seen by a block summarise only earlier blocks.")
+
+
+class MatryoshkaConfig(_Section):
+    """Nested-dimension auxiliary loss."""
+
+    dims: list[int] = Field(default_factory=lambda: [64, 128, 256], description="Prefix sizes of the final hidden state that must predict the next token on their own.")
+    weight: float = Field(0.2, ge=0.0, description="Weight of the auxiliary loss (summed over dims, then averaged).")
+
+
+class OptimizationConfig(_Section):
+    """How Maximus fits the job into memory."""
+
+    target_vram: Any = Field(None, description="Memory budget: `16GB`, `16 GiB`, `16000MB`, bytes, a card name (`T4`, `RTX4090`, `A100-40GB`, ...), `auto` (free memory of the device) or null (no budget).")
+    use_ghost_logit: bool = Field(False, description="Train with the Ghost Logit sampled loss (evaluation always uses the exact loss).")
+    ghost_logit: GhostLogitConfig = Field(default_factory=GhostLogitConfig, description="Ghost Logit loss details.")
+    kronecker_sketching: Union[bool, KroneckerConfig] = Field(False, description="Kronecker Sketching attention: `true` for defaults or a mapping of its settings.")
+    gradient_checkpointing: Literal["off", "full", "selective", "auto"] = Field("auto", description="Activation recomputation: none, every layer, per-op selective, or chosen by cost (`auto`).")
+    offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Smart Memory offload settings.")
+    loss: Literal["exact", "naive"] = Field("exact", description="`exact`: chunked cross-entropy that never holds tokens x vocabulary logits; `naive`: full logits (reference).")
+    loss_chunk_size: Union[Literal["auto"], int] = Field("auto", description="Tokens per chunk in the lean loss; `auto` chooses from the budget.")
+    kernels: Literal["auto", "triton", "compile", "eager"] = Field("auto", description="Fused kernels / compiled step; `eager` is plain PyTorch.")
+    matryoshka: MatryoshkaConfig | None = Field(None, description="Matryoshka auxiliary loss; null = off.")
+
+    @field_validator("target_vram", mode="before")
+    @classmethod
+    def _parse_vram(cls, v):
+        return parse_bytes(v, "optimization.target_vram")
+
+    @field_validator("loss_chunk_size")
+    @classmethod
+    def _positive_chunk(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be a positive integer or auto")
+        return v
+
+    @property
+    def kronecker(self) -> KroneckerConfig | None:
+        """The sketching settings when enabled, else None."""
+        if self.kronecker_sketching is True:
+            return KroneckerConfig()
+        if isinstance(self.kronecker_sketching, KroneckerConfig):
+            return self.kronecker_sketching
+        return None
+
+
+class TrainingConfig(_Section):
+    """The optimisation loop."""
+
+    batch_size: int = Field(8, ge=1, description="Effective batch in sequences per optimizer step (micro_batch_size x gradient accumulation x world size).")
+    micro_batch_size: Union[Literal["auto"], int] = Field("auto", description="Sequences per forward pass; `auto` lets the planner choose (without a budget: min(batch_size, 4)).")
+    epochs: float = Field(1, gt=0, description="Passes over the training data (fractions allowed).")
+    max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
+    learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
+    warmup_steps: Union[int, float] = Field(0.03, ge=0, description="Linear warmup: a number of steps, or a fraction (< 1) of the total.")
+    scheduler: Literal["cosine", "linear", "constant"] = Field("cosine", description="Decay after warmup.")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="Final learning rate as a fraction of the peak.")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay.")
+    max_grad_norm: float | None = Field(1.0, description="Clip the global gradient norm; null = no clipping.")
+    seq_len: int = Field(2048, ge=8, description="Tokens per sequence (packed, or truncated when packing is off).")
+    packing: bool = Field(True, description="Pack documents into seq_len rows with per-document positions and no attention across documents.")
+    train_on_inputs: bool = Field(False, description="Also compute the loss on prompt / user tokens (default: completion / assistant tokens only).")
+    seed: int = Field(0, description="Seed for initialisation, shuffling and dropout.")
+    save_every: int | None = Field(None, ge=1, description="Write a checkpoint every N optimizer steps (and always at the end).")
+    keep_checkpoints: int = Field(2, ge=1, description="Keep the newest K checkpoints.")
+    optimizer: Literal["adamw", "adamw_8bit", "paged_adamw_8bit"] = Field("adamw", description="torch AdamW, or bitsandbytes 8-bit / paged 8-bit AdamW.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute dtype: `auto` = bf16 where the device supports it, else fp32.")
+    max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped).")
+    distributed: Literal["auto", "ddp", "fsdp"] = Field("auto", description="Under torchrun: FSDP2 when the model does not fit one device, else DDP.")
+    log_every: int = Field(1, ge=1, description="Print/log every N optimizer steps (metrics.jsonl always gets every step).")
+
+    @field_validator("micro_batch_size")
+    @classmethod
+    def _positive_micro(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be a positive integer or auto")
+        return v
+
+
+class EvalConfig(_Section):
+    """Held-out evaluation against the base model."""
+
+    enabled: bool = Field(True, description="Evaluate held-out loss and perplexity.")
+    split: float = Field(0.05, ge=0, lt=1, description="Fraction of the data held out for evaluation.")
+    every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps.")
+    before: bool = Field(True, description="Evaluate the base model before training, for the before/after table.")
+    max_batches: int | None = Field(None, ge=1, description="Cap on evaluation batches; null = the whole held-out split.")
+    prompts: list[str] = Field(default_factory=list, description="Prompts to generate from before and after training.")
+    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt.")
+
+
+class DpoConfig(_Section):
+    """Preference tuning (used when `objective: dpo`)."""
+
+    beta: float = Field(0.1, gt=0, description="Strength of the KL-style penalty (inverse temperature).")
+    loss: Literal["sigmoid", "ipo", "hinge", "simpo", "orpo"] = Field("sigmoid", description="Preference loss.")
+    label_smoothing: float = Field(0.0, ge=0, lt=0.5, description="Conservative DPO: assumed label noise.")
+    reference: Literal["adapter_off", "precomputed"] = Field("adapter_off", description="Reference log-probs from the base with the adapter disabled, or computed once and cached.")
+    simpo_gamma: float = Field(0.5, description="SimPO target margin (gamma / beta ratio as in the paper).")
+    orpo_alpha: float = Field(1.0, description="ORPO weight of the odds-ratio term.")
+
+
+class LoggingConfig(_Section):
+    """Where progress goes besides the terminal and metrics.jsonl."""
+
+    tensorboard: bool = Field(False, description="Also write TensorBoard events (extra `tensorboard`).")
+    wandb: bool = Field(False, description="Also log to Weights & Biases (extra `wandb`).")
+    progress: Literal["auto", "rich", "plain", "none"] = Field("auto", description="Progress display: rich bar on a terminal, plain lines otherwise.")
+
+
+class Config(_Section):
+    """A Maximus run."""
+
+    model: str = Field(description="Hugging Face hub id or local model directory.")
+    dataset: Union[str, DatasetSpec, list[Union[str, DatasetSpec]]] = Field(description="A path, a hub name, a mapping ({path:, format:, split:, ...}) or a list of those.")
+    method: Literal["full", "lora", "qlora", "auto"] = Field("lora", description="Full fine-tune, LoRA, QLoRA (4-bit NF4 base), or `auto` (the planner picks from target_vram).")
+    objective: Literal["sft", "dpo"] = Field("sft", description="Supervised fine-tuning, or preference tuning on (prompt, chosen, rejected).")
+    output_dir: str | None = Field(None, description="Run directory; default runs/<model name>.")
+    tokenizer: str | None = Field(None, description="Tokenizer id or directory; default: the model's.")
+    init_adapter: str | None = Field(None, description="Start from an existing PEFT adapter directory (e.g. DPO on top of an SFT run).")
+    trust_remote_code: bool = Field(False, description="Allow model code from the hub (off unless you trust it).")
+    allow_pickle: bool = Field(False, description="Allow loading .bin/.pt (pickle) weights; safetensors only by default.")
+    device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="Training device: `auto` = cuda, then mps, then cpu.")
+    lora: LoraConfig = Field(default_factory=LoraConfig, description="Adapter settings.")
+    optimization: OptimizationConfig = Field(default_factory=OptimizationConfig, description="Memory techniques and budget.")
+    training: TrainingConfig = Field(default_factory=TrainingConfig, description="The optimisation loop.")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation against the base model.")
+    dpo: DpoConfig = Field(default_factory=DpoConfig, description="Preference tuning settings.")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Extra logging sinks.")
+
+    @model_validator(mode="after")
+    def _normalise(self):
+        items = self.dataset if isinstance(self.dataset, list) else [self.dataset]
+        if not items:
+            raise ValueError("dataset: the list is empty")
+        specs = [DatasetSpec(path=i) if isinstance(i, str) else i for i in items]
+        object.__setattr__(self, "dataset", specs)
+        if self.output_dir is None:
+            name = Path(self.model.rstrip("/")).name or "model"
+            object.__setattr__(self, "output_dir", str(Path("runs") / name))
+        return self
+
+    # ---------------------------------------------------------------------------------------
+    @property
+    def datasets(self) -> list[DatasetSpec]:
+        return list(self.dataset)  # normalised to a list of specs by the validator
+
+    @classmethod
+    def from_dict(cls, data: dict, overrides: list[str] | None = None, source: str = "config") -> "Config":
+        if not isinstance(data, dict):
+            raise ConfigError(f"{source}: expected a mapping of keys at the top level, got {type(data).__name__}",
+                              "start the file with e.g. `model: ...`")
+        data = _deep_copy(data)
+        for item in overrides or []:
+            _apply_override(data, item)
+        try:
+            return cls.model_validate(data)
+        except ValidationError as exc:
+            raise _friendly(exc, source) from None
+
+    @classmethod
+    def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "Config":
+        path = Path(path)
+        if not path.is_file():
+            raise ConfigError(f"config file not found: {path}", "check the path passed to --config")
+        text = path.read_text(encoding="utf-8")
+        try:
+            data = yaml.safe_load(text)
+        except yaml.YAMLError as exc:
+            mark = getattr(exc, "problem_mark", None)
+            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+            raise ConfigError(f"{path}:{where.strip() and where}: YAML syntax error: {problem}",
+                              "check indentation and quoting on that line") from None
+        if data is None:
+            raise ConfigError(f"{path}: the config file is empty", "it needs at least `model:` and `dataset:`")
+        return cls.from_dict(data, overrides, source=str(path))
+
+    def to_dict(self) -> dict:
+        return self.model_dump(mode="json")
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.output_dir)
+
+
+# --------------------------------------------------------------------------------------------
+# Errors and overrides
+
+
+def _deep_copy(d):
+    if isinstance(d, dict):
+        return {k: _deep_copy(v) for k, v in d.items()}
+    if isinstance(d, list):
+        return [_deep_copy(v) for v in d]
+    return d
+
+
+_SECTIONS: dict[str, type[BaseModel]] = {}
+
+
+def _section_at(loc: tuple) -> type[BaseModel] | None:
+    model: type[BaseModel] | None = Config
+    for part in loc:
+        if model is None or not isinstance(part, str):
+            continue
+        field = model.model_fields.get(part)
+        if field is None:
+            return model
+        model = _model_of(field.annotation)
+    return model
+
+
+def _model_of(annotation) -> type[BaseModel] | None:
+    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+        return annotation
+    for arg in getattr(annotation, "__args__", ()) or ():
+        found = _model_of(arg)
+        if found is not None:
+            return found
+    return None
+
+
+def _friendly(exc: ValidationError, source: str) -> ConfigError:
+    errors = exc.errors()
+    # Prefer the most informative error: unknown keys first, then the rest in order.
+    errors.sort(key=lambda e: 0 if e["type"] == "extra_forbidden" else 1)
+    err = errors[0]
+    loc = _clean_loc(err["loc"])
+    key = ".".join(str(p) for p in loc) or "(top level)"
+    if err["type"] == "extra_forbidden":
+        parent = _section_at(tuple(loc[:-1]))
+        name = str(loc[-1])
+        known = list(parent.model_fields) if parent else []
+        close = difflib.get_close_matches(name, known, n=1, cutoff=0.5)
+        hint = f"did you mean '{'.'.join([*map(str, loc[:-1]), close[0]])}'?" if close else (
+            f"known keys here: {', '.join(known)}" if known else None)
+        return ConfigError(f"{source}: unknown key '{key}'", hint)
+    if err["type"] == "missing":
+        return ConfigError(f"{source}: missing required key '{key}'", "see docs/config.md for every key")
+    if err["type"] == "value_error" and isinstance(err.get("ctx", {}).get("error"), ConfigError):
+        inner = err["ctx"]["error"]
+        return ConfigError(f"{source}: {inner.message}", inner.hint)
+    value = err.get("input")
+    msg = err["msg"]
+    if msg.startswith("Value error, "):
+        msg = msg[len("Value error, "):]
+    if msg.startswith("Input should be "):
+        msg = "expected " + msg[len("Input should be "):]
+    return ConfigError(f"{source}: invalid value for '{key}': {value!r}: {msg}", "see docs/config.md for allowed values")
+
+
+def _clean_loc(raw: tuple) -> list:
+    """Drop pydantic's union-branch tags (`str`, `DatasetSpec`, `list[...]`) from an error location."""
+    model: type[BaseModel] | None = Config
+    loc: list = []
+    for part in raw:
+        if isinstance(part, int):
+            loc.append(part)
+            continue
+        if model is not None and part in model.model_fields:
+            loc.append(part)
+            model = _model_of(model.model_fields[part].annotation)
+            continue
+        tagged = _SECTIONS.get(part)
+        if tagged is not None:
+            model = tagged
+            continue
+        if "[" in part or part in ("str", "bool", "int", "float", "none", "literal"):
+            continue
+        loc.append(part)
+    return loc
+
+
+def _all_field_names() -> set[str]:
+    names: set[str] = set()
+    stack: list[type[BaseModel]] = [Config]
+    while stack:
+        model = stack.pop()
+        for name, field in model.model_fields.items():
+            names.add(name)
+            sub = _model_of(field.annotation)
+            if sub is not None and sub is not model:
+                stack.append(sub)
+    return names
+
+
+def _apply_override(data: dict, item: str) -> None:
+    if "=" not in item:
+        raise ConfigError(f"override '{item}' is not of the form key.sub=value", "e.g. training.max_steps=10")
+    key, raw = item.split("=", 1)
+    parts = [p for p in key.strip().split(".") if p]
+    if not parts:
+        raise ConfigError(f"override '{item}' has an empty key", "e.g. training.max_steps=10")
+    try:
+        value = yaml.safe_load(raw) if raw.strip() else None
+    except yaml.YAMLError:
+        value = raw
+    node = data
+    for p in parts[:-1]:
+        nxt = node.get(p)
+        if not isinstance(nxt, dict):
+            nxt = {} if nxt is None or nxt is True or nxt is False else nxt
+            if not isinstance(nxt, dict):
+                raise ConfigError(f"override '{item}': '{p}' is not a section", "only sections can take sub-keys")
+            node[p] = nxt
+        node = nxt
+    node[parts[-1]] = value
+
+
+_SECTIONS.update({m.__name__: m for m in (DatasetSpec, LoraConfig, OffloadConfig, GhostLogitConfig, KroneckerConfig,
+                                          MatryoshkaConfig, OptimizationConfig, TrainingConfig, EvalConfig,
+                                          DpoConfig, LoggingConfig, Config)})
+
+# --------------------------------------------------------------------------------------------
+# Documentation
+
+
+def _type_name(annotation) -> str:
+    text = str(annotation).replace("typing.", "").replace("maximus.config.", "").replace("__main__.", "")
+    text = re.sub(r"<class '([^']+)'>", r"\1", text)
+    return text.replace("NoneType", "null")
+
+
+def schema_markdown() -> str:
+    """docs/config.md, generated from the schema so that every key is documented."""
+    lines = ["# Configuration reference", "",
+             "Generated from `src/maximus/config.py` by `python -m maximus.config > docs/config.md`;",
+             "a test checks that this file is current. Sizes in bytes unless a unit is given.",
+             "Override any key on the command line: `maximus-train --config x.yaml training.max_steps=10`.", ""]
+
+    def section(model: type[BaseModel], prefix: str, title: str):
+        lines.extend([f"## `{title}`" if prefix else "## Top level", "", (model.__doc__ or "").strip(), "",
+                      "| key | type | default | meaning |", "|---|---|---|---|"])
+        subs = []
+        for name, field in model.model_fields.items():
+            sub = _model_of(field.annotation)
+            default = "required" if field.is_required() else (
+                field.default_factory().__class__.__name__ if field.default_factory and sub else
+                repr(field.default_factory() if field.default_factory else field.default))
+            if sub is not None and field.default_factory:
+                default = "(section)"
+            full = f"{prefix}{name}"
+            lines.append(f"| `{full}` | `{_type_name(field.annotation)}` | `{default}` | {field.description or ''} |")
+            if sub is not None:
+                subs.append((sub, f"{full}.", full))
+        lines.append("")
+        for sub, p, t in subs:
+            section(sub, p, t)
+
+    section(Config, "", "")
+    return "\n".join(lines) + "\n"
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(schema_markdown(), end="")
