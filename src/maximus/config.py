@@ -241,6 +241,7 @@ class EvalConfig(_Section):
     every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps.")
     before: bool = Field(True, description="Evaluate the base model before training, for the before/after table.")
     max_batches: int | None = Field(None, ge=1, description="Cap on evaluation batches; null = the whole held-out split.")
+    exact_match: int = Field(0, ge=0, description="Score greedy exact match on up to N held-out prompt/completion documents (0 = off).")
     prompts: list[str] = Field(default_factory=list, description="Prompts to generate from before and after training.")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt.")
 
@@ -313,6 +314,8 @@ class Config(_Section):
             return cls.model_validate(data)
         except ValidationError as exc:
             raise _friendly(exc, source) from None
+        except ConfigError as exc:  # raised inside a field validator (e.g. target_vram)
+            raise ConfigError(f"{source}: {exc.message}", exc.hint) from None
 
     @classmethod
     def from_yaml(cls, path: str | Path, overrides: list[str] | None = None) -> "Config":
@@ -324,9 +327,9 @@ class Config(_Section):
             data = yaml.safe_load(text)
         except yaml.YAMLError as exc:
             mark = getattr(exc, "problem_mark", None)
-            where = f" line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+            where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
             problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"{path}:{where.strip() and where}: YAML syntax error: {problem}",
+            raise ConfigError(f"{path}{where}: YAML syntax error: {problem}",
                               "check indentation and quoting on that line") from None
         if data is None:
             raise ConfigError(f"{path}: the config file is empty", "it needs at least `model:` and `dataset:`")

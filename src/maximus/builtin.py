@@ -1,0 +1,112 @@
+"""The embedded default: a tiny model and a task the project builds itself, offline, in seconds.
+
+`model: builtin:tiny-llama` and `dataset: builtin:reverse-words` in a config resolve to a
+directory under the cache (``$MAXIMUS_CACHE`` or ``~/.cache/maximus``) that is written once,
+deterministically, then reused:
+
+- `tiny-llama`: a randomly initialised Llama-architecture model (4 layers, hidden 128, seeded)
+  with a byte-level BPE tokenizer trained on the task's own text. Random weights: the "base" knows
+  nothing, so the before/after table shows what fine-tuning taught it.
+- `reverse-words`: a procedurally generated instruction task (prompt/completion jsonl): reverse
+  a list of 3-5 words. Held-out accuracy (exact match) goes from 0 % to most of the way in a few
+  hundred steps on two CPU cores.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+
+from maximus.errors import ConfigError
+
+PREFIX = "builtin:"
+WORDS = ("apple banana cherry grape lemon mango olive peach pear plum river stone cloud storm flame "
+         "frost light night green blue red gold silver north south east west tiger zebra horse eagle "
+         "shark whale robin maple cedar").split()
+_VERSION = "1"
+
+
+def cache_root() -> Path:
+    return Path(os.environ.get("MAXIMUS_CACHE", Path.home() / ".cache" / "maximus"))
+
+
+def reverse_words_records(n: int, seed: int = 0) -> list[dict]:
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = rng.sample(WORDS, rng.randint(3, 5))
+        out.append({"prompt": f"Reverse: {' '.join(words)}\nAnswer:", "completion": " " + " ".join(reversed(words))})
+    return out
+
+
+def _atomic_dir(final: Path, build) -> Path:
+    if final.is_dir() and (final / ".complete").exists():
+        return final
+    tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    build(tmp)
+    (tmp / ".complete").write_text(_VERSION)
+    if final.exists():
+        shutil.rmtree(final, ignore_errors=True)
+    try:
+        os.replace(tmp, final)
+    except OSError:  # another process won the race: use theirs
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _build_reverse_words(d: Path) -> None:
+    with open(d / "train.jsonl", "w", encoding="utf-8") as f:
+        for rec in reverse_words_records(4000, seed=1234):
+            f.write(json.dumps(rec) + "\n")
+
+
+def _build_tiny_llama(d: Path) -> None:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+
+    texts = [r["prompt"] + r["completion"] for r in reverse_words_records(2000, seed=99)]
+    tokenizer = build_tiny_tokenizer(texts, vocab_size=320)
+    config = LlamaConfig(vocab_size=len(tokenizer), hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+                         bos_token_id=None, tie_word_embeddings=False, rope_theta=10000.0)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    model.save_pretrained(str(d), safe_serialization=True)
+    tokenizer.save_pretrained(str(d))
+
+
+BUILDERS = {"tiny-llama": _build_tiny_llama, "reverse-words": _build_reverse_words}
+
+
+def materialize(ref: str) -> str:
+    """Path of a builtin model or dataset directory (built on first use); other refs unchanged."""
+    if not isinstance(ref, str) or not ref.startswith(PREFIX):
+        return ref
+    name = ref[len(PREFIX):]
+    if name not in BUILDERS:
+        raise ConfigError(f"unknown builtin '{ref}'", f"available: {', '.join(PREFIX + k for k in BUILDERS)}")
+    tag = hashlib.sha1(f"{name}-{_VERSION}".encode()).hexdigest()[:8]
+    return str(_atomic_dir(cache_root() / "builtin" / f"{name}-{tag}", BUILDERS[name]))
+
+
+def resolve(cfg):
+    """A copy of `cfg` whose builtin: references point at materialised directories."""
+    changes = {}
+    if cfg.model.startswith(PREFIX):
+        changes["model"] = materialize(cfg.model)
+    if cfg.tokenizer and cfg.tokenizer.startswith(PREFIX):
+        changes["tokenizer"] = materialize(cfg.tokenizer)
+    specs = [s.model_copy(update={"path": materialize(s.path)}) if s.path.startswith(PREFIX) else s for s in cfg.datasets]
+    if any(a is not b for a, b in zip(specs, cfg.datasets)):
+        changes["dataset"] = specs
+    if not changes:
+        return cfg
+    return cfg.model_copy(update=changes)

@@ -1,0 +1,209 @@
+"""`maximus-train` and `maximus <subcommand>`: user mistakes become one line and exit code 2.
+
+Subcommands: train, eval, export, generate, plan, embed. Tracebacks are kept for bugs only.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from pathlib import Path
+
+from maximus.errors import MaximusError
+
+USER_ERROR_EXIT = 2
+
+
+def _quiet_libraries() -> None:
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import warnings
+
+    warnings.filterwarnings("ignore", message=".*kernels.*")
+    warnings.filterwarnings("ignore", category=FutureWarning)
+    try:
+        import transformers
+
+        transformers.utils.logging.set_verbosity_error()
+        transformers.utils.logging.disable_progress_bar()
+    except Exception:  # pragma: no cover
+        pass
+    try:
+        import datasets
+
+        datasets.utils.logging.set_verbosity_error()
+        datasets.disable_progress_bars()
+    except Exception:  # pragma: no cover
+        pass
+
+
+def _run(fn, argv) -> int:
+    try:
+        return fn(argv) or 0
+    except MaximusError as exc:
+        print(f"error: {exc.one_line()}", file=sys.stderr, flush=True)
+        return getattr(exc, "exit_code", USER_ERROR_EXIT)
+    except KeyboardInterrupt:
+        print("interrupted", file=sys.stderr)
+        return 130
+
+
+# ---------------------------------------------------------------------------------------- train
+def _train(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="maximus-train", description="Fine-tune a causal LM from a YAML config.")
+    parser.add_argument("--config", "-c", required=True, help="YAML config file")
+    parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, validated like the file")
+    args = parser.parse_args(argv)
+    from maximus.config import Config
+
+    cfg = Config.from_yaml(args.config, args.overrides)
+    _quiet_libraries()
+    from maximus.train.trainer import Trainer
+
+    Trainer(cfg).train()
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- eval
+def _eval(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="maximus eval", description="Exact held-out loss of a finished run vs its base.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    import torch
+
+    from maximus.data import build_datasets
+    from maximus.evaluate import heldout_loss
+    from maximus.export import load_tuned, run_config
+
+    cfg = run_config(Path(args.run_dir))
+    model, tokenizer = load_tuned(Path(args.run_dir), dtype=torch.float32)
+    data = build_datasets(cfg.datasets, tokenizer, seq_len=cfg.training.seq_len, packing=cfg.training.packing,
+                          train_on_inputs=cfg.training.train_on_inputs, seed=cfg.training.seed,
+                          eval_split=cfg.eval.split, objective="sft")
+    kwargs = dict(pad_token_id=tokenizer.pad_token_id, device=torch.device("cpu"), dtype=torch.float32,
+                  max_batches=cfg.eval.max_batches)
+    after = heldout_loss(model, data.eval, **kwargs)
+    result = {"after": after}
+    if hasattr(model, "disable_adapter"):
+        with model.disable_adapter():
+            result["before"] = heldout_loss(model, data.eval, **kwargs)
+    if args.json:
+        print(json.dumps(result))
+    else:
+        before = result.get("before", {})
+        print(f"{'':<20}{'base':>12}{'tuned':>12}")
+        for key in ("loss", "perplexity"):
+            b = f"{before[key]:.4f}" if key in before else "-"
+            print(f"{'held-out ' + key:<20}{b:>12}{after[key]:>12.4f}")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- export
+def _export(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="maximus export", description="Merge a run's adapter into its base model.")
+    parser.add_argument("run_dir")
+    parser.add_argument("--out", required=True, help="directory for the standalone Hugging Face model")
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    from maximus.export import export_merged
+
+    out = export_merged(args.run_dir, args.out, dtype=args.dtype)
+    print(f"wrote {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    return 0
+
+
+# ---------------------------------------------------------------------------------------- generate
+def _generate(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="maximus generate", description="Generate text from a finished run or a model.")
+    parser.add_argument("source", help="run directory (adapter applied) or model directory / hub id")
+    parser.add_argument("--prompt", "-p", action="append", required=True, help="prompt (repeatable)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    args = parser.parse_args(argv)
+    _quiet_libraries()
+    import torch
+
+    from maximus.evaluate import generate_text
+
+    source = Path(args.source)
+    if (source / "run.json").is_file():
+        from maximus.export import load_tuned
+
+        model, tokenizer = load_tuned(source)
+    else:
+        from maximus.config import Config
+        from maximus.models import load_base_model, load_tokenizer
+
+        cfg = Config.from_dict({"model": args.source, "dataset": "-"})
+        tokenizer = load_tokenizer(cfg)
+        model = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
+    for prompt, text in zip(args.prompt, generate_text(model, tokenizer, args.prompt, device=torch.device("cpu"),
+                                                       max_new_tokens=args.max_new_tokens)):
+        print(f"{prompt}{text}")
+    return 0
+
+
+def _plan(argv: list[str]) -> int:
+    from maximus.memory.plan_command import plan_main
+
+    return plan_main(argv)
+
+
+def _embed(argv: list[str]) -> int:
+    from maximus.embed_command import embed_main
+
+    return embed_main(argv)
+
+
+COMMANDS = {"train": _train, "eval": _eval, "export": _export, "generate": _generate, "plan": _plan, "embed": _embed}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: maximus {" + ",".join(COMMANDS) + "} ...\n\n"
+              "  train     fine-tune from a YAML config (same as maximus-train)\n"
+              "  plan      predict peak memory and the cheapest GPU for a model and setting\n"
+              "  eval      exact held-out loss of a finished run against its base model\n"
+              "  export    merge a run's adapter into a standalone Hugging Face model\n"
+              "  generate  generate text from a run or a model\n"
+              "  embed     Matryoshka embeddings of texts to .npy")
+        return 0
+    if argv[0] in ("-V", "--version"):
+        from maximus import __version__
+
+        print(f"maximus {__version__}")
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in COMMANDS:
+        import difflib
+
+        close = difflib.get_close_matches(name, COMMANDS, n=1)
+        hint = f" (hint: did you mean '{close[0]}'?)" if close else ""
+        print(f"error: unknown command '{name}'{hint}", file=sys.stderr)
+        return USER_ERROR_EXIT
+    return _run(COMMANDS[name], rest)
+
+
+def train_main(argv: list[str] | None = None) -> int:
+    return _run(_train, list(sys.argv[1:] if argv is None else argv))
+
+
+def _exit(code: int) -> None:
+    sys.stdout.flush()
+    sys.exit(code)
+
+
+if __name__ == "__main__":  # pragma: no cover
+    _exit(main())
+
+
+def main_entry() -> None:
+    _exit(main())
+
+
+def train_entry() -> None:
+    _exit(train_main())

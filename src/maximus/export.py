@@ -1,0 +1,73 @@
+"""`maximus export RUN_DIR --out DIR`: merge the adapter into its base and write a standalone
+Hugging Face model directory (safetensors + tokenizer) that `AutoModelForCausalLM` loads."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+from maximus.config import Config
+from maximus.errors import CheckpointError
+
+
+def run_config(run_dir: Path) -> Config:
+    """The resolved config a finished run recorded in run.json."""
+    path = Path(run_dir) / "run.json"
+    if not path.is_file():
+        raise CheckpointError(f"{run_dir} is not a finished Maximus run (no run.json)",
+                              "pass the output_dir of a completed maximus-train run")
+    data = json.loads(path.read_text())
+    return Config.from_dict(data["config"], source=str(path))
+
+
+def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torch.dtype = torch.float32, merge: bool = False):
+    """(model, tokenizer) of a finished run: base in full precision (never 4-bit, so a QLoRA adapter
+    merges into real weights) plus the adapter; or the fully fine-tuned model."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from maximus.models import load_base_model
+
+    run_dir = Path(run_dir)
+    cfg = run_config(run_dir)
+    device = device or torch.device("cpu")
+    if (run_dir / "model").is_dir():
+        model = AutoModelForCausalLM.from_pretrained(str(run_dir / "model"), dtype=dtype, use_safetensors=True,
+                                                     trust_remote_code=cfg.trust_remote_code).to(device)
+        tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "model"))
+        return model, tokenizer
+    adapter = run_dir / "adapter"
+    if not (adapter / "adapter_config.json").is_file():
+        raise CheckpointError(f"{run_dir} has no adapter/ (adapter_config.json missing)", "was the run finished?")
+    from peft import PeftModel
+
+    base = load_base_model(cfg, device, dtype, method="lora")
+    if cfg.optimization.kronecker is not None:
+        from maximus.attention import install_kronecker
+
+        base = install_kronecker(base, cfg.optimization.kronecker)
+    model = PeftModel.from_pretrained(base, str(adapter))
+    if merge:
+        model = model.merge_and_unload()
+    tokenizer = AutoTokenizer.from_pretrained(str(adapter))
+    model.eval()
+    return model, tokenizer
+
+
+def export_merged(run_dir: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
+    """Write the merged model to `out` atomically (a temporary sibling renamed into place)."""
+    out = Path(out)
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
+    model, tokenizer = load_tuned(Path(run_dir), dtype=torch.float32, merge=True)
+    model = model.to(torch_dtype)
+    model.config.use_cache = True
+    tmp = out.with_name(f".{out.name}.tmp")
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    tokenizer.save_pretrained(str(tmp))
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return out

@@ -1,0 +1,326 @@
+"""Exact cross-entropy of ``hidden @ weight.T`` that never holds the tokens x vocabulary logits.
+
+The output layer of a large-vocabulary model is where training memory goes: for 8,192 tokens and
+a 128,256-row vocabulary, the logits alone are 4 GiB in float32, and autograd keeps two or three
+tensors of that size alive (logits, log-softmax, their gradient). This module computes the same
+loss and the same gradients one chunk of tokens at a time:
+
+* forward, per chunk of ``C`` tokens: ``logits = h_c @ W.T`` (in the input dtype, so bf16 runs
+  bf16 matmuls), then the log-sum-exp and the target logit in float32;
+* when a gradient is needed and the reduction is ``mean`` or ``sum`` (the training case), the
+  chunk's gradient of the logits is formed right away, in place (``softmax - onehot``), and turned
+  into ``grad_hidden[c] = G @ W`` and ``grad_weight += G.T @ h_c`` before the next chunk (the
+  Liger-Kernel scheme: three matmuls in all, like the naive loss, and nothing of size
+  ``tokens x vocab`` is kept); backward then only multiplies by the incoming scalar;
+* for ``reduction="none"`` (and :func:`token_log_probs`), the per-token upstream gradient is only
+  known in backward, so backward recomputes each chunk's logits (four matmuls in all).
+
+The peak extra memory is therefore about one chunk of logits (``C x V`` float32, plus a
+``C x V`` copy in the input dtype for 16-bit inputs) plus the gradient buffers, instead of several
+``N x V`` tensors.
+
+Semantics follow ``torch.nn.functional.cross_entropy`` on ``hidden @ weight.T + bias``, with one
+deliberate difference: when every label is ``ignore_index`` the mean is 0 (with zero gradients),
+not NaN, so that a fully masked micro-batch cannot poison a run.
+"""
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from maximus.errors import ConfigError
+
+Reduction = Literal["mean", "sum", "none"]
+
+#: Default size of one chunk's float32 logits, in bytes. Measured on a 2-core CPU (see
+#: docs/benchmarks/losses.md): below ~32 MiB the per-chunk weight-gradient update (a full pass
+#: over ``V x H``) starts to dominate; above ~128 MiB nothing gets faster and memory grows.
+DEFAULT_CHUNK_LOGITS_BYTES = 64 * 2**20
+
+#: Never use chunks smaller than this many tokens unless there are fewer tokens: the weight
+#: gradient ``G.T @ h_c`` has inner dimension ``C`` and gets memory-bound below it.
+MIN_CHUNK_TOKENS = 64
+
+
+def _logits_bytes_per_token(vocab_size: int, dtype_bytes: int) -> int:
+    """Working bytes one token adds to a chunk: float32 logits, plus an input-dtype copy when
+    the input is narrower than float32 (the matmul output, then the gradient cast back)."""
+    return vocab_size * (4 + (dtype_bytes if dtype_bytes < 4 else 0))
+
+
+def chunk_size_for_budget(num_tokens: int, vocab_size: int, hidden_size: int, dtype_bytes: int,
+                          budget_bytes: int) -> int:
+    """Tokens per chunk so that one chunk's working set fits in ``budget_bytes``.
+
+    The working set of a chunk of ``C`` tokens is ``C * vocab_size`` float32 logits (plus a copy
+    in the input dtype when it is 16-bit) and ``C * hidden_size`` for the chunk's hidden gradient.
+    The result is clamped to ``[1, num_tokens]``; a budget too small for even one token still
+    gives 1 (the loss cannot use less).
+    """
+    if num_tokens < 1:
+        return 1
+    per_token = _logits_bytes_per_token(vocab_size, dtype_bytes) + hidden_size * max(dtype_bytes, 4)
+    return int(max(1, min(num_tokens, budget_bytes // max(per_token, 1))))
+
+
+def default_chunk_size(num_tokens: int, vocab_size: int, dtype_bytes: int) -> int:
+    """The chunk used when none is given: logits of about :data:`DEFAULT_CHUNK_LOGITS_BYTES`,
+    but never fewer than :data:`MIN_CHUNK_TOKENS` tokens (nor more than ``num_tokens``)."""
+    per_token = _logits_bytes_per_token(vocab_size, dtype_bytes)
+    chunk = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_LOGITS_BYTES // max(per_token, 1))
+    return int(max(1, min(num_tokens, chunk)))
+
+
+def _chunk_logits(h_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``h_c @ weight.T (+ bias)`` in the input dtype, returned in the statistics dtype (float32,
+    or float64 for float64 inputs; no copy when they agree)."""
+    raw = torch.addmm(bias, h_c, weight.t()) if bias is not None else h_c @ weight.t()
+    return raw.to(_stats_dtype(raw.dtype))
+
+
+def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """Softmax statistics are accumulated in float32 (float64 when the input is float64)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def _chunk_loss_and_grad(h_c, weight, bias, labels_c, token_weight_c, softcap, z_loss, want_grad):
+    """Per-token loss of one chunk and, if ``want_grad``, ``d(sum_i w_i * loss_i)/d logits``.
+
+    ``token_weight_c`` [C] float32 is 0 for ignored tokens; it scales each row of the gradient.
+    Everything is done in place on a single ``C x V`` float32 buffer (two with ``softcap``).
+    Returns ``(loss [C] float32 (0 where ignored is NOT applied here), lse [C], grad or None)``.
+    """
+    logits = _chunk_logits(h_c, weight, bias)
+    tanh_capped = None
+    if softcap is not None:
+        # Gemma: logits = softcap * tanh(raw / softcap); d logits / d raw = 1 - tanh^2.
+        tanh_capped = logits.div_(softcap).tanh_()
+        logits = tanh_capped * softcap if want_grad else tanh_capped.mul_(softcap)
+    target = logits.gather(1, labels_c[:, None]).squeeze(1)
+    row_max = logits.amax(dim=1)
+    probs = logits.sub_(row_max[:, None]).exp_()        # unnormalised, in place
+    row_sum = probs.sum(dim=1)
+    lse = row_max + row_sum.log()
+    loss = lse - target
+    if z_loss:
+        loss = loss + z_loss * lse.square()
+    if not want_grad:
+        return loss, lse, None
+    # dloss/dlogits = (1 + 2 z lse) * softmax - onehot(label), scaled per row by the token weight.
+    row_scale = token_weight_c / row_sum
+    if z_loss:
+        row_scale = row_scale * (1.0 + 2.0 * z_loss * lse)
+    grad = probs.mul_(row_scale[:, None])
+    grad.scatter_add_(1, labels_c[:, None], -token_weight_c[:, None])
+    if tanh_capped is not None:
+        grad.mul_(tanh_capped.square_().neg_().add_(1.0))
+    return loss, lse, grad
+
+
+def _accumulator_dtype(weight: torch.Tensor) -> torch.dtype:
+    """16-bit weights accumulate their gradient over chunks in float32 (one rounding at the end,
+    as a single full matmul would do); float32/float64 accumulate in place."""
+    return _stats_dtype(weight.dtype)
+
+
+class _ChunkedLinearCrossEntropy(torch.autograd.Function):
+    """Autograd Function behind :func:`linear_cross_entropy`; inputs already flattened to 2-D."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, chunk_size, z_loss, softcap, reduction):
+        num_tokens = hidden.shape[0]
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        any_grad = need_hidden or need_weight or need_bias
+        valid = labels != ignore_index
+        safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
+        valid_f = valid.to(_stats_dtype(hidden.dtype))
+        if reduction == "mean":
+            # A tensor division, not .item(): no host sync; all-ignored gives 0, not NaN.
+            token_weight = valid_f / valid_f.sum().clamp(min=1.0)
+        else:
+            token_weight = valid_f
+        grads_now = any_grad and reduction != "none"
+
+        losses = torch.empty(num_tokens, dtype=valid_f.dtype, device=hidden.device)
+        grad_hidden = torch.empty_like(hidden) if grads_now and need_hidden else None
+        grad_weight = (torch.zeros(weight.shape, dtype=_accumulator_dtype(weight), device=weight.device)
+                       if grads_now and need_weight else None)
+        grad_bias = (torch.zeros(weight.shape[0], dtype=valid_f.dtype, device=weight.device)
+                     if grads_now and need_bias else None)
+
+        for start in range(0, num_tokens, chunk_size):
+            end = min(start + chunk_size, num_tokens)
+            h_c = hidden[start:end]
+            loss_c, _, grad = _chunk_loss_and_grad(h_c, weight, bias, safe_labels[start:end],
+                                                   token_weight[start:end], softcap, z_loss, grads_now)
+            losses[start:end] = loss_c
+            if grad is not None:
+                _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias)
+            del grad
+        losses.mul_(valid_f)
+
+        ctx.weight_dtype = weight.dtype
+        ctx.grads_ready = grads_now
+        if grads_now:
+            ctx.grads = [grad_hidden, grad_weight, grad_bias]
+        elif any_grad:  # reduction == "none": recompute in backward
+            ctx.save_for_backward(hidden, weight, bias, safe_labels, valid_f)
+            ctx.options = (chunk_size, z_loss, softcap)
+        if reduction == "none":
+            return losses
+        total = losses.sum()
+        return total / valid_f.sum().clamp(min=1.0) if reduction == "mean" else total
+
+    @staticmethod
+    def backward(ctx, grad_output):
+        if ctx.grads_ready:
+            if ctx.grads is None:
+                raise RuntimeError("linear_cross_entropy: backward ran twice on a graph whose "
+                                   "gradients were computed in forward; retain_graph is not supported")
+            grad_hidden, grad_weight, grad_bias = ctx.grads
+            ctx.grads = None  # in-place scaling below: the buffers belong to this single backward
+            scale = grad_output.to(_stats_dtype(grad_output.dtype))
+            if grad_hidden is not None:
+                grad_hidden.mul_(scale.to(grad_hidden.dtype))
+            if grad_weight is not None:
+                grad_weight.mul_(scale.to(grad_weight.dtype))
+            if grad_bias is not None:
+                grad_bias.mul_(scale)
+        else:
+            hidden, weight, bias, safe_labels, valid_f = ctx.saved_tensors
+            chunk_size, z_loss, softcap = ctx.options
+            need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+            token_weight = grad_output.to(valid_f.dtype) * valid_f
+            grad_hidden = torch.empty_like(hidden) if need_hidden else None
+            grad_weight = (torch.zeros(weight.shape, dtype=_accumulator_dtype(weight), device=weight.device)
+                           if need_weight else None)
+            grad_bias = (torch.zeros(weight.shape[0], dtype=valid_f.dtype, device=weight.device)
+                         if need_bias else None)
+            for start in range(0, hidden.shape[0], chunk_size):
+                end = min(start + chunk_size, hidden.shape[0])
+                h_c = hidden[start:end]
+                _, _, grad = _chunk_loss_and_grad(h_c, weight, bias, safe_labels[start:end],
+                                                  token_weight[start:end], softcap, z_loss, True)
+                _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias)
+                del grad
+        if grad_weight is not None:
+            grad_weight = grad_weight.to(ctx.weight_dtype)
+        if grad_bias is not None:
+            grad_bias = grad_bias.to(ctx.weight_dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias):
+    """Turn one chunk's logit gradient (float32 ``C x V``) into hidden / weight / bias gradients."""
+    if grad_bias is not None:
+        grad_bias.add_(grad.sum(dim=0))
+    g = grad.to(h_c.dtype)  # no copy for float32
+    if grad_hidden is not None:
+        torch.mm(g, weight, out=grad_hidden[start:end])
+    if grad_weight is not None:
+        if grad_weight.dtype == g.dtype:
+            grad_weight.addmm_(g.t(), h_c)
+        else:
+            grad_weight.add_(g.t() @ h_c)
+
+
+def _flatten(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias):
+    """Check shapes (user errors -> ConfigError) and flatten the leading dims."""
+    if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
+        raise ConfigError(f"hidden size {hidden.shape[-1]} does not match the output weight {tuple(weight.shape)}",
+                          hint="pass the head's weight of shape [vocab, hidden] and hidden states [..., hidden]")
+    if labels.shape != hidden.shape[:-1]:
+        raise ConfigError(f"labels of shape {tuple(labels.shape)} do not match hidden states {tuple(hidden.shape)}",
+                          hint="labels must have the hidden states' leading dimensions (shift them before the call)")
+    if bias is not None and bias.shape != (weight.shape[0],):
+        raise ConfigError(f"bias of shape {tuple(bias.shape)} does not match vocabulary {weight.shape[0]}",
+                          hint="pass the head's bias or None")
+    return hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
+
+
+def _check_reduction(reduction: str) -> None:
+    if reduction not in ("mean", "sum", "none"):
+        raise ConfigError(f"unknown reduction {reduction!r}", hint="use 'mean', 'sum' or 'none'")
+
+
+def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                         ignore_index: int = -100, *, chunk_size: int | None = None, z_loss: float = 0.0,
+                         softcap: float | None = None, reduction: Reduction = "mean",
+                         bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels``, chunk by chunk.
+
+    Args:
+        hidden: ``[..., H]`` hidden states (any leading dims; flattened). fp32, bf16 or fp16; the
+            matmuls run in this dtype, the softmax statistics in float32.
+        weight: ``[V, H]`` output-layer weight; may be frozen, trainable, tied to the input
+            embedding, or a non-leaf (e.g. ``base + B @ A`` for a LoRA head: its gradient flows on).
+        labels: ``[...]`` target ids, already aligned with ``hidden`` (the caller shifts).
+        ignore_index: label value that contributes neither loss nor gradient.
+        chunk_size: tokens per chunk; default :func:`default_chunk_size` (about 64 MiB of logits).
+        z_loss: coefficient of the auxiliary ``z_loss * logsumexp^2`` term (PaLM), per token.
+        softcap: Gemma-style soft cap: logits become ``softcap * tanh(logits / softcap)``.
+        reduction: ``"mean"`` over non-ignored tokens (0 if there are none, unlike
+            ``F.cross_entropy`` which gives NaN), ``"sum"``, or ``"none"`` (shape of ``labels``,
+            0 at ignored positions).
+        bias: optional ``[V]`` output bias.
+
+    Returns:
+        A float32 scalar (``mean``/``sum``) or a float32 tensor shaped like ``labels``.
+    """
+    _check_reduction(reduction)
+    flat_hidden, flat_labels = _flatten(hidden, weight, labels, bias)
+    num_tokens = flat_hidden.shape[0]
+    if chunk_size is None:
+        chunk_size = default_chunk_size(num_tokens, weight.shape[0], flat_hidden.element_size())
+    chunk_size = max(1, int(chunk_size))
+    if softcap is not None and softcap <= 0:
+        raise ConfigError(f"softcap must be positive, got {softcap}", hint="use e.g. 30.0 (Gemma 2) or None")
+    if weight.dtype != flat_hidden.dtype:
+        weight = weight.to(flat_hidden.dtype)
+    if bias is not None and bias.dtype != flat_hidden.dtype:
+        bias = bias.to(flat_hidden.dtype)
+    out = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, ignore_index,
+                                           chunk_size, float(z_loss), softcap, reduction)
+    return out.reshape(labels.shape) if reduction == "none" else out
+
+
+def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                    ignore_index: int = -100, chunk_size: int | None = None,
+                    bias: torch.Tensor | None = None) -> torch.Tensor:
+    """Per-token ``log p(label)`` under ``softmax(hidden @ weight.T + bias)``, without full logits.
+
+    Shaped like ``labels``, float32, 0 where ``labels == ignore_index``, differentiable with
+    respect to ``hidden``, ``weight`` and ``bias`` (backward recomputes each chunk). Sum it over a
+    sequence for DPO-style sequence log-probabilities.
+    """
+    return -linear_cross_entropy(hidden, weight, labels, ignore_index, chunk_size=chunk_size,
+                                 reduction="none", bias=bias)
+
+
+def naive_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
+                        ignore_index: int = -100, *, chunk_size: int | None = None, z_loss: float = 0.0,
+                        softcap: float | None = None, reduction: Reduction = "mean",
+                        bias: torch.Tensor | None = None) -> torch.Tensor:
+    """The reference: full ``tokens x vocab`` logits and ``F.cross_entropy`` (float32 softmax).
+
+    Same signature and semantics as :func:`linear_cross_entropy` (``chunk_size`` is accepted and
+    ignored), including 0 rather than NaN when every label is ignored. This is the oracle in
+    tests and the ``optimization.loss: naive`` mode.
+    """
+    _check_reduction(reduction)
+    flat_hidden, flat_labels = _flatten(hidden, weight, labels, bias)
+    logits = F.linear(flat_hidden, weight.to(flat_hidden.dtype),
+                      None if bias is None else bias.to(flat_hidden.dtype))
+    logits = logits.to(_stats_dtype(logits.dtype))
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    per_token = F.cross_entropy(logits, flat_labels, ignore_index=ignore_index, reduction="none")
+    valid = (flat_labels != ignore_index).float()
+    if z_loss:
+        per_token = per_token + z_loss * torch.logsumexp(logits, dim=-1).square() * valid
+    if reduction == "none":
+        return per_token.reshape(labels.shape)
+    total = per_token.sum()
+    return total / valid.sum().clamp(min=1.0) if reduction == "mean" else total

@@ -1,0 +1,259 @@
+"""One memory meter for every device: current and peak bytes, and a breakdown by category.
+
+* CUDA: the caching allocator's own counters (`torch.cuda.memory_allocated`,
+  `torch.cuda.max_memory_allocated`), so the numbers are what the allocator handed out.
+* CPU (and any other device): a tracker of live tensor storages. While `meter.track()` is
+  active, a `TorchDispatchMode` sees every op's outputs and records each new storage once
+  (by storage identity, so views and in-place ops cost nothing); a weak reference on the
+  storage lowers the count the moment the storage is freed, even after tracking stopped.
+  Tensors created before tracking (parameters, optimizer state) are counted once they are
+  `adopt`-ed (`meter.track(model, optimizer)` adopts them on entry).
+
+The CPU tracker does not see scratch buffers that kernels allocate internally and free before
+returning (e.g. a matmul's packing workspace); those are the "allocator rounding" of the CPU.
+
+Example::
+
+    meter = MemoryMeter("cpu")
+    with meter.track(model, optimizer):
+        loss = model(**batch).loss
+        loss.backward()
+        optimizer.step()
+    print(meter.peak_bytes(), meter.breakdown(model, optimizer))
+"""
+from __future__ import annotations
+
+import contextlib
+import weakref
+from typing import Any, Iterable, Iterator
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
+
+__all__ = ["MemoryMeter", "StorageTracker", "unique_storage_bytes"]
+
+
+def _storage_of(t: torch.Tensor):
+    """The untyped storage behind a dense tensor, or None (meta, sparse, nested, fake)."""
+    if t.device.type == "meta" or t.layout != torch.strided:
+        return None
+    try:
+        return t.untyped_storage()
+    except (RuntimeError, NotImplementedError, TypeError):
+        return None
+
+
+def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
+    """Every tensor held by a module (parameters, buffers, grads, bitsandbytes quant states), an
+    optimizer (its state) or a (nested) container of tensors."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+        if obj.grad is not None:
+            yield obj.grad
+        quant_state = getattr(obj, "quant_state", None)  # bitsandbytes Params4bit: absmax & co.
+        if quant_state is not None:
+            yield from _quant_state_tensors(quant_state)
+    elif isinstance(obj, torch.nn.Module):
+        for p in obj.parameters():
+            yield from _tensors_of(p)
+        yield from obj.buffers()
+    elif isinstance(obj, torch.optim.Optimizer):
+        for state in obj.state.values():
+            yield from (v for v in tree_leaves(state) if isinstance(v, torch.Tensor))
+    elif isinstance(obj, dict):
+        for v in obj.values():
+            yield from _tensors_of(v)
+    elif isinstance(obj, (list, tuple, set)):
+        for v in obj:
+            yield from _tensors_of(v)
+
+
+def _quant_state_tensors(quant_state) -> Iterator[torch.Tensor]:
+    for name in ("absmax", "code"):
+        t = getattr(quant_state, name, None)
+        if isinstance(t, torch.Tensor):
+            yield t
+    nested = getattr(quant_state, "state2", None)
+    if nested is not None:
+        yield from _quant_state_tensors(nested)
+
+
+def unique_storage_bytes(tensors: Iterable[torch.Tensor], exclude: set[int] | None = None) -> tuple[int, set[int]]:
+    """Bytes of the distinct storages behind `tensors` (views of one storage count once).
+
+    Returns (bytes, set of storage data pointers seen); storages whose data pointer is in
+    `exclude` are skipped, so categories can be summed without double counting.
+    """
+    seen: set[int] = set()
+    total = 0
+    exclude = exclude or set()
+    for t in tensors:
+        st = _storage_of(t)
+        if st is None:
+            continue
+        ptr = st.data_ptr()
+        if ptr == 0 or ptr in seen or ptr in exclude:
+            continue
+        seen.add(ptr)
+        total += st.nbytes()
+    return total, seen
+
+
+class StorageTracker(TorchDispatchMode):
+    """Counts live bytes of tensor storages created while the mode is active (CPU meter).
+
+    Each storage is recorded once, keyed by identity; a weakref callback subtracts its bytes when
+    it dies. `current_bytes` / `peak_bytes` are in bytes.
+    """
+
+    def __init__(self, device_type: str = "cpu"):
+        super().__init__()
+        self.device_type = device_type
+        self.current_bytes = 0
+        self.peak_bytes = 0
+        self._live: dict[int, tuple[weakref.ref, int]] = {}
+        self._self_ref = weakref.ref(self)
+
+    # -- bookkeeping ---------------------------------------------------------------------------
+    def _forget(self, key: int, nbytes: int) -> None:
+        if self._live.pop(key, None) is not None:
+            self.current_bytes -= nbytes
+
+    def record(self, t: torch.Tensor) -> None:
+        """Count `t`'s storage if it lives on the tracked device type and is not counted yet."""
+        if t.device.type != self.device_type:
+            return
+        st = _storage_of(t)
+        if st is None:
+            return
+        key = id(st)
+        if key in self._live:
+            return
+        nbytes = st.nbytes()
+        if nbytes == 0:
+            return
+        # The callback holds only ints, so it does not keep the storage (or the tracker) alive.
+        ref = weakref.ref(st, lambda _r, k=key, n=nbytes, tracker=self._self_ref: (
+            tracker() is not None and tracker()._forget(k, n)))
+        self._live[key] = (ref, nbytes)
+        self.current_bytes += nbytes
+        if self.current_bytes > self.peak_bytes:
+            self.peak_bytes = self.current_bytes
+
+    def reset_peak(self) -> None:
+        self.peak_bytes = self.current_bytes
+
+    # -- the mode ------------------------------------------------------------------------------
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        if isinstance(out, torch.Tensor):
+            self.record(out)
+        elif isinstance(out, (tuple, list)):
+            for t in out:
+                if isinstance(t, torch.Tensor):
+                    self.record(t)
+                elif isinstance(t, (tuple, list)):
+                    for u in tree_leaves(t):
+                        if isinstance(u, torch.Tensor):
+                            self.record(u)
+        return out
+
+
+class MemoryMeter:
+    """Current and peak memory of one device, in bytes, plus a breakdown by category.
+
+    Args:
+        device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``, a `torch.device`, ...
+        budget_bytes: the memory budget the run must stay under (optional; shown next to the
+            peak by the trainer's progress bar).
+    """
+
+    def __init__(self, device: str | torch.device = "cpu", budget_bytes: int | None = None):
+        self.device = torch.device(device)
+        self.budget_bytes = budget_bytes
+        self._cuda = self.device.type == "cuda"
+        self._tracker = None if self._cuda else StorageTracker(self.device.type)
+
+    # -- readings ------------------------------------------------------------------------------
+    def current_bytes(self) -> int:
+        """Bytes held by live tensors now."""
+        if self._cuda:
+            return int(torch.cuda.memory_allocated(self.device))
+        return self._tracker.current_bytes
+
+    def peak_bytes(self) -> int:
+        """Highest `current_bytes` since the meter was made or `reset_peak` was last called."""
+        if self._cuda:
+            return int(torch.cuda.max_memory_allocated(self.device))
+        return self._tracker.peak_bytes
+
+    def reset_peak(self) -> None:
+        """Start a new peak window at the current level."""
+        if self._cuda:
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            self._tracker.reset_peak()
+
+    # -- tracking ------------------------------------------------------------------------------
+    def adopt(self, *objects: Any) -> None:
+        """Count tensors that already exist (a module's parameters, buffers and grads, an
+        optimizer's state, tensors) on the CPU tracker. A no-op on CUDA, whose allocator already
+        counts everything."""
+        if self._cuda:
+            return
+        for obj in objects:
+            for t in _tensors_of(obj):
+                self._tracker.record(t)
+
+    @contextlib.contextmanager
+    def track(self, *objects: Any):
+        """Count every storage created inside the block (CPU); `objects` are adopted first.
+
+        The trainer wraps each optimizer step in it. On CUDA this is free: the allocator counts.
+        """
+        self.adopt(*objects)
+        if self._cuda:
+            yield self
+            return
+        with self._tracker:
+            yield self
+        # Grads and optimizer state created inside are already counted; adopt again so that
+        # tensors made outside the block (e.g. by a C++ path the mode cannot see) are not missed.
+        self.adopt(*objects)
+
+    # -- categories ----------------------------------------------------------------------------
+    def breakdown(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:
+        """Bytes by category: parameters (incl. buffers and 4-bit quantisation state),
+        gradients, optimizer_state, activations (peak minus those three: activations, loss and
+        temporaries at the peak moment), plus `current` and `peak`.
+
+        Categories are measured now, so call it right after the step whose peak you want split.
+        """
+        params, seen = 0, set()
+        grads = opt = 0
+        if model is not None:
+            weights = []
+            grad_tensors = []
+            for p in model.parameters():
+                weights.append(p)
+                if p.grad is not None:
+                    grad_tensors.append(p.grad)
+                qs = getattr(p, "quant_state", None)
+                if qs is not None:
+                    weights.extend(_quant_state_tensors(qs))
+            weights.extend(model.buffers())
+            params, seen = unique_storage_bytes(weights)
+            grads, g_seen = unique_storage_bytes(grad_tensors, exclude=seen)
+            seen |= g_seen
+        if optimizer is not None:
+            opt, _ = unique_storage_bytes(_tensors_of(optimizer), exclude=seen)
+        peak = self.peak_bytes()
+        return {
+            "parameters": params,
+            "gradients": grads,
+            "optimizer_state": opt,
+            "activations": max(0, peak - params - grads - opt),
+            "current": self.current_bytes(),
+            "peak": peak,
+        }

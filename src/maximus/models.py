@@ -1,0 +1,211 @@
+"""Load Hugging Face causal LMs and apply what the config asks for.
+
+Order matters and is fixed here: resolve device and dtype -> load (4-bit NF4 for QLoRA) ->
+attention swap (Kronecker sketching) -> PEFT adapter (LoRA / DoRA, or an existing adapter) ->
+trainable-parameter dtypes. Gradient checkpointing and offload are applied by the trainer, which
+knows the plan.
+"""
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from maximus.config import Config
+from maximus.errors import ModelError
+
+_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+def resolve_device(name: str = "auto") -> torch.device:
+    """`auto` = cuda, then mps, then cpu. Under torchrun each rank takes its LOCAL_RANK GPU."""
+    if name == "auto":
+        if torch.cuda.is_available():
+            name = "cuda"
+        elif getattr(torch.backends, "mps", None) is not None and torch.backends.mps.is_available():
+            name = "mps"
+        else:
+            name = "cpu"
+    if name == "cuda":
+        if not torch.cuda.is_available():
+            raise ModelError("device: cuda was requested but no CUDA GPU is available", "set device: auto or cpu")
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0)))
+    if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
+        raise ModelError("device: mps was requested but MPS is not available", "set device: auto or cpu")
+    return torch.device(name)
+
+
+def bf16_supported(device: torch.device) -> bool:
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        # bf16 matmuls are fast only with native support (AVX512-BF16 / AMX); elsewhere they are emulated.
+        try:
+            return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        except Exception:  # pragma: no cover - older builds
+            return False
+    return device.type == "mps"
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """Compute dtype: `auto` = bf16 where supported, else fp32 (fp16 only on request)."""
+    if name == "auto":
+        return torch.bfloat16 if bf16_supported(device) else torch.float32
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def _check_model_source(cfg: Config) -> None:
+    path = Path(cfg.model).expanduser()
+    looks_local = path.exists() or cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1
+    if not looks_local:
+        return
+    if not path.is_dir():
+        raise ModelError(f"model not found: {cfg.model}", "give a local model directory (with config.json) or a Hugging Face hub id")
+    if not (path / "config.json").is_file():
+        raise ModelError(f"model directory {cfg.model} has no config.json", "point `model:` at a directory written by save_pretrained")
+    has_safe = any(p.suffix == ".safetensors" for p in path.iterdir())
+    has_pickle = any(p.suffix in _PICKLE_SUFFIXES for p in path.iterdir())
+    if not has_safe and has_pickle and not cfg.allow_pickle:
+        raise ModelError(f"model directory {cfg.model} holds only pickle weights (.bin/.pt), which can run code when loaded",
+                         "convert them to safetensors, or set allow_pickle: true if you trust the files")
+
+
+def load_tokenizer(cfg: Config):
+    from transformers import AutoTokenizer
+
+    source = cfg.tokenizer or cfg.model
+    try:
+        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+    except (OSError, ValueError) as exc:
+        raise ModelError(f"cannot load tokenizer from {source}: {str(exc).splitlines()[0]}",
+                         "set `tokenizer:` to a directory or hub id with a tokenizer") from None
+    if tok.pad_token_id is None:
+        if tok.eos_token is not None:
+            tok.pad_token = tok.eos_token
+        else:
+            raise ModelError(f"tokenizer {source} has neither a pad nor an eos token", "use a tokenizer with an eos token")
+    tok.padding_side = "right"
+    return tok
+
+
+def _quantization_config(dtype: torch.dtype):
+    from transformers import BitsAndBytesConfig
+
+    return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
+
+
+def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, method: str | None = None):
+    """The plain Transformers model: full precision master weights for full fine-tuning, the compute
+    dtype for a frozen LoRA base, NF4 for QLoRA."""
+    from transformers import AutoModelForCausalLM
+
+    method = method or cfg.method
+    _check_model_source(cfg)
+    kwargs: dict = dict(trust_remote_code=cfg.trust_remote_code, use_safetensors=None if cfg.allow_pickle else True)
+    if method == "full":
+        # Master weights in fp32 when training in reduced precision: bf16 updates lose small steps.
+        kwargs["dtype"] = torch.float32 if dtype != torch.float16 else torch.float32
+    elif method == "qlora":
+        kwargs["dtype"] = dtype
+        kwargs["quantization_config"] = _quantization_config(dtype)
+        kwargs["device_map"] = {"": device}
+    else:
+        kwargs["dtype"] = dtype
+    kwargs.setdefault("attn_implementation", "sdpa")
+    try:
+        model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+    except OSError as exc:
+        first = str(exc).splitlines()[0]
+        raise ModelError(f"cannot load model {cfg.model}: {first}",
+                         "check the id or path; hub models need network access (or a local copy)") from None
+    except ValueError as exc:
+        raise ModelError(f"cannot load model {cfg.model}: {str(exc).splitlines()[0]}",
+                         "is it a causal language model? set trust_remote_code: true only if you trust its code") from None
+    if method != "qlora":
+        model.to(device)
+    model.config.use_cache = False
+    return model
+
+
+def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[str] | None = None):
+    """Wrap the base in a PEFT adapter (LoRA / DoRA / rsLoRA), or load `init_adapter` trainable."""
+    from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
+
+    if method == "qlora":
+        # PEFT's recipe: norms and other small params to fp32, input grads on. Checkpointing is ours.
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    if cfg.init_adapter:
+        path = Path(cfg.init_adapter)
+        if not (path / "adapter_config.json").is_file():
+            raise ModelError(f"init_adapter: no PEFT adapter at {path} (adapter_config.json missing)",
+                             "point it at a run's adapter/ directory")
+        return PeftModel.from_pretrained(model, str(path), is_trainable=True)
+    targets = cfg.lora.target_modules
+    modules_to_save = list(cfg.lora.modules_to_save) + list(extra_modules_to_save or [])
+    lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
+                      target_modules=targets, use_dora=cfg.lora.use_dora, use_rslora=cfg.lora.use_rslora,
+                      modules_to_save=modules_to_save or None, task_type="CAUSAL_LM", bias="none")
+    try:
+        return get_peft_model(model, lora)
+    except ValueError as exc:
+        raise ModelError(f"lora.target_modules: {str(exc).splitlines()[0]}",
+                         "use all-linear or names of linear layers such as q_proj, v_proj") from None
+
+
+def load_model(cfg: Config, *, device: torch.device | None = None, method: str | None = None, for_training: bool = True):
+    """Load `(model, tokenizer)` with quantization, attention swap and adapters applied.
+
+    `method` overrides `cfg.method` (the planner resolves `auto`). Raises ModelError for a missing
+    model, pickle-only weights, bad target modules or a bad init adapter.
+    """
+    from maximus.builtin import resolve
+
+    cfg = resolve(cfg)
+    device = device or resolve_device(cfg.device)
+    dtype = resolve_dtype(cfg.training.dtype, device)
+    method = method or (cfg.method if cfg.method != "auto" else "lora")
+    tokenizer = load_tokenizer(cfg)
+    model = load_base_model(cfg, device, dtype, method)
+    extra: list[str] = []
+    if cfg.optimization.kronecker is not None:
+        from maximus.attention import install_kronecker, kronecker_module_names
+
+        model = install_kronecker(model, cfg.optimization.kronecker)
+        extra = kronecker_module_names(model)
+    if method in ("lora", "qlora"):
+        model = apply_adapter(model, cfg, method, extra)
+        if dtype != torch.float32:
+            # Adapters train in fp32 (PEFT's default autocast_adapter_dtype); the frozen base stays in dtype.
+            for p in model.parameters():
+                if p.requires_grad and p.dtype != torch.float32:
+                    p.data = p.data.float()
+    else:
+        model.requires_grad_(True)
+    if not for_training:
+        model.eval()
+    return model, tokenizer
+
+
+def causal_lm_of(model):
+    """The Transformers `*ForCausalLM` inside a PEFT / DDP / compile wrapper."""
+    m = model
+    for attr in ("module", "_orig_mod"):
+        m = getattr(m, attr, m)
+    if hasattr(m, "get_base_model"):
+        m = m.get_base_model()
+    return m
+
+
+def count_parameters(model) -> tuple[int, int]:
+    """(trainable, total) parameter counts; 4-bit packed weights count as their logical size."""
+    trainable = total = 0
+    for p in model.parameters():
+        n = p.numel()
+        if getattr(p, "quant_state", None) is not None or p.__class__.__name__ == "Params4bit":
+            n *= 2
+        total += n
+        if p.requires_grad:
+            trainable += n
+    return trainable, total

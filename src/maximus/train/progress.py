@@ -1,0 +1,132 @@
+"""What the user sees and what the run directory keeps: the live bar, metrics.jsonl, loss.png."""
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from pathlib import Path
+
+from maximus.config import format_bytes
+
+
+class MetricsLog:
+    """Append-only metrics.jsonl: one JSON object per optimizer step, flushed as written so a killed
+    run keeps every step it finished. On resume, lines past the resumed step are dropped."""
+
+    def __init__(self, path: Path, resume_step: int = 0):
+        self.path = path
+        rows = read_metrics(path)
+        kept = [r for r in rows if r.get("step", 0) <= resume_step]
+        tmp = path.with_name(".metrics.jsonl.tmp")
+        with open(tmp, "w", encoding="utf-8") as f:
+            for r in kept:
+                f.write(json.dumps(r) + "\n")
+        os.replace(tmp, path)
+        self._file = open(path, "a", encoding="utf-8")
+
+    def write(self, row: dict) -> None:
+        self._file.write(json.dumps(row) + "\n")
+        self._file.flush()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+def read_metrics(path: Path) -> list[dict]:
+    rows = []
+    if path.is_file():
+        for line in path.read_text(encoding="utf-8").splitlines():
+            try:
+                rows.append(json.loads(line))
+            except ValueError:
+                continue  # a line cut by a kill
+    return rows
+
+
+def plot_loss(metrics_path: Path, out: Path, title: str = "") -> None:
+    """loss.png: training loss per step (and held-out loss where evaluated)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = read_metrics(metrics_path)
+    train = [(r["step"], r["loss"]) for r in rows if "loss" in r and r["loss"] is not None and math.isfinite(r["loss"])]
+    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
+    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    if train:
+        ax.plot(*zip(*train), label="train loss", linewidth=1.2)
+    if evals:
+        ax.plot(*zip(*evals), "o-", label="held-out loss (exact)")
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("cross-entropy (nats/token)")
+    ax.set_title(title or "Maximus training loss")
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    tmp = out.with_name(".loss.png.tmp.png")
+    fig.savefig(tmp)
+    plt.close(fig)
+    os.replace(tmp, out)
+
+
+class ProgressDisplay:
+    """Live progress: step/total, loss, lr, tokens/s, memory now / peak / budget, ETA.
+
+    `rich` draws a bar on a terminal; elsewhere (CI, logs) a plain line every `every` steps."""
+
+    def __init__(self, total_steps: int, start_step: int = 0, mode: str = "auto", every: int = 1,
+                 budget_bytes: int | None = None, stream=None):
+        self.total = total_steps
+        self.start = start_step
+        self.every = every
+        self.budget = budget_bytes
+        self.stream = stream or sys.stderr
+        if mode == "auto":
+            mode = "rich" if self.stream.isatty() else "plain"
+        self.mode = mode
+        self._t0 = time.perf_counter()
+        self._progress = None
+        if mode == "rich":
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeRemainingColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TextColumn("{task.fields[info]}"), TimeRemainingColumn(),
+                                      console=Console(file=self.stream), transient=False)
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self._progress.start()
+
+    def _eta(self, step: int) -> str:
+        done = step - self.start
+        if done <= 0:
+            return "?"
+        left = (time.perf_counter() - self._t0) / done * (self.total - step)
+        return time.strftime("%H:%M:%S", time.gmtime(left))
+
+    def info(self, row: dict) -> str:
+        mem = f"mem {format_bytes(row.get('memory_bytes'))}/{format_bytes(row.get('peak_memory_bytes'))}"
+        if self.budget:
+            mem += f"/{format_bytes(self.budget)}"
+        loss = row.get("loss")
+        loss_s = f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else "skipped"
+        return f"loss {loss_s}  lr {row.get('lr', 0):.2e}  {row.get('tokens_per_s', 0):,.0f} tok/s  {mem}"
+
+    def update(self, row: dict) -> None:
+        step = row["step"]
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=self.info(row))
+        elif self.mode == "plain" and (step % self.every == 0 or step == self.total):
+            print(f"step {step}/{self.total}  {self.info(row)}  eta {self._eta(step)}", file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text)
+        elif self.mode != "none":
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()

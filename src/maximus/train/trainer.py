@@ -1,0 +1,461 @@
+"""The training recipe, top to bottom: setup -> plan -> model + data -> train -> save.
+
+`Trainer(cfg).train()` runs a whole fine-tune and returns the run summary (also written to
+`output_dir/run.json`). Features, each switched by the config:
+
+- methods: full fine-tuning, LoRA / DoRA / rsLoRA (PEFT), QLoRA (bitsandbytes NF4, double quant);
+- objective: SFT (exact chunked loss by default, Ghost Logit, naive reference) or DPO;
+- memory: `target_vram` planning, gradient checkpointing (off / full / selective / auto),
+  activation and optimizer offload, the memory meter in the bar, metrics.jsonl and run.json;
+- loop: AdamW / 8-bit AdamW, warmup + cosine / linear / constant, gradient accumulation whose
+  result equals one big batch (losses are summed then divided by the step's token count),
+  clipping, bf16 autocast, seeding;
+- safety: atomic verified checkpoints every `save_every` steps and at the end, resume from the
+  newest good one by re-running the same command, output-dir lock, non-finite steps skipped
+  (stop after `max_bad_steps`), SIGTERM / SIGINT / SIGUSR1 finish the step, checkpoint and exit 75;
+- evaluation: exact held-out loss / perplexity / exact match of the base before and of the tuned
+  model after, generations for `eval.prompts`; outputs `adapter/` (PEFT format), `run.json`,
+  `metrics.jsonl`, `loss.png`.
+
+Raises (all `MaximusError`, printed as one line by the CLI): ConfigError, DataError, ModelError,
+BudgetError, CheckpointError, TrainingError (too many non-finite steps), Preempted (signal).
+Nothing in `output_dir` is touched until the config, data and model have loaded.
+"""
+from __future__ import annotations
+
+import math
+import os
+import platform
+import random
+import shutil
+import signal
+import time
+from pathlib import Path
+
+import torch
+
+from maximus.config import Config
+from maximus.errors import MaximusError
+from maximus.evaluate import autocast_for, exact_match, generate_text, heldout_loss, prompt_completion_pairs
+from maximus.models import count_parameters, load_model, resolve_device, resolve_dtype
+from maximus.train import distributed as dist_env
+from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
+from maximus.train.lock import RunLock
+from maximus.train.objective import sft_loss_sum, shift_labels
+from maximus.train.progress import MetricsLog, ProgressDisplay, plot_loss
+
+PREEMPTED_EXIT_CODE = 75
+
+
+class TrainingError(MaximusError):
+    """Training cannot go on (e.g. too many non-finite steps in a row)."""
+
+
+class Preempted(MaximusError):
+    """A stop signal arrived; a checkpoint was written and the run can resume."""
+
+    exit_code = PREEMPTED_EXIT_CODE
+
+
+class Trainer:
+    """One fine-tuning run. `hooks` (tests, extensions) may hold callables:
+    `after_backward(trainer, step)` called before the finite check and the optimizer step."""
+
+    def __init__(self, cfg: Config, *, hooks: dict | None = None, stream=None):
+        from maximus.builtin import resolve
+
+        self.cfg = cfg = resolve(cfg)
+        self.hooks = hooks or {}
+        self.stream = stream
+        self.run_dir = Path(cfg.output_dir)
+        self._stop_signal: int | None = None
+        self._summary: dict = {}
+
+    # ------------------------------------------------------------------------------ setup
+    def setup(self) -> None:
+        cfg = self.cfg
+        self.dist = dist_env.init()
+        self.device = resolve_device(cfg.device) if not self.dist.enabled else self.dist.device
+        self.dtype = resolve_dtype(cfg.training.dtype, self.device)
+        _seed_everything(cfg.training.seed)
+        self.plan = self._plan()
+        self.method = self.plan.get("method", cfg.method if cfg.method != "auto" else "lora")
+        # Model first (tokenizer needed by the data), then data; both before touching output_dir.
+        self.model, self.tokenizer = load_model(cfg, device=self.device, method=self.method)
+        self.data = self._load_data()
+        self.checkpointing = self._apply_checkpointing()
+        self.optimizer = self._build_optimizer()
+        self.total_steps = self._total_steps()
+        self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
+        from maximus.memory.meter import MemoryMeter
+
+        self.meter = MemoryMeter(self.device)
+        self.meter.budget_bytes = self.plan.get("budget_bytes")
+
+    def _plan(self) -> dict:
+        """The memory plan: from target_vram when set, else sensible defaults."""
+        cfg = self.cfg
+        opt = cfg.optimization
+        per_rank = max(1, cfg.training.batch_size // self.dist.world_size)
+        plan = {
+            "method": cfg.method if cfg.method != "auto" else "lora",
+            "micro_batch_size": cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else min(per_rank, 4),
+            "gradient_checkpointing": opt.gradient_checkpointing,
+            "loss_mode": "ghost" if opt.use_ghost_logit else opt.loss,
+            "loss_chunk_size": None if opt.loss_chunk_size == "auto" else opt.loss_chunk_size,
+            "offload_activations": opt.offload.activations == "on",
+            "offload_optimizer": opt.offload.optimizer == "on",
+            "optimizer": cfg.training.optimizer,
+            "budget_bytes": None,
+        }
+        if opt.target_vram is None:
+            return plan
+        from transformers import AutoConfig
+
+        from maximus.memory.planner import plan_for_budget, resolve_budget
+
+        budget = resolve_budget(opt.target_vram, self.device)
+        model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        chosen = plan_for_budget(model_config, budget, method=cfg.method, batch_size=per_rank,
+                                 seq_len=cfg.training.seq_len, dtype=self.dtype, optimizer=cfg.training.optimizer,
+                                 lora_r=cfg.lora.r, world_size=self.dist.world_size,
+                                 micro_batch_size=cfg.training.micro_batch_size,
+                                 gradient_checkpointing=opt.gradient_checkpointing,
+                                 loss_mode=plan["loss_mode"], offload=opt.offload)
+        plan.update(chosen.to_dict())
+        plan["budget_bytes"] = budget
+        self._plan_obj = chosen
+        return plan
+
+    def _load_data(self):
+        from maximus.data import build_datasets
+
+        cfg = self.cfg
+        return build_datasets(cfg.datasets, self.tokenizer, seq_len=cfg.training.seq_len, packing=cfg.training.packing,
+                              train_on_inputs=cfg.training.train_on_inputs, seed=cfg.training.seed,
+                              eval_split=cfg.eval.split if cfg.eval.enabled else 0.0, objective=cfg.objective)
+
+    def _apply_checkpointing(self):
+        from maximus.memory.checkpointing import apply_checkpointing
+
+        policy = self.plan["gradient_checkpointing"]
+        report = apply_checkpointing(self.model, policy, budget_bytes=self.plan.get("activation_budget_bytes"),
+                                     micro_batch=self.plan["micro_batch_size"], seq_len=self.cfg.training.seq_len,
+                                     offload_activations=bool(self.plan.get("offload_activations")))
+        return report
+
+    def _build_optimizer(self):
+        from maximus.memory.offload import build_optimizer
+
+        t = self.cfg.training
+        decay, no_decay = [], []
+        for name, p in self.model.named_parameters():
+            if p.requires_grad:
+                (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+        groups = [g for g in groups if g["params"]]
+        return build_optimizer(groups, self.plan.get("optimizer", t.optimizer), lr=t.learning_rate, betas=t.betas,
+                               weight_decay=t.weight_decay, offload=bool(self.plan.get("offload_optimizer")))
+
+    def _total_steps(self) -> int:
+        t = self.cfg.training
+        if t.max_steps:
+            return t.max_steps
+        return max(1, math.ceil(t.epochs * len(self.data.train) / t.batch_size))
+
+    def _lr_lambda(self, step: int) -> float:
+        t = self.cfg.training
+        warm = t.warmup_steps if t.warmup_steps >= 1 else round(t.warmup_steps * self.total_steps)
+        warm = int(warm)
+        if step < warm:
+            return (step + 1) / (warm + 1)
+        if t.scheduler == "constant":
+            return 1.0
+        progress = (step - warm) / max(1, self.total_steps - warm)
+        progress = min(max(progress, 0.0), 1.0)
+        decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.scheduler == "cosine" else 1 - progress
+        return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
+
+    # ------------------------------------------------------------------------------ data order
+    def rows_for_step(self, step: int) -> list[dict]:
+        """The rows of optimizer step `step` (1-based) for this rank: the global stream is the
+        concatenation of per-epoch permutations (seeded), so position = step alone."""
+        b = self.cfg.training.batch_size
+        n = len(self.data.train)
+        out = []
+        for pos in range((step - 1) * b, step * b):
+            epoch, idx = divmod(pos, n)
+            out.append(self.data.train[int(self._epoch_order(epoch)[idx])])
+        return self.dist.shard(out)
+
+    def _epoch_order(self, epoch: int) -> torch.Tensor:
+        cache = getattr(self, "_order_cache", None)
+        if cache is None or cache[0] != epoch:
+            g = torch.Generator().manual_seed(self.cfg.training.seed * 1_000_003 + epoch)
+            cache = (epoch, torch.randperm(len(self.data.train), generator=g))
+            self._order_cache = cache
+        return cache[1]
+
+    # ------------------------------------------------------------------------------ one step
+    def train_step(self, step: int) -> dict:
+        from maximus.data import collate
+
+        rows = self.rows_for_step(step)
+        micro = int(self.plan["micro_batch_size"])
+        batches = [collate(rows[i:i + micro], self.tokenizer.pad_token_id) for i in range(0, len(rows), micro)]
+        n_target = sum(int((shift_labels(b["labels"], b.get("position_ids")) != -100).sum()) for b in batches)
+        n_target = self.dist.all_reduce_int(n_target)
+        tokens = sum(int((b["input_ids"] != self.tokenizer.pad_token_id).sum()) for b in batches)
+        loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
+        ghost = {"num_candidates": self.cfg.optimization.ghost_logit.candidates,
+                 "prefix_dims": self.cfg.optimization.ghost_logit.prefix_dims}
+        for batch in batches:
+            batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
+            with autocast_for(self.device, self.dtype):
+                loss_sum, _ = sft_loss_sum(self.model, batch, mode=self.plan["loss_mode"],
+                                           chunk_size=self.plan.get("loss_chunk_size"), ghost=ghost,
+                                           matryoshka=self.cfg.optimization.matryoshka)
+            scale = self.dist.world_size / max(n_target, 1)
+            (loss_sum * scale).backward()
+            loss_total += loss_sum.detach().double()
+        if "after_backward" in self.hooks:
+            self.hooks["after_backward"](self, step)
+        loss_total = self.dist.all_reduce_sum(loss_total)
+        loss = float(loss_total) / max(n_target, 1)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        max_norm = self.cfg.training.max_grad_norm
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        return {"loss": loss if finite else None, "grad_norm": float(grad_norm) if finite else None,
+                "finite": finite, "tokens": tokens * self.dist.world_size, "target_tokens": n_target}
+
+    # ------------------------------------------------------------------------------ evaluation
+    def evaluate(self) -> dict:
+        cfg = self.cfg
+        if not cfg.eval.enabled or not self.data.eval:
+            return {}
+        result = heldout_loss(self.model, self.data.eval, pad_token_id=self.tokenizer.pad_token_id, device=self.device,
+                              dtype=self.dtype, batch_size=int(self.plan["micro_batch_size"]),
+                              max_batches=cfg.eval.max_batches)
+        if cfg.eval.exact_match:
+            pairs = prompt_completion_pairs(self.data.eval, cfg.eval.exact_match)
+            result["exact_match"] = exact_match(self.model, pairs, eos_token_id=self.tokenizer.eos_token_id,
+                                                pad_token_id=self.tokenizer.pad_token_id, device=self.device)
+        if cfg.eval.prompts:
+            result["generations"] = generate_text(self.model, self.tokenizer, cfg.eval.prompts, device=self.device,
+                                                  max_new_tokens=cfg.eval.max_new_tokens)
+        return result
+
+    # ------------------------------------------------------------------------------ the run
+    def train(self) -> dict:
+        started = time.time()
+        self.setup()
+        is_main = self.dist.is_main
+        lock = RunLock(self.run_dir) if is_main else None
+        if lock:
+            lock.acquire()
+        try:
+            return self._train(started)
+        finally:
+            if lock:
+                lock.release()
+            self.dist.shutdown()
+
+    def _train(self, started: float) -> dict:
+        cfg, run_dir = self.cfg, self.run_dir
+        ckpt_root = run_dir / "checkpoints"
+        out = ProgressDisplay(self.total_steps, mode=cfg.logging.progress if self.dist.is_main else "none",
+                              every=cfg.training.log_every, budget_bytes=self.plan.get("budget_bytes"), stream=self.stream)
+        ckpt = latest_good_checkpoint(ckpt_root, warn=out.message)
+        state: dict = {}
+        start_step = 0
+        if ckpt is not None:
+            state = ckpt.restore(self.model, self.optimizer)
+            start_step = state["step"]
+            self.scheduler.load_state_dict(state["scheduler"])
+            out.message(f"resuming from {ckpt.path} (step {start_step}/{self.total_steps})")
+        out.start = start_step
+        self._print_header(out)
+        metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step)
+
+        if start_step == 0 and cfg.eval.enabled and cfg.eval.before:
+            state["eval_before"] = self.evaluate()
+            if "loss" in state["eval_before"]:
+                out.message(f"base model: held-out loss {state['eval_before']['loss']:.4f}")
+        previous = self._install_signal_handlers()
+        bad_in_row = state.get("bad_in_row", 0)
+        skipped = state.get("skipped_steps", 0)
+        peak = state.get("peak_memory_bytes", 0)
+        self.meter.reset_peak()
+        step = start_step
+        try:
+            for step in range(start_step + 1, self.total_steps + 1):
+                t0 = time.perf_counter()
+                with self.meter.track():
+                    result = self.train_step(step)
+                elapsed = time.perf_counter() - t0
+                peak = max(peak, self.meter.peak_bytes())
+                row = {"step": step, "loss": result["loss"], "lr": self.scheduler.get_last_lr()[0],
+                       "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
+                       "step_time_s": elapsed, "tokens": result["tokens"], "memory_bytes": self.meter.current_bytes(),
+                       "peak_memory_bytes": self.meter.peak_bytes()}
+                if not result["finite"]:
+                    bad_in_row += 1
+                    skipped += 1
+                    row["skipped"] = True
+                    out.message(f"warning: step {step} had a non-finite loss or gradient; skipped (no update)")
+                    if bad_in_row >= cfg.training.max_bad_steps:
+                        if self.dist.is_main:
+                            metrics.write(row)
+                        raise TrainingError(f"{bad_in_row} consecutive steps had a non-finite loss or gradient (last: step {step})",
+                                            "lower training.learning_rate or check the data; the last good checkpoint is kept")
+                else:
+                    bad_in_row = 0
+                if self.dist.is_main:
+                    metrics.write(row)
+                out.update(row)
+                state.update(bad_in_row=bad_in_row, skipped_steps=skipped, peak_memory_bytes=peak)
+                if cfg.eval.every and step % cfg.eval.every == 0 and step < self.total_steps:
+                    ev = self.evaluate()
+                    if ev and self.dist.is_main:
+                        metrics.write({"step": step, "eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]})
+                stop = self._stop_signal is not None
+                if step < self.total_steps and ((cfg.training.save_every and step % cfg.training.save_every == 0) or stop):
+                    self._save(ckpt_root, step, state)
+                if stop:
+                    name = signal.Signals(self._stop_signal).name
+                    raise Preempted(f"stopped by {name} after step {step}/{self.total_steps}; checkpoint saved in {ckpt_root}",
+                                    "re-run the same command to resume")
+            self._save(ckpt_root, step, state)
+        finally:
+            self._restore_signal_handlers(previous)
+            metrics.close()
+            out.close()
+        eval_after = self.evaluate() if cfg.eval.enabled else {}
+        if self.dist.is_main:
+            self._write_outputs(state, eval_after, peak, skipped, started)
+            self._print_summary(state.get("eval_before", {}), eval_after, out)
+        return self._summary
+
+    def _save(self, root: Path, step: int, state: dict) -> None:
+        if not self.dist.is_main:
+            return
+        save_checkpoint(root, step, self.model, self.optimizer, {**state, "scheduler": self.scheduler.state_dict()},
+                        keep=self.cfg.training.keep_checkpoints)
+
+    # ------------------------------------------------------------------------------ outputs
+    def _write_outputs(self, state: dict, eval_after: dict, peak: int, skipped: int, started: float) -> None:
+        run_dir = self.run_dir
+        self._save_final_weights(run_dir)
+        trainable, total = count_parameters(self.model)
+        summary = {
+            "config": self.cfg.to_dict(),
+            "plan": {**self.plan, "peak_bytes": self.plan.get("peak_bytes")},
+            "versions": _versions(),
+            "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
+            "method": self.method,
+            "parameters": {"trainable": trainable, "total": total},
+            "steps": self.total_steps, "skipped_steps": skipped,
+            "wall_time_s": round(time.time() - started, 3),
+            "memory": {"peak_bytes": peak, "budget_bytes": self.plan.get("budget_bytes")},
+            "checkpointing": self.checkpointing.to_dict() if hasattr(self.checkpointing, "to_dict") else None,
+            "data": self.data.stats,
+            "eval": {"before": state.get("eval_before", {}), "after": eval_after},
+        }
+        write_json(run_dir / "run.json", summary)
+        try:
+            plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"{Path(self.cfg.model).name} ({self.method})")
+        except Exception as exc:  # a plot must never fail a finished run
+            print(f"warning: could not draw loss.png: {exc}")
+        self._summary = summary
+
+    def _save_final_weights(self, run_dir: Path) -> None:
+        """adapter/ (PEFT) or model/ (full), written beside and renamed into place."""
+        name = "adapter" if hasattr(self.model, "peft_config") else "model"
+        final = run_dir / name
+        tmp = run_dir / f".{name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        self.model.save_pretrained(str(tmp), safe_serialization=True)
+        self.tokenizer.save_pretrained(str(tmp))
+        old = run_dir / f".{name}.old"
+        shutil.rmtree(old, ignore_errors=True)
+        if final.exists():
+            os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+        fsync_dir(run_dir)
+
+    def _print_header(self, out: ProgressDisplay) -> None:
+        trainable, total = count_parameters(self.model)
+        out.message(f"maximus: {self.cfg.model} | {self.method} | {trainable:,} trainable of {total:,} parameters | "
+                    f"{self.device} {str(self.dtype).replace('torch.', '')} | {len(self.data.train)} train rows, "
+                    f"{len(self.data.eval)} eval rows | {self.total_steps} steps of {self.cfg.training.batch_size} x "
+                    f"{self.cfg.training.seq_len} tokens")
+        if getattr(self, "_plan_obj", None) is not None and hasattr(self._plan_obj, "table"):
+            for line in self._plan_obj.table():
+                out.message(str(line))
+
+    def _print_summary(self, before: dict, after: dict, out: ProgressDisplay) -> None:
+        lines = [f"{'':<22}{'base (before)':>16}{'tuned (after)':>16}"]
+        for key, fmt in (("loss", "{:.4f}"), ("perplexity", "{:.2f}"), ("exact_match", "{:.1%}")):
+            if key in after and after[key] is not None:
+                b = before.get(key)
+                lines.append(f"{'held-out ' + key:<22}{fmt.format(b) if b is not None else '-':>16}{fmt.format(after[key]):>16}")
+        for i, prompt in enumerate(self.cfg.eval.prompts):
+            lines.append(f"prompt: {prompt!r}")
+            if before.get("generations"):
+                lines.append(f"  before: {before['generations'][i]!r}")
+            lines.append(f"  after:  {after.get('generations', [''])[i]!r}")
+        lines.append(f"run directory: {self.run_dir} (adapter/, run.json, metrics.jsonl, loss.png)")
+        for line in lines:
+            print(line, flush=True)
+
+    # ------------------------------------------------------------------------------ signals
+    def _install_signal_handlers(self) -> dict:
+        previous = {}
+
+        def handler(signum, frame):
+            if self._stop_signal is not None:
+                os._exit(128 + signum)  # second signal: stop now
+            self._stop_signal = signum
+
+        for sig in (signal.SIGTERM, signal.SIGINT, getattr(signal, "SIGUSR1", None)):
+            if sig is None:
+                continue
+            try:
+                previous[sig] = signal.signal(sig, handler)
+            except ValueError:  # not the main thread
+                pass
+        return previous
+
+    @staticmethod
+    def _restore_signal_handlers(previous: dict) -> None:
+        for sig, h in previous.items():
+            signal.signal(sig, h)
+
+
+def _seed_everything(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed % 2**32)
+    except ImportError:  # pragma: no cover
+        pass
+
+
+def _versions() -> dict:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("maximusllm", "torch", "transformers", "peft", "bitsandbytes", "datasets"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
