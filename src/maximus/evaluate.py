@@ -28,7 +28,7 @@ def heldout_loss(model, rows: list[dict], *, pad_token_id: int, device: torch.de
                  batch_size: int = 4, max_batches: int | None = None, chunk_size: int | None = None) -> dict:
     """{"loss", "perplexity", "tokens"} over `rows` with the exact loss (sum / token count)."""
     from maximus.data import collate
-    from maximus.losses import linear_cross_entropy
+    from maximus.losses.linear_cross_entropy import linear_cross_entropy
 
     was_training = model.training
     model.eval()

@@ -64,8 +64,10 @@ class Encoder:
             return self.chat(example.messages)
         raise TypeError(f"cannot encode {type(example).__name__} as one document")
 
-    def prompt_completion(self, prompt_ids: list[int], completion_ids: list[int]) -> Document:
-        prompt_labels = list(prompt_ids) if self.train_on_inputs else [IGNORE_INDEX] * len(prompt_ids)
+    def prompt_completion(self, prompt_ids: list[int], completion_ids: list[int],
+                          train_on_inputs: bool | None = None) -> Document:
+        everything = self.train_on_inputs if train_on_inputs is None else train_on_inputs
+        prompt_labels = list(prompt_ids) if everything else [IGNORE_INDEX] * len(prompt_ids)
         return Document(prompt_ids + completion_ids, prompt_labels + list(completion_ids))
 
     def chat(self, messages, train_from_message: int = 0, train_on_inputs: bool | None = None) -> Document:

@@ -36,12 +36,9 @@ def encode_preference(encoder: Encoder, example: PreferenceExample) -> Preferenc
     prompt, chosen, rejected = example.prompt, example.chosen, example.rejected
     if not any(isinstance(x, list) for x in (prompt, chosen, rejected)):
         prompt_ids = encoder.prefix_ids + encoder.tokens(prompt)
-        saved, encoder.train_on_inputs = encoder.train_on_inputs, False
-        try:
-            return PreferencePair(*(encoder.prompt_completion(prompt_ids, encoder.tokens(answer) + [encoder.eos_id])
-                                    for answer in (chosen, rejected)))
-        finally:
-            encoder.train_on_inputs = saved
+        return PreferencePair(*(encoder.prompt_completion(prompt_ids, encoder.tokens(answer) + [encoder.eos_id],
+                                                          train_on_inputs=False)
+                                for answer in (chosen, rejected)))
     prompt_messages, chosen, rejected = chat_prompt_and_answers(prompt, chosen, rejected)
     start = len(prompt_messages)
     return PreferencePair(encoder.chat(prompt_messages + chosen, start, train_on_inputs=False),

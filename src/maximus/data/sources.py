@@ -116,7 +116,8 @@ def _read_jsonl(path: Path, on_error: str, out: SourceRead) -> Iterator[RawRecor
                 if on_error == "skip":
                     out.skipped += 1
                     continue
-                raise DataError(f"{where}: malformed JSON: {_short(exc)}",
+                problem = f"{exc.msg} at column {exc.colno}" if isinstance(exc, json.JSONDecodeError) else str(exc)
+                raise DataError(f"{where}: malformed JSON: {problem}",
                                 "fix the line, or set `on_error: skip` on the dataset to skip bad records") from None
             yield RawRecord(value, where)
 
@@ -142,7 +143,7 @@ def _read_json(path: Path) -> list[RawRecord]:
         try:
             return decoder.raw_decode(text, i)
         except json.JSONDecodeError as exc:
-            fail(_short(exc), exc.pos)
+            fail(f"{exc.msg} at column {exc.colno}", exc.pos)
 
     def parse_list(i: int) -> tuple[list[RawRecord], int]:
         records, i = [], skip_ws(i + 1)  # after '['

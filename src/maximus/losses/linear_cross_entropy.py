@@ -85,20 +85,16 @@ def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     return torch.promote_types(dtype, torch.float32)
 
 
-def _chunk_loss_and_grad(h_c, weight, bias, labels_c, token_weight_c, softcap, z_loss, want_grad):
-    """Per-token loss of one chunk and, if ``want_grad``, ``d(sum_i w_i * loss_i)/d logits``.
+def softmax_cross_entropy_(logits: torch.Tensor, labels: torch.Tensor, token_weight: torch.Tensor,
+                           z_loss: float, want_grad: bool):
+    """Per-row cross-entropy of ``logits`` [C, K] (float32/64, overwritten in place) and its gradient.
 
-    ``token_weight_c`` [C] float32 is 0 for ignored tokens; it scales each row of the gradient.
-    Everything is done in place on a single ``C x V`` float32 buffer (two with ``softcap``).
-    Returns ``(loss [C] float32 (0 where ignored is NOT applied here), lse [C], grad or None)``.
+    ``labels`` [C] are column indices (valid for every row; ignored rows carry ``token_weight`` 0).
+    Returns ``(loss [C], lse [C], grad [C, K] or None)`` where ``loss = lse - logit[label] +
+    z_loss * lse^2`` and ``grad = d(sum_i token_weight_i * loss_i) / d logits``, built in the
+    ``logits`` buffer itself so that a chunk needs one ``C x K`` buffer, not three.
     """
-    logits = _chunk_logits(h_c, weight, bias)
-    tanh_capped = None
-    if softcap is not None:
-        # Gemma: logits = softcap * tanh(raw / softcap); d logits / d raw = 1 - tanh^2.
-        tanh_capped = logits.div_(softcap).tanh_()
-        logits = tanh_capped * softcap if want_grad else tanh_capped.mul_(softcap)
-    target = logits.gather(1, labels_c[:, None]).squeeze(1)
+    target = logits.gather(1, labels[:, None]).squeeze(1)
     row_max = logits.amax(dim=1)
     probs = logits.sub_(row_max[:, None]).exp_()        # unnormalised, in place
     row_sum = probs.sum(dim=1)
@@ -108,14 +104,43 @@ def _chunk_loss_and_grad(h_c, weight, bias, labels_c, token_weight_c, softcap, z
         loss = loss + z_loss * lse.square()
     if not want_grad:
         return loss, lse, None
-    # dloss/dlogits = (1 + 2 z lse) * softmax - onehot(label), scaled per row by the token weight.
-    row_scale = token_weight_c / row_sum
+    # d loss / d logits = (1 + 2 z lse) * softmax - onehot(label), scaled per row by the token weight.
+    row_scale = token_weight / row_sum
     if z_loss:
         row_scale = row_scale * (1.0 + 2.0 * z_loss * lse)
     grad = probs.mul_(row_scale[:, None])
-    grad.scatter_add_(1, labels_c[:, None], -token_weight_c[:, None])
-    if tanh_capped is not None:
-        grad.mul_(tanh_capped.square_().neg_().add_(1.0))
+    grad.scatter_add_(1, labels[:, None], -token_weight[:, None])
+    return loss, lse, grad
+
+
+def soft_cap_(logits: torch.Tensor, softcap: float | None, keep_tanh: bool):
+    """Gemma soft cap in place: ``logits = softcap * tanh(logits / softcap)``.
+
+    Returns ``(capped, tanh or None)``; with ``keep_tanh`` the tanh is kept in its own buffer for
+    the backward factor ``d capped / d raw = 1 - tanh^2`` (see :func:`soft_cap_backward_`).
+    """
+    if softcap is None:
+        return logits, None
+    tanh = logits.div_(softcap).tanh_()
+    if keep_tanh:
+        return tanh * softcap, tanh
+    return tanh.mul_(softcap), None
+
+
+def soft_cap_backward_(grad: torch.Tensor, tanh: torch.Tensor | None) -> torch.Tensor:
+    """Multiply a gradient w.r.t. capped logits by ``1 - tanh^2`` (consumes ``tanh``)."""
+    if tanh is not None:
+        grad.mul_(tanh.square_().neg_().add_(1.0))
+    return grad
+
+
+def _chunk_loss_and_grad(h_c, weight, bias, labels_c, token_weight_c, softcap, z_loss, want_grad):
+    """Per-token loss of one chunk over the whole vocabulary and, if ``want_grad``, the gradient of
+    ``sum_i token_weight_i * loss_i`` w.r.t. the raw logits (``C x V``, statistics dtype)."""
+    logits, tanh = soft_cap_(_chunk_logits(h_c, weight, bias), softcap, keep_tanh=want_grad)
+    loss, lse, grad = softmax_cross_entropy_(logits, labels_c, token_weight_c, z_loss, want_grad)
+    if grad is not None:
+        grad = soft_cap_backward_(grad, tanh)
     return loss, lse, grad
 
 

@@ -31,7 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
-__all__ = ["MemoryMeter", "StorageTracker", "unique_storage_bytes"]
+__all__ = ["MemoryMeter", "StorageTracker", "measure_step_peak", "unique_storage_bytes"]
 
 
 def _storage_of(t: torch.Tensor):
@@ -257,3 +257,21 @@ class MemoryMeter:
             "current": self.current_bytes(),
             "peak": peak,
         }
+
+
+def measure_step_peak(step, *objects: Any, device: str | torch.device = "cpu", warmup: int = 1) -> tuple[int, "MemoryMeter"]:
+    """Peak bytes of one call of ``step()`` in steady state.
+
+    Runs ``step()`` `warmup` times first (so optimizer state and caches exist, as in every later
+    step), then once more in a fresh peak window. `objects` (model, optimizer) are adopted so
+    that the peak includes what they hold. Returns (peak bytes, the meter) so the caller can ask
+    for `breakdown`.
+    """
+    meter = MemoryMeter(device)
+    for _ in range(warmup):
+        with meter.track(*objects):
+            step()
+    meter.reset_peak()
+    with meter.track(*objects):
+        step()
+    return meter.peak_bytes(), meter

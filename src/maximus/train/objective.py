@@ -80,17 +80,19 @@ def token_loss_sum(hidden: torch.Tensor, head: OutputHead, target: torch.Tensor,
                    chunk_size: int | None = None, ghost: dict | None = None) -> torch.Tensor:
     """Sum over non-ignored tokens of the next-token cross-entropy (divide by the token count of
     the whole optimizer step outside, so gradient accumulation equals one big batch)."""
-    from maximus import losses
+    from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy
 
     kwargs = dict(ignore_index=IGNORE_INDEX, reduction="sum", bias=head.bias, softcap=head.softcap)
     weight = head.weight
     if weight.dtype != hidden.dtype:
         weight = weight.to(hidden.dtype)
     if mode == "naive":
-        return losses.naive_cross_entropy(hidden, weight, target, **kwargs)
+        return naive_cross_entropy(hidden, weight, target, **kwargs)
     if mode == "ghost":
-        return losses.ghost_logit_loss(hidden, weight, target, chunk_size=chunk_size, **(ghost or {}), **kwargs)
-    return losses.linear_cross_entropy(hidden, weight, target, chunk_size=chunk_size, **kwargs)
+        from maximus.losses.ghost_logit import ghost_logit_loss
+
+        return ghost_logit_loss(hidden, weight, target, chunk_size=chunk_size, **(ghost or {}), **kwargs)
+    return linear_cross_entropy(hidden, weight, target, chunk_size=chunk_size, **kwargs)
 
 
 def sft_loss_sum(model, batch: dict, *, mode: str = "exact", chunk_size: int | None = None,
@@ -102,8 +104,68 @@ def sft_loss_sum(model, batch: dict, *, mode: str = "exact", chunk_size: int | N
     head = output_head(model)
     loss = token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
     if matryoshka is not None:
-        from maximus.losses import matryoshka_loss_sum
+        from maximus.losses.matryoshka import matryoshka_loss_sum
 
         loss = loss + matryoshka_loss_sum(hidden, head.weight, target, dims=matryoshka.dims,
                                           weight=matryoshka.weight, chunk_size=chunk_size)
     return loss, (target != IGNORE_INDEX).sum()
+
+
+class SFTObjective:
+    """Next-token cross-entropy on target tokens. The protocol every objective follows:
+
+    - `count(batch)`: normalisation units in a micro-batch (target tokens here; pairs for DPO);
+      the step's loss is sum(loss_sum) / sum(count) over all micro-batches (and ranks);
+    - `tokens(batch)`: input tokens processed, for tokens/s;
+    - `loss_sum(model, batch) -> (Tensor, {metric: summed value})`;
+    - `prepare(trainer)`: once before training (e.g. cache reference log-probs);
+    - `evaluate(trainer) -> dict`: held-out metrics, always with the exact loss.
+    """
+
+    name = "sft"
+
+    def __init__(self, cfg, plan: dict, pad_token_id: int):
+        self.cfg = cfg
+        self.plan = plan
+        self.pad_token_id = pad_token_id
+        g = cfg.optimization.ghost_logit
+        self.ghost = {"num_candidates": g.candidates, "prefix_dims": g.prefix_dims}
+
+    def prepare(self, trainer) -> None:
+        pass
+
+    def count(self, batch: dict) -> int:
+        return int((shift_labels(batch["labels"], batch.get("position_ids")) != IGNORE_INDEX).sum())
+
+    def tokens(self, batch: dict) -> int:
+        return int((batch["input_ids"] != self.pad_token_id).sum())
+
+    def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        loss, _ = sft_loss_sum(model, batch, mode=self.plan["loss_mode"], chunk_size=self.plan.get("loss_chunk_size"),
+                               ghost=self.ghost, matryoshka=self.cfg.optimization.matryoshka)
+        return loss, {}
+
+    def evaluate(self, trainer) -> dict:
+        from maximus.evaluate import exact_match, generate_text, heldout_loss, prompt_completion_pairs
+
+        cfg = self.cfg
+        result = heldout_loss(trainer.model, trainer.data.eval, pad_token_id=self.pad_token_id, device=trainer.device,
+                              dtype=trainer.dtype, batch_size=int(self.plan["micro_batch_size"]),
+                              max_batches=cfg.eval.max_batches)
+        if cfg.eval.exact_match:
+            pairs = prompt_completion_pairs(trainer.data.eval, cfg.eval.exact_match)
+            result["exact_match"] = exact_match(trainer.model, pairs, eos_token_id=trainer.tokenizer.eos_token_id,
+                                                pad_token_id=self.pad_token_id, device=trainer.device)
+        if cfg.eval.prompts:
+            result["generations"] = generate_text(trainer.model, trainer.tokenizer, cfg.eval.prompts,
+                                                  device=trainer.device, max_new_tokens=cfg.eval.max_new_tokens)
+        return result
+
+
+def build_objective(cfg, plan: dict, pad_token_id: int):
+    """The objective the config asks for (`objective: sft | dpo`)."""
+    if cfg.objective == "dpo":
+        from maximus.train.preference import PreferenceObjective
+
+        return PreferenceObjective(cfg, plan, pad_token_id)
+    return SFTObjective(cfg, plan, pad_token_id)

@@ -36,12 +36,12 @@ import torch
 
 from maximus.config import Config
 from maximus.errors import MaximusError
-from maximus.evaluate import autocast_for, exact_match, generate_text, heldout_loss, prompt_completion_pairs
+from maximus.evaluate import autocast_for
 from maximus.models import count_parameters, load_model, resolve_device, resolve_dtype
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
 from maximus.train.lock import RunLock
-from maximus.train.objective import sft_loss_sum, shift_labels
+from maximus.train.objective import build_objective
 from maximus.train.progress import MetricsLog, ProgressDisplay, plot_loss
 
 PREEMPTED_EXIT_CODE = 75
@@ -89,6 +89,8 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         from maximus.memory.meter import MemoryMeter
 
+        self.objective = build_objective(cfg, self.plan, self.tokenizer.pad_token_id)
+        self.objective.prepare(self)
         self.meter = MemoryMeter(self.device)
         self.meter.budget_bytes = self.plan.get("budget_bytes")
 
@@ -198,30 +200,32 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict:
+        """One optimizer step over `batch_size` rows, split into micro-batches. Losses are sums
+        divided by the whole step's unit count (tokens, or pairs for DPO) across micro-batches
+        and ranks, so accumulation gives the gradient of one big batch."""
         from maximus.data import collate
 
         rows = self.rows_for_step(step)
         micro = int(self.plan["micro_batch_size"])
         batches = [collate(rows[i:i + micro], self.tokenizer.pad_token_id) for i in range(0, len(rows), micro)]
-        n_target = sum(int((shift_labels(b["labels"], b.get("position_ids")) != -100).sum()) for b in batches)
-        n_target = self.dist.all_reduce_int(n_target)
-        tokens = sum(int((b["input_ids"] != self.tokenizer.pad_token_id).sum()) for b in batches)
+        obj = self.objective
+        units = self.dist.all_reduce_int(sum(obj.count(b) for b in batches))
+        tokens = sum(obj.tokens(b) for b in batches)
         loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
-        ghost = {"num_candidates": self.cfg.optimization.ghost_logit.candidates,
-                 "prefix_dims": self.cfg.optimization.ghost_logit.prefix_dims}
+        sums: dict[str, float] = {}
+        scale = self.dist.world_size / max(units, 1)
         for batch in batches:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             with autocast_for(self.device, self.dtype):
-                loss_sum, _ = sft_loss_sum(self.model, batch, mode=self.plan["loss_mode"],
-                                           chunk_size=self.plan.get("loss_chunk_size"), ghost=ghost,
-                                           matryoshka=self.cfg.optimization.matryoshka)
-            scale = self.dist.world_size / max(n_target, 1)
+                loss_sum, metric_sums = obj.loss_sum(self.model, batch)
             (loss_sum * scale).backward()
             loss_total += loss_sum.detach().double()
+            for k, v in metric_sums.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
         if "after_backward" in self.hooks:
             self.hooks["after_backward"](self, step)
         loss_total = self.dist.all_reduce_sum(loss_total)
-        loss = float(loss_total) / max(n_target, 1)
+        loss = float(loss_total) / max(units, 1)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.training.max_grad_norm
         grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
@@ -230,25 +234,15 @@ class Trainer:
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
+        extra = {k: v / max(units, 1) for k, v in sums.items()}
         return {"loss": loss if finite else None, "grad_norm": float(grad_norm) if finite else None,
-                "finite": finite, "tokens": tokens * self.dist.world_size, "target_tokens": n_target}
+                "finite": finite, "tokens": tokens * self.dist.world_size, "units": units, "metrics": extra}
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
-        cfg = self.cfg
-        if not cfg.eval.enabled or not self.data.eval:
+        if not self.cfg.eval.enabled or not self.data.eval:
             return {}
-        result = heldout_loss(self.model, self.data.eval, pad_token_id=self.tokenizer.pad_token_id, device=self.device,
-                              dtype=self.dtype, batch_size=int(self.plan["micro_batch_size"]),
-                              max_batches=cfg.eval.max_batches)
-        if cfg.eval.exact_match:
-            pairs = prompt_completion_pairs(self.data.eval, cfg.eval.exact_match)
-            result["exact_match"] = exact_match(self.model, pairs, eos_token_id=self.tokenizer.eos_token_id,
-                                                pad_token_id=self.tokenizer.pad_token_id, device=self.device)
-        if cfg.eval.prompts:
-            result["generations"] = generate_text(self.model, self.tokenizer, cfg.eval.prompts, device=self.device,
-                                                  max_new_tokens=cfg.eval.max_new_tokens)
-        return result
+        return self.objective.evaluate(self)
 
     # ------------------------------------------------------------------------------ the run
     def train(self) -> dict:
@@ -302,7 +296,7 @@ class Trainer:
                 row = {"step": step, "loss": result["loss"], "lr": self.scheduler.get_last_lr()[0],
                        "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
                        "step_time_s": elapsed, "tokens": result["tokens"], "memory_bytes": self.meter.current_bytes(),
-                       "peak_memory_bytes": self.meter.peak_bytes()}
+                       "peak_memory_bytes": self.meter.peak_bytes(), **result["metrics"]}
                 if not result["finite"]:
                     bad_in_row += 1
                     skipped += 1

@@ -1,0 +1,351 @@
+"""Matryoshka embeddings: does a 64-d prefix keep the retrieval quality of the full hidden state?
+
+Retrieval set from real text: for every function with a docstring in Python's standard library
+(``lib/python3.11/*.py``, parsed with ``ast``), the query is the docstring's first paragraph and
+the document is the function's source without its docstring. Files are split by name into
+training files (language-model data) and held-out files (retrieval pairs), so no evaluated
+function was seen in training.
+
+Two Llama-architecture models, same random init, same tokenizer, same batches in the same order,
+are trained as plain next-token LMs on the training files: main loss = exact chunked CE
+(``linear_cross_entropy``), and for one of them + ``matryoshka_loss_sum`` (dims 64/128/256,
+weight 0.2: the config defaults; 256 is skipped when it is the full width). Then queries and
+documents are embedded with ``maximus.embed`` (mean pooling) and recall@10 is measured with the
+64-d prefix, the 128-d prefix, the full vector, and coarse-to-fine (64-d shortlist of 100,
+full-width rerank). Also measured: search time and index memory over >= 100k vectors (synthetic,
+timing only), and the auxiliary loss's cost in step time and peak memory (side by side, same
+batch, alternating).
+
+    python benchmarks/matryoshka_retrieval.py --quick     # smoke run, < 3 min on 2 CPU cores
+    python benchmarks/matryoshka_retrieval.py             # the numbers in docs/benchmarks/matryoshka.md
+"""
+from __future__ import annotations
+
+import argparse
+import ast
+import copy
+import glob
+import inspect
+import math
+import os
+import statistics
+import sys
+import time
+import zlib
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+from maximus.embed import exact_search, nested_prefix, pooled_hidden_states, search
+from maximus.losses.linear_cross_entropy import linear_cross_entropy
+from maximus.losses.matryoshka import matryoshka_loss_sum
+from maximus.memory.meter import MemoryMeter
+
+STDLIB = os.path.dirname(os.__file__)
+DIMS = [64, 128, 256]
+WEIGHT = 0.2
+
+
+# ------------------------------------------------------------------------------------- data
+@dataclass
+class Pair:
+    query: str     # first paragraph of the docstring
+    document: str  # the function's source, docstring removed
+
+
+def is_heldout(path: str) -> bool:
+    """About one file in five is held out for retrieval (stable: by a hash of the file name)."""
+    return zlib.crc32(os.path.basename(path).encode()) % 5 == 0
+
+
+def function_pairs(source: str, max_doc_chars: int) -> list[Pair]:
+    try:
+        tree = ast.parse(source)
+    except SyntaxError:
+        return []
+    pairs = []
+    for node in ast.walk(tree):
+        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            continue
+        doc = ast.get_docstring(node)
+        if not doc:
+            continue
+        query = " ".join(inspect.cleandoc(doc).split("\n\n")[0].split())
+        if len(query.split()) < 4:
+            continue
+        body = node.body[1:] or [ast.Pass()]
+        stripped = copy.copy(node)
+        stripped.body, stripped.decorator_list = body, []
+        document = ast.unparse(stripped)
+        if len(document) < 60:
+            continue
+        pairs.append(Pair(query, document[:max_doc_chars]))
+    return pairs
+
+
+def load_corpus(max_doc_chars: int) -> tuple[list[str], list[Pair], list[str]]:
+    """(training file texts, held-out retrieval pairs (unique queries and documents), held-out texts)."""
+    train_texts, heldout_texts, pairs = [], [], []
+    for path in sorted(glob.glob(os.path.join(STDLIB, "*.py"))):
+        text = Path(path).read_text(encoding="utf-8", errors="replace")
+        if is_heldout(path):
+            heldout_texts.append(text)
+            pairs.extend(function_pairs(text, max_doc_chars))
+        else:
+            train_texts.append(text)
+    seen_q, seen_d, unique = set(), set(), []
+    for p in pairs:
+        if p.query not in seen_q and p.document not in seen_d:
+            seen_q.add(p.query)
+            seen_d.add(p.document)
+            unique.append(p)
+    return train_texts, unique, heldout_texts
+
+
+def token_windows(tokenizer, texts: list[str], seq_len: int) -> torch.Tensor:
+    """All texts tokenized, joined by EOS, cut into [num_windows, seq_len] rows."""
+    stream = []
+    for ids in tokenizer(texts, add_special_tokens=False)["input_ids"]:
+        stream.extend(ids)
+        stream.append(tokenizer.eos_token_id)
+    n = len(stream) // seq_len
+    return torch.tensor(stream[:n * seq_len]).view(n, seq_len)
+
+
+# ------------------------------------------------------------------------------------- model
+def build_model(vocab_size: int, args, seed: int):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = LlamaConfig(vocab_size=vocab_size, hidden_size=args.hidden, intermediate_size=args.hidden * 11 // 4,
+                      num_hidden_layers=args.layers, num_attention_heads=args.hidden // 64,
+                      num_key_value_heads=args.hidden // 64, max_position_embeddings=1024,
+                      tie_word_embeddings=False)
+    return LlamaForCausalLM(cfg)
+
+
+def step_loss(model, ids: torch.Tensor, matryoshka: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to backprop, main CE mean), the trainer's recipe: sums divided by the token count."""
+    hidden = model.model(input_ids=ids).last_hidden_state
+    target = torch.full_like(ids, -100)
+    target[:, :-1] = ids[:, 1:]
+    weight = model.lm_head.weight
+    main = linear_cross_entropy(hidden, weight, target, reduction="sum")
+    total = main
+    if matryoshka:
+        total = total + matryoshka_loss_sum(hidden, weight, target, dims=DIMS, weight=WEIGHT)
+    count = (target != -100).sum()
+    return total / count, main.detach() / count
+
+
+def train(model, windows: torch.Tensor, args, matryoshka: bool) -> dict:
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(1, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    model.train()
+    start, last = time.perf_counter(), []
+    for step in range(args.steps):
+        rows = torch.arange(step * args.batch, (step + 1) * args.batch) % windows.shape[0]
+        loss, main = step_loss(model, windows[rows], matryoshka)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        last.append(main.item())
+        if (step + 1) % max(1, args.steps // 5) == 0:
+            print(f"  step {step + 1}/{args.steps} train CE {statistics.mean(last[-10:]):.3f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+    model.eval()
+    return {"seconds": time.perf_counter() - start, "final_train_ce": statistics.mean(last[-10:])}
+
+
+@torch.no_grad()
+def heldout_ce(model, windows: torch.Tensor, dims: list[int | None]) -> dict:
+    """Held-out next-token CE (nats/token) using the first d hidden dims (None = full)."""
+    hidden = model.model(input_ids=windows).last_hidden_state
+    target = torch.full_like(windows, -100)
+    target[:, :-1] = windows[:, 1:]
+    w = model.lm_head.weight
+    return {d: linear_cross_entropy(hidden if d is None else hidden[..., :d], w if d is None else w[:, :d],
+                                    target).item() for d in dims}
+
+
+def recall_at_k(query_vecs, doc_vecs, k=10, **search_kwargs) -> float:
+    """Fraction of queries whose own document (same row) is in the top k."""
+    if search_kwargs:
+        _, idx = search(query_vecs, doc_vecs, k=k, **search_kwargs)
+    else:
+        _, idx = exact_search(query_vecs, doc_vecs, k=k)
+    truth = torch.arange(query_vecs.shape[0])[:, None]
+    return (idx == truth).any(dim=1).float().mean().item()
+
+
+def retrieval(model, tokenizer, pairs: list[Pair], args) -> dict:
+    kw = dict(pooling="mean", batch_size=16, max_length=args.doc_tokens)
+    q = pooled_hidden_states(model, tokenizer, [p.query for p in pairs], **kw)
+    d = pooled_hidden_states(model, tokenizer, [p.document for p in pairs], **kw)
+    out = {}
+    for dim in (64, 128, None):
+        out[dim or "full"] = recall_at_k(nested_prefix(q, dim), nested_prefix(d, dim))
+    out["64->full"] = recall_at_k(nested_prefix(q, None), nested_prefix(d, None), shortlist_dim=64, shortlist=100)
+    return out
+
+
+# ------------------------------------------------------------------------------------- costs
+def aux_cost(model, windows: torch.Tensor, args) -> dict:
+    """Step time (forward + backward + AdamW, same batch, alternating without/with the auxiliary
+    loss, median) and peak tensor memory of one step (MemoryMeter, after the optimizer state exists)."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    ids = windows[:args.batch]
+
+    def one_step(aux):
+        loss, _ = step_loss(model, ids, aux)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    one_step(True)  # warm-up: optimizer state, allocator, lazy inits
+    times = {False: [], True: []}
+    for _ in range(args.cost_reps):
+        for aux in (False, True):
+            t = time.perf_counter()
+            one_step(aux)
+            times[aux].append(time.perf_counter() - t)
+    peaks = {}
+    for aux in (False, True):
+        meter = MemoryMeter("cpu")
+        with meter.track(model, opt):
+            one_step(aux)
+        peaks[aux] = meter.peak_bytes()
+    return {"time": {a: statistics.median(t) for a, t in times.items()}, "peak": peaks}
+
+
+def loss_only_cost(num_tokens: int, hidden: int, vocab: int, reps: int) -> dict:
+    """Forward + backward of the main chunked CE alone vs. main + Matryoshka, at a real model's
+    head shape (the aux loss only touches the head, so this is its cost next to the main loss)."""
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(num_tokens, hidden, generator=g).requires_grad_()
+    w = (0.02 * torch.randn(vocab, hidden, generator=g)).requires_grad_()
+    t = torch.randint(0, vocab, (num_tokens,), generator=g)
+    times = {False: [], True: []}
+    for _ in range(reps):
+        for aux in (False, True):
+            start = time.perf_counter()
+            loss = linear_cross_entropy(h, w, t, reduction="sum")
+            if aux:
+                loss = loss + matryoshka_loss_sum(h, w, t, dims=DIMS, weight=WEIGHT)
+            loss.backward()
+            h.grad = w.grad = None
+            times[aux].append(time.perf_counter() - start)
+    return {a: statistics.median(v) for a, v in times.items()}
+
+
+def search_cost(num_vectors: int, width: int, num_queries: int, reps: int) -> dict:
+    """Median seconds to search num_queries queries (k=10) over num_vectors synthetic unit vectors."""
+    g = torch.Generator().manual_seed(0)
+    index = nested_prefix(torch.randn(num_vectors, width, generator=g), None)
+    queries = nested_prefix(torch.randn(num_queries, width, generator=g), None)
+    prefix = nested_prefix(index, 64)
+    q64 = nested_prefix(queries, 64)
+    runs = {"full": lambda: exact_search(queries, index, k=10),
+            "64": lambda: exact_search(q64, prefix, k=10),
+            "64->full": lambda: search(queries, index, k=10, shortlist_dim=64, shortlist=100, index_prefix=prefix)}
+    times = {name: [] for name in runs}
+    for _ in range(reps):
+        for name, fn in runs.items():
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {"seconds": {n: statistics.median(v) for n, v in times.items()},
+            "bytes": {"full": index.numel() * 4, "64": prefix.numel() * 4}}
+
+
+# ------------------------------------------------------------------------------------- main
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="tiny smoke run (< 3 min on 2 CPU cores)")
+    parser.add_argument("--steps", type=int, default=300, help="training steps per model")
+    parser.add_argument("--batch", type=int, default=8, help="sequences per step")
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--hidden", type=int, default=256)
+    parser.add_argument("--layers", type=int, default=2)
+    parser.add_argument("--vocab", type=int, default=4096)
+    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--pairs", type=int, default=1000, help="held-out retrieval pairs")
+    parser.add_argument("--doc-tokens", type=int, default=128, help="tokens kept per query / document")
+    parser.add_argument("--index-size", type=int, default=100_000, help="vectors in the timing index")
+    parser.add_argument("--cost-reps", type=int, default=7)
+    parser.add_argument("--seed", type=int, default=0)
+    args = parser.parse_args(argv)
+    if args.quick:
+        args.steps, args.pairs, args.vocab, args.cost_reps, args.doc_tokens = 12, 200, 1024, 3, 64
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    t0 = time.perf_counter()
+
+    train_texts, pairs, heldout_texts = load_corpus(max_doc_chars=args.doc_tokens * 6)
+    pairs = [pairs[i] for i in torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed))[:args.pairs]]
+    tokenizer = build_tiny_tokenizer(train_texts, vocab_size=args.vocab)
+    windows = token_windows(tokenizer, train_texts, args.seq_len)
+    windows = windows[torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(args.seed))]
+    heldout = token_windows(tokenizer, heldout_texts, args.seq_len)[:32]
+    print(f"corpus: {len(train_texts)} training files, {windows.numel():,} training tokens "
+          f"(steps use {args.steps * args.batch * args.seq_len:,}), {len(pairs)} held-out pairs, "
+          f"vocab {len(tokenizer)} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    results = {}
+    untrained = build_model(len(tokenizer), args, args.seed).eval()
+    results["untrained"] = {"retrieval": retrieval(untrained, tokenizer, pairs, args),
+                            "ce": heldout_ce(untrained, heldout, [64, None])}
+    for name, aux in (("plain LM", False), ("LM + Matryoshka", True)):
+        print(f"training {name}", flush=True)
+        model = build_model(len(tokenizer), args, args.seed)
+        info = train(model, windows, args, aux)
+        results[name] = {"train": info, "retrieval": retrieval(model, tokenizer, pairs, args),
+                         "ce": heldout_ce(model, heldout, [64, None])}
+        if aux:
+            cost_model = model
+    print(f"measuring costs ({time.perf_counter() - t0:.0f} s)", flush=True)
+    cost = aux_cost(cost_model, windows, args)
+    head_cost = loss_only_cost(1024 if args.quick else 2048, 2048, 32000, args.cost_reps)
+    timing = {w: search_cost(args.index_size, w, 64, 3) for w in (args.hidden, 4096)}
+
+    print(f"\n## Retrieval: recall@10, {len(pairs)} docstring -> function pairs (held-out stdlib files)\n")
+    print("| model | 64-d | 128-d | full (%d-d) | 64-d / full | 64-d shortlist -> full rerank | held-out CE full | CE with 64-d prefix |" % args.hidden)
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        rec, ce = r["retrieval"], r["ce"]
+        ratio = rec[64] / rec["full"] if rec["full"] else float("nan")
+        print(f"| {name} | {rec[64]:.3f} | {rec[128]:.3f} | {rec['full']:.3f} | {ratio:.0%} | {rec['64->full']:.3f} "
+              f"| {ce[None]:.3f} | {ce[64]:.3f} |")
+    print(f"\n(chance = {10 / len(pairs):.3f}; CE in nats/token on {heldout.numel():,} held-out tokens)")
+
+    t, p = cost["time"], cost["peak"]
+    print(f"\n## Cost of the auxiliary loss (dims {DIMS}, weight {WEIGHT}), side by side\n")
+    print("| what | without | with | ratio |")
+    print("|---|---|---|---|")
+    print(f"| training step, benchmark model ({args.batch}x{args.seq_len} tokens), median s | {t[False]:.3f} | {t[True]:.3f} | {t[True] / t[False]:.3f} |")
+    print(f"| peak tensor memory of a step, MiB | {p[False] / 2**20:.1f} | {p[True] / 2**20:.1f} | {p[True] / p[False]:.3f} |")
+    print(f"| head only: CE fwd+bwd, H=2048, V=32000, median s | {head_cost[False]:.3f} | {head_cost[True]:.3f} | {head_cost[True] / head_cost[False]:.3f} |")
+    flop = lambda v, h, params: 6 * v * sum(d for d in DIMS if d < h) / (6 * params)
+    print(f"\nAux matmul FLOPs as a share of a training step's 6*params FLOPs per token: benchmark model "
+          f"{flop(len(tokenizer), args.hidden, sum(x.numel() for x in cost_model.parameters())):.1%}, "
+          f"Llama-3-8B (V=128256, H=4096, 8.03e9 params) {flop(128256, 4096, 8.03e9):.2%}.")
+
+    print(f"\n## Search over {args.index_size:,} vectors, 64 queries, k=10 (median of 3)\n")
+    print("| width | index MiB full | index MiB 64-d | full s | 64-d s | speed-up | 64-d shortlist 100 -> full rerank s |")
+    print("|---|---|---|---|---|---|---|")
+    for w, r in timing.items():
+        s, b = r["seconds"], r["bytes"]
+        print(f"| {w} | {b['full'] / 2**20:.0f} | {b['64'] / 2**20:.0f} | {s['full']:.3f} | {s['64']:.3f} "
+              f"| {s['full'] / s['64']:.1f}x | {s['64->full']:.3f} |")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"argv: {' '.join(sys.argv[1:])}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,69 @@
+"""Batch rows into padded tensors.
+
+Why there is no attention_mask: rows are padded on the right, and the padding gets its own
+position ids starting at 0, so Transformers sees it as one more packed "document" (see
+`maximus.data.packing`). With causal attention, real tokens never attend to padding that comes
+after them, and the padding "document" cannot attend to real tokens before it because the
+position reset starts a new sequence; padding labels are -100, so it never enters the loss.
+Passing `attention_mask=None` is also what lets Transformers detect packed rows at all (it only
+derives the packed mask from position ids when no attention mask is given). Pass
+`use_cache=False` in training: a cache also disables the packed-sequence detection.
+"""
+from __future__ import annotations
+
+import torch
+
+from maximus.data.encoding import IGNORE_INDEX
+
+PREFERENCE_SIDES = ("chosen", "rejected")
+
+
+def collate(rows: list[dict], pad_token_id: int | None = 0, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
+    """Pad rows on the right to the longest one and stack them into `torch.long` tensors.
+
+    SFT rows (`input_ids`, `labels`, `position_ids`) give `input_ids`, `labels`, `position_ids`,
+    each of shape (batch, length). Preference rows (`chosen_input_ids`, `chosen_labels`,
+    `rejected_input_ids`, `rejected_labels`) give `chosen_input_ids`, `chosen_labels`,
+    `chosen_position_ids` and the same three for `rejected`, all padded to one common length so
+    the trainer may concatenate chosen and rejected into one forward pass.
+
+    Args:
+        rows: the rows from `build_datasets` (all of one kind).
+        pad_token_id: id written in padding; any id works since padding is never attended to nor
+            in the loss (None means 0).
+        pad_to_multiple_of: round the padded length up to a multiple of this (tensor-core friendly).
+    """
+    if not rows:
+        raise ValueError("collate() needs at least one row")
+    pad = 0 if pad_token_id is None else int(pad_token_id)
+    if "chosen_input_ids" in rows[0]:
+        keys = [f"{side}_input_ids" for side in PREFERENCE_SIDES]
+        length = _padded_length(max(len(row[k]) for row in rows for k in keys), pad_to_multiple_of)
+        batch: dict[str, torch.Tensor] = {}
+        for side in PREFERENCE_SIDES:
+            side_rows = [{"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]} for row in rows]
+            for name, tensor in _pad(side_rows, pad, length).items():
+                batch[f"{side}_{name}"] = tensor
+        return batch
+    length = _padded_length(max(len(row["input_ids"]) for row in rows), pad_to_multiple_of)
+    return _pad(rows, pad, length)
+
+
+def _padded_length(longest: int, multiple: int | None) -> int:
+    if multiple and multiple > 1:
+        return -(-longest // multiple) * multiple
+    return longest
+
+
+def _pad(rows: list[dict], pad: int, length: int) -> dict[str, torch.Tensor]:
+    input_ids = torch.full((len(rows), length), pad, dtype=torch.long)
+    labels = torch.full((len(rows), length), IGNORE_INDEX, dtype=torch.long)
+    position_ids = torch.zeros((len(rows), length), dtype=torch.long)
+    for i, row in enumerate(rows):
+        n = len(row["input_ids"])
+        input_ids[i, :n] = torch.tensor(row["input_ids"], dtype=torch.long)
+        labels[i, :n] = torch.tensor(row["labels"], dtype=torch.long)
+        positions = row.get("position_ids")
+        position_ids[i, :n] = torch.tensor(positions, dtype=torch.long) if positions is not None else torch.arange(n)
+        position_ids[i, n:] = torch.arange(length - n)  # padding: a fresh "document" from position 0
+    return {"input_ids": input_ids, "labels": labels, "position_ids": position_ids}

@@ -1,0 +1,202 @@
+"""`build_datasets`: specs -> records -> examples -> documents -> shuffled split -> rows.
+
+Order of operations (all deterministic given `seed`):
+1. each spec: read every record (malformed lines error or are skipped), shuffle the records,
+   interpret and tokenize them in that order until `max_samples` documents are kept;
+2. concatenate all specs' documents and shuffle them together;
+3. hold out `eval_split` of the documents (at least 1 when eval_split > 0 and there are >= 2
+   documents; never all of them), before packing, so no document is in both splits;
+4. pack (or truncate) each split into rows (see `maximus.data.packing`).
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from jinja2 import TemplateError
+
+from maximus.errors import DataError
+
+from maximus.data.encoding import Document, Encoder
+from maximus.data.formats import ChatExample, PreferenceExample, PromptCompletion, detect_format, to_example
+from maximus.data.packing import RowStats, pack_documents, truncate_documents
+from maximus.data.preference import PreferencePair, chat_prompt_and_answers, encode_preference, fit_pair
+from maximus.data.sources import read_source
+from maximus.data.templates import ensure_chat_template
+
+OBJECTIVES = ("sft", "dpo")
+
+
+@dataclass
+class DataSplits:
+    """Rows for training and held-out evaluation, and what building them did.
+
+    `stats` keys: records (read), skipped (bad records skipped under on_error: skip), empty
+    (records with nothing to learn, e.g. blank text, dropped), documents (kept), train_documents,
+    eval_documents, rows / eval_rows, tokens / eval_tokens (tokens in the rows), loss_tokens /
+    eval_loss_tokens (tokens with a label), split (text documents longer than seq_len split into pieces),
+    truncated (documents or pairs cut to seq_len), dropped_rows (rows without loss tokens), fill
+    (train tokens / (train rows x seq_len): how full rows are; padding makes up the rest),
+    chat_template_fallback (the fallback chat template was installed on the tokenizer), sources
+    (per spec: path, format, records, skipped, documents)."""
+
+    train: list[dict]
+    eval: list[dict]
+    stats: dict = field(default_factory=dict)
+
+
+def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, train_on_inputs: bool = False,
+                   seed: int = 0, eval_split: float = 0.05, objective: str = "sft") -> DataSplits:
+    """Build training and evaluation rows from dataset specs.
+
+    Args:
+        specs: `maximus.config.DatasetSpec` list (a single spec is accepted too); sources are concatenated.
+        tokenizer: a Transformers tokenizer with an EOS token (a fast one gives exact chat masks).
+        seq_len: maximum tokens per row (per side of a preference pair).
+        packing: pack SFT documents into seq_len rows (ignored for dpo: one pair per row).
+        train_on_inputs: SFT loss on prompt / user tokens too.
+        seed: shuffling seed.
+        eval_split: fraction of documents held out, in [0, 1).
+        objective: "sft" (rows of input_ids / labels / position_ids) or "dpo" (preference rows).
+
+    Raises DataError for missing or malformed data, and for a dataset empty after filtering.
+    """
+    if objective not in OBJECTIVES:
+        raise DataError(f"unknown objective '{objective}'", f"use one of {', '.join(OBJECTIVES)}")
+    if seq_len < 2:
+        raise DataError(f"seq_len must be at least 2 tokens, got {seq_len}", "set training.seq_len")
+    if not 0 <= eval_split < 1:
+        raise DataError(f"eval_split must be in [0, 1), got {eval_split}", "set eval.split")
+    specs = list(specs) if isinstance(specs, (list, tuple)) else [specs]
+    encoder = Encoder(tokenizer, train_on_inputs)
+    stats = {"records": 0, "skipped": 0, "empty": 0, "documents": 0, "truncated": 0,
+             "chat_template_fallback": False, "sources": []}
+
+    documents: list = []
+    for index, spec in enumerate(specs):
+        documents.extend(_read_spec(spec, index, encoder, objective, seed, stats))
+    if not documents:
+        paths = ", ".join(str(s.path) for s in specs)
+        raise DataError(f"dataset is empty after filtering: {paths} ({stats['records']} records read, "
+                        f"{stats['skipped']} skipped as malformed, {stats['empty']} with nothing to learn)",
+                        "check the files, the format and field names, and max_samples")
+    random.Random(seed).shuffle(documents)
+    n_eval = _eval_count(len(documents), eval_split)
+    eval_docs, train_docs = documents[:n_eval], documents[n_eval:]
+    stats.update(documents=len(documents), train_documents=len(train_docs), eval_documents=len(eval_docs))
+
+    if objective == "dpo":
+        train, train_stats = _pair_rows(train_docs, seq_len)
+        evaluation, eval_stats = _pair_rows(eval_docs, seq_len)
+    else:
+        if packing:
+            train, train_stats = pack_documents(train_docs, seq_len, seed)
+            evaluation, eval_stats = pack_documents(eval_docs, seq_len, seed)
+        else:
+            train, train_stats = truncate_documents(train_docs, seq_len)
+            evaluation, eval_stats = truncate_documents(eval_docs, seq_len)
+    stats.update(rows=train_stats.rows, eval_rows=eval_stats.rows, tokens=train_stats.tokens,
+                 eval_tokens=eval_stats.tokens, loss_tokens=train_stats.loss_tokens,
+                 eval_loss_tokens=eval_stats.loss_tokens, split=train_stats.split + eval_stats.split,
+                 truncated=train_stats.truncated + eval_stats.truncated,
+                 dropped_rows=train_stats.dropped_rows + eval_stats.dropped_rows,
+                 fill=round(train_stats.tokens / (train_stats.rows * seq_len), 4) if train_stats.rows else 0.0)
+    if not train:
+        raise DataError(f"dataset is empty after filtering: no training row has a token in the loss "
+                        f"({len(train_docs)} training documents)",
+                        "check train_on_inputs, the format (is there a completion or assistant turn?) and seq_len")
+    return DataSplits(train, evaluation, stats)
+
+
+def _eval_count(n_documents: int, eval_split: float) -> int:
+    if eval_split <= 0 or n_documents < 2:
+        return 0
+    return min(n_documents - 1, max(1, round(eval_split * n_documents)))
+
+
+def _read_spec(spec, index: int, encoder: Encoder, objective: str, seed: int, stats: dict) -> list:
+    source = read_source(spec)
+    records = source.records
+    stats["records"] += len(records) + source.skipped
+    stats["skipped"] += source.skipped
+    summary = {"path": str(spec.path), "format": spec.format, "records": len(records) + source.skipped,
+               "skipped": source.skipped, "documents": 0}
+    stats["sources"].append(summary)
+    if not records:
+        return []
+    fmt = detect_format(records[0].fields, spec, source.files[0] if len(source.files) == 1 else str(spec.path))
+    summary["format"] = fmt
+    if objective == "dpo" and fmt != "preference":
+        raise DataError(f"objective dpo needs preference records (prompt, chosen, rejected); {spec.path} has format {fmt}",
+                        "use a dataset with chosen/rejected fields, or set `format: preference` and the field names")
+    # Seed per spec so that adding a source does not reshuffle (and resample) the others.
+    order = list(range(len(records)))
+    random.Random(f"{seed}:{index}").shuffle(order)
+
+    documents: list = []
+    for i in order:
+        if spec.max_samples is not None and len(documents) >= spec.max_samples:
+            break
+        record = records[i]
+        try:
+            example = to_example(record.fields, fmt, spec, record.where)
+            if isinstance(example, PreferenceExample) and objective == "sft":
+                example = _chosen_as_sft(example)  # SFT on preference data learns the chosen answers
+            if isinstance(example, ChatExample) or (isinstance(example, PreferenceExample) and _is_chat_pair(example)):
+                stats["chat_template_fallback"] |= ensure_chat_template(encoder.tokenizer)
+            document = _encode(example, encoder, record.where)
+        except DataError:
+            if spec.on_error != "skip":
+                raise
+            stats["skipped"] += 1
+            summary["skipped"] += 1
+            continue
+        if document is None:
+            stats["empty"] += 1
+            continue
+        documents.append(document)
+    summary["documents"] = len(documents)
+    return documents
+
+
+def _is_chat_pair(example: PreferenceExample) -> bool:
+    return any(isinstance(x, list) for x in (example.prompt, example.chosen, example.rejected))
+
+
+def _encode(example, encoder: Encoder, where: str):
+    """A Document, a PreferencePair, or None when there is nothing to learn."""
+    try:
+        if isinstance(example, PreferenceExample):
+            pair = encode_preference(encoder, example)
+            return pair if pair.chosen.has_loss() and pair.rejected.has_loss() else None
+        if getattr(example, "text", None) is not None and not example.text.strip():
+            return None
+        document: Document = encoder.encode(example)
+    except (TemplateError, ValueError) as exc:  # the chat template rejects the conversation (raise_exception)
+        message = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        raise DataError(f"{where}: cannot tokenize record: {message}",
+                        "fix the record (e.g. roles the chat template accepts), or set `on_error: skip`") from None
+    return document if document.has_loss() else None
+
+
+def _chosen_as_sft(example: PreferenceExample):
+    if not _is_chat_pair(example):
+        return PromptCompletion(example.prompt, example.chosen, example.where)
+    prompt, chosen, _ = chat_prompt_and_answers(example.prompt, example.chosen, example.rejected)
+    return ChatExample(prompt + chosen, example.where)
+
+
+def _pair_rows(pairs: list[PreferencePair], seq_len: int) -> tuple[list[dict], RowStats]:
+    stats = RowStats()
+    rows = []
+    for pair in pairs:
+        fitted, truncated = fit_pair(pair, seq_len)
+        stats.truncated += truncated
+        if not (fitted.chosen.has_loss() and fitted.rejected.has_loss()):
+            stats.dropped_rows += 1
+            continue
+        rows.append(fitted.row())
+        stats.rows += 1
+        stats.tokens += len(fitted.chosen.input_ids) + len(fitted.rejected.input_ids)
+        stats.loss_tokens += sum(l != -100 for d in (fitted.chosen, fitted.rejected) for l in d.labels)
+    return rows, stats

@@ -1,0 +1,358 @@
+"""Plan a run into a memory budget: the fastest configuration whose predicted peak fits.
+
+`plan_for_budget` searches, with the analytic estimator (`maximus.memory.estimate`):
+
+* method (only when the user asked for ``auto``): qlora, lora, full;
+* micro-batch (every divisor of the per-rank batch) with gradient accumulation making up the
+  rest, so the effective batch (micro-batch x accumulation x world size) never changes;
+* checkpointing: off, selective, full, or the first k layers fully checkpointed (the smallest k
+  that fits: recompute only what the budget requires);
+* activation offload (checkpointed layer inputs in host memory) and optimizer-state offload;
+* the lean loss's chunk size (the loss mode itself is the user's: exact by default; ghost and
+  naive only when asked for).
+
+Among the plans whose predicted peak is at most ``budget x (1 - margin)`` it keeps the one with
+the highest predicted tokens/s (ties: the smaller peak). When none fits it raises `BudgetError`
+naming the smallest budget that would work and the setting that needs it.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, field
+from typing import Any, Iterable, Sequence
+
+from maximus.config import format_bytes, parse_bytes
+from maximus.errors import BudgetError, ConfigError
+from maximus.memory.estimate import Estimate, default_loss_chunk, estimate_peak, model_shape, DTYPE_BYTES
+
+__all__ = ["Plan", "plan_for_budget", "resolve_budget", "max_seq_len_for_budget", "DEFAULT_MARGIN", "DEFAULT_ALLOW",
+           "BREAKDOWN_ROWS"]
+
+#: Fraction of the budget kept free for what no estimate sees: allocator fragmentation,
+#: kernels' scratch space, the odd long batch.
+DEFAULT_MARGIN = 0.10
+
+#: What the planner may change by default. Add ``"adamw_8bit"`` to let it switch to 8-bit AdamW
+#: (a numerics change, hence opt-in).
+#: ``checkpointing`` = full and per-layer (first k layers) recompute; ``selective`` = per-op.
+DEFAULT_ALLOW = frozenset({"checkpointing", "selective", "offload_activations", "offload_optimizer", "micro_batch",
+                           "loss_chunk"})
+
+BREAKDOWN_ROWS = ("weights", "adapters", "gradients", "optimizer", "activations", "loss", "workspace")
+
+
+@dataclass
+class Plan:
+    """A configuration that fits the budget, with its predicted memory (bytes)."""
+
+    method: str
+    micro_batch_size: int
+    grad_accum: int
+    gradient_checkpointing: str | list[bool]
+    offload_activations: bool
+    offload_optimizer: bool
+    optimizer: str
+    loss_mode: str
+    loss_chunk_size: int | None
+    peak_bytes: int
+    breakdown: dict[str, int]
+    budget_bytes: int | None
+    margin_bytes: int
+    seq_len: int = 2048
+    world_size: int = 1
+    dtype: str = "bf16"
+    lora_r: int | None = 16
+    tokens_per_s_guess: float = 0.0
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def effective_batch(self) -> int:
+        return self.micro_batch_size * self.grad_accum * self.world_size
+
+    @property
+    def checkpointing_label(self) -> str:
+        """``off``, ``full``, ``selective`` or ``k/L layers``."""
+        gc = self.gradient_checkpointing
+        if isinstance(gc, str):
+            return gc
+        return f"{sum(gc)}/{len(gc)} layers"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready; goes into run.json as ``plan``."""
+        d = asdict(self)
+        d["effective_batch"] = self.effective_batch
+        return d
+
+    def table(self):
+        """A rich Table: the plan's settings and its memory breakdown against the budget."""
+        from rich.table import Table
+
+        t = Table(title="memory plan", show_header=True, header_style="bold")
+        t.add_column("item")
+        t.add_column("value", justify="right")
+        for label, value in self._rows():
+            t.add_row(label, value)
+        return t
+
+    def text(self) -> str:
+        """The same as `table`, as plain lines (logs, non-terminal output)."""
+        rows = self._rows()
+        width = max(len(r[0]) for r in rows)
+        return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
+
+    def _rows(self) -> list[tuple[str, str]]:
+        rows = [
+            ("method", f"{self.method}" + (f" (r={self.lora_r})" if self.method != "full" and self.lora_r else "")),
+            ("batch", f"{self.micro_batch_size} x {self.grad_accum} accumulation x {self.world_size} ranks"
+                      f" = {self.effective_batch} sequences of {self.seq_len} tokens"),
+            ("checkpointing", self.checkpointing_label),
+            ("offload", ", ".join(n for n, on in (("activations", self.offload_activations),
+                                                    ("optimizer", self.offload_optimizer)) if on) or "none"),
+            ("loss", self.loss_mode + (f" (chunk {self.loss_chunk_size} tokens)" if self.loss_chunk_size else "")),
+            ("optimizer", self.optimizer),
+        ]
+        rows += [(name, format_bytes(self.breakdown.get(name, 0))) for name in BREAKDOWN_ROWS]
+        rows.append(("margin", format_bytes(self.margin_bytes)))
+        rows.append(("predicted peak", format_bytes(self.peak_bytes)))
+        if self.budget_bytes:
+            rows.append(("budget", f"{format_bytes(self.budget_bytes)} "
+                                   f"({(self.peak_bytes + self.margin_bytes) / self.budget_bytes:.0%} used with margin)"))
+        return rows
+
+
+# ------------------------------------------------------------------------------------------------
+
+
+def resolve_budget(value: Any, device: Any = "cuda") -> int | None:
+    """A budget in bytes from a config value: a size (``16GB``), a card name, a number of bytes,
+    ``auto`` (free memory of the device: `torch.cuda.mem_get_info` on CUDA, available RAM on
+    CPU) or None (no budget)."""
+    parsed = parse_bytes(value, "optimization.target_vram") if not isinstance(value, int) or isinstance(value, bool) else value
+    if parsed is None:
+        return None
+    if parsed != "auto":
+        return int(parsed)
+    import torch
+
+    dev = torch.device(device) if not isinstance(device, torch.device) else device
+    if dev.type == "cuda":
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    if dev.type == "mps" and hasattr(torch, "mps") and hasattr(torch.mps, "recommended_max_memory"):
+        return int(torch.mps.recommended_max_memory() - torch.mps.current_allocated_memory())
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _divisors(n: int) -> list[int]:
+    return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0 for d in (i, n // i)})
+
+
+def _describe(plan_kwargs: dict, seq_len: int, num_layers: int) -> str:
+    gc = plan_kwargs["checkpointing"]
+    if isinstance(gc, int):
+        gc_text = f"checkpointing {gc}/{num_layers} layers"
+    else:
+        gc_text = {"off": "no checkpointing", "full": "full checkpointing", "selective": "selective checkpointing"}[gc]
+    parts = [plan_kwargs["method"], f"micro_batch {plan_kwargs['micro_batch']}", gc_text]
+    if plan_kwargs.get("offload_activations"):
+        parts.append("activation offload")
+    if plan_kwargs.get("offload_optimizer"):
+        parts.append("optimizer offload")
+    parts.append(f"seq {seq_len}")
+    return ", ".join(parts)
+
+
+def _candidates(shape, *, methods, micro_batches, checkpointings, offload_act_options, offload_opt_options,
+                optimizers, loss_mode, chunks_for):
+    """Every combination the planner may pick, cheapest knobs first (see `plan_for_budget`)."""
+    for method in methods:
+        for mb in micro_batches:
+            for gc in checkpointings:
+                recomputes = gc != "off"
+                for off_act in offload_act_options:
+                    if off_act and (not recomputes or gc == "selective"):
+                        continue  # only checkpointed layer inputs can be offloaded
+                    for off_opt in offload_opt_options:
+                        for opt in optimizers:
+                            for chunk in chunks_for(mb):
+                                yield dict(method=method, micro_batch=mb, checkpointing=gc, offload_activations=off_act,
+                                           offload_optimizer=off_opt, optimizer=opt, loss_mode=loss_mode,
+                                           loss_chunk_tokens=chunk)
+
+
+def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str = "lora", batch_size: int = 8,
+                    seq_len: int = 2048, world_size: int = 1, allow: Iterable[str] | None = None, dtype: str = "bf16",
+                    optimizer: str = "adamw", lora_r: int = 16, lora_targets: str | Sequence[str] = "all-linear",
+                    loss_mode: str = "exact", loss_chunk_size: int | str | None = "auto",
+                    micro_batch_size: int | str = "auto", gradient_checkpointing: str = "auto",
+                    offload_activations: str | bool = "auto", offload_optimizer: str | bool = "auto",
+                    margin: float = DEFAULT_MARGIN, device: str = "cuda") -> Plan:
+    """The fastest plan whose predicted peak is at most ``budget_bytes * (1 - margin)``.
+
+    Fixed settings (an int micro-batch, ``gradient_checkpointing: full``, ``offload_*: on/off``,
+    an int chunk) are honoured; ``auto`` ones are searched. ``allow`` limits what the planner may
+    change (default `DEFAULT_ALLOW`). With ``budget_bytes=None`` the fastest plan is returned
+    (no budget: the estimate is still recorded).
+
+    Raises:
+        BudgetError: nothing fits; the message names the smallest budget that would work.
+        ConfigError: the batch cannot be split evenly over the ranks, or a setting is unknown.
+    """
+    allow = DEFAULT_ALLOW if allow is None else frozenset(allow)
+    shape = model_shape(model_config)
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r}", "use bf16, fp16 or fp32")
+    if batch_size % world_size:
+        raise ConfigError(f"training.batch_size {batch_size} is not a multiple of the {world_size} ranks",
+                          f"use a batch_size divisible by {world_size}")
+    per_rank = batch_size // world_size
+
+    methods = ["qlora", "lora", "full"] if method == "auto" else [method]
+    if isinstance(micro_batch_size, int):
+        if per_rank % micro_batch_size:
+            raise ConfigError(f"training.micro_batch_size {micro_batch_size} does not divide the per-rank batch {per_rank}",
+                              "pick a divisor of batch_size / world size, or auto")
+        micro_batches = [micro_batch_size]
+    else:
+        micro_batches = _divisors(per_rank) if "micro_batch" in allow else [min(per_rank, 4)]
+    if gradient_checkpointing in ("off", "full", "selective"):
+        checkpointings: list[Any] = [gradient_checkpointing]
+    else:
+        checkpointings = ["off"] + (["selective"] if "selective" in allow else []) + (
+            ["full"] if "checkpointing" in allow else [])
+    off_act = _switch(offload_activations, "offload_activations" in allow)
+    off_opt = _switch(offload_optimizer, "offload_optimizer" in allow)
+    optimizers = [optimizer] + (["adamw_8bit"] if "adamw_8bit" in allow and optimizer == "adamw" else [])
+    b = DTYPE_BYTES[dtype]
+
+    def chunks_for(mb: int) -> list[int | None]:
+        if loss_mode == "naive":
+            return [None]
+        if isinstance(loss_chunk_size, int):
+            return [loss_chunk_size]
+        tokens = mb * seq_len
+        default = default_loss_chunk(tokens, shape.vocab_size, b)
+        if "loss_chunk" not in allow:
+            return [default]
+        smaller = [c for c in (1024, 512, 256, 128, 64, 32) if c < default]
+        return [default] + smaller
+
+    usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
+    common = dict(dtype=dtype, seq_len=seq_len, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
+                  device=device)
+
+    def est(kw: dict, mb: int) -> Estimate:
+        return estimate_peak(shape, grad_accum=per_rank // mb, **common, **kw)
+
+    best: tuple[float, int, dict, Estimate] | None = None
+    smallest: tuple[int, dict, Estimate] | None = None
+    for kw in _candidates(shape, methods=methods, micro_batches=micro_batches, checkpointings=checkpointings,
+                          offload_act_options=off_act, offload_opt_options=off_opt, optimizers=optimizers,
+                          loss_mode=loss_mode, chunks_for=chunks_for):
+        mb = kw["micro_batch"]
+        e = est(kw, mb)
+        if usable is not None and e.peak_bytes > usable and kw["checkpointing"] == "off" and "checkpointing" in allow \
+                and gradient_checkpointing == "auto":
+            # Between off and full: checkpoint just enough layers (the fewest that fit).
+            kw, e = _fewest_checkpointed_layers(kw, e, usable, shape.num_layers, lambda k: est(k, mb))
+        if smallest is None or e.peak_bytes < smallest[0]:
+            smallest = (e.peak_bytes, kw, e)
+        if usable is None or e.peak_bytes <= usable:
+            key = (e.tokens_per_s_guess, -e.peak_bytes)
+            if best is None or key > best[:2]:
+                best = (e.tokens_per_s_guess, -e.peak_bytes, kw, e)
+    assert smallest is not None
+    if best is None:
+        needed = math.ceil(smallest[0] / (1 - margin))
+        hint = "raise target_vram, lower training.seq_len, or use method: qlora"
+        if "qlora" in methods:
+            hint = "raise target_vram or lower training.seq_len"
+        raise BudgetError(f"nothing fits in {format_bytes(budget_bytes)}: the smallest plan needs "
+                          f"{format_bytes(needed)} ({_describe(smallest[1], seq_len, shape.num_layers)})", hint)
+    _, _, kw, e = best
+    return _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r)
+
+
+def _switch(value: str | bool, allowed: bool) -> list[bool]:
+    if value in (True, "on"):
+        return [True]
+    if value in (False, "off"):
+        return [False]
+    if value != "auto":
+        raise ConfigError(f"offload setting must be auto, on or off, got {value!r}", "see optimization.offload")
+    return [False, True] if allowed else [False]
+
+
+def _fewest_checkpointed_layers(kw: dict, e_off: Estimate, usable: int, num_layers: int, estimate):
+    """Binary search the smallest number of fully checkpointed layers whose peak fits."""
+    lo, hi = 1, num_layers - 1
+    found = None
+    while lo <= hi:
+        mid = (lo + hi) // 2
+        trial = dict(kw, checkpointing=mid)
+        e = estimate(trial)
+        if e.peak_bytes <= usable:
+            found = (trial, e)
+            hi = mid - 1
+        else:
+            lo = mid + 1
+    return found if found else (kw, e_off)
+
+
+def _to_plan(kw: dict, e: Estimate, shape, budget: int | None, margin: float, per_rank: int, world_size: int,
+             seq_len: int, dtype: str, lora_r: int) -> Plan:
+    gc = kw["checkpointing"]
+    if isinstance(gc, int):
+        gc_value: str | list[bool] = [i < gc for i in range(shape.num_layers)]
+    else:
+        gc_value = gc
+    mb = kw["micro_batch"]
+    margin_bytes = int(budget * margin) if budget else 0
+    notes = [f"micro-batch {mb} x gradient accumulation {per_rank // mb} x {world_size} rank(s) keeps the "
+             f"effective batch of {per_rank * world_size}"]
+    if budget:
+        notes.append(f"predicted peak {format_bytes(e.peak_bytes)} of {format_bytes(budget)} "
+                     f"({e.peak_bytes / budget:.0%}), {format_bytes(margin_bytes)} kept as margin")
+    if isinstance(gc, int):
+        notes.append(f"{gc} of {shape.num_layers} layers fully checkpointed: the fewest that fit")
+    return Plan(method=kw["method"], micro_batch_size=mb, grad_accum=per_rank // mb, gradient_checkpointing=gc_value,
+                offload_activations=kw["offload_activations"], offload_optimizer=kw["offload_optimizer"],
+                optimizer=kw["optimizer"], loss_mode=kw["loss_mode"], loss_chunk_size=kw["loss_chunk_tokens"],
+                peak_bytes=e.peak_bytes, breakdown=dict(e.breakdown), budget_bytes=budget, margin_bytes=margin_bytes,
+                seq_len=seq_len, world_size=world_size, dtype=dtype, lora_r=lora_r if kw["method"] != "full" else None,
+                tokens_per_s_guess=e.tokens_per_s_guess, notes=notes)
+
+
+def max_seq_len_for_budget(model_config: Any, budget_bytes: int, *, method: str = "qlora", micro_batch: int = 1,
+                           dtype: str = "bf16", optimizer: str = "adamw", lora_r: int = 16,
+                           lora_targets: str | Sequence[str] = "all-linear", loss_mode: str = "exact",
+                           allow: Iterable[str] | None = None, margin: float = DEFAULT_MARGIN, device: str = "cuda",
+                           limit: int = 1 << 22) -> int:
+    """The longest sequence (tokens) for which some plan with this micro-batch fits the budget;
+    0 if not even one token fits. Every knob in ``allow`` may be used (full checkpointing,
+    activation offload, small loss chunks)."""
+
+    def fits(seq: int) -> bool:
+        try:
+            plan_for_budget(model_config, budget_bytes, method=method, batch_size=micro_batch, seq_len=seq,
+                            micro_batch_size=micro_batch, allow=allow, dtype=dtype, optimizer=optimizer,
+                            lora_r=lora_r, lora_targets=lora_targets, loss_mode=loss_mode, margin=margin, device=device)
+            return True
+        except BudgetError:
+            return False
+
+    if not fits(1):
+        return 0
+    lo, hi = 1, 2
+    while hi <= limit and fits(hi):
+        lo, hi = hi, hi * 2
+    hi = min(hi, limit + 1)
+    while hi - lo > 1:  # invariant: fits(lo), not fits(hi)
+        mid = (lo + hi) // 2
+        if fits(mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo

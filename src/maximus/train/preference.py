@@ -1,0 +1,271 @@
+"""The preference objective (`objective: dpo`): DPO / IPO / hinge / SimPO / ORPO in the trainer.
+
+One micro-batch of N pairs is one forward of 2N rows (chosen rows then rejected rows, padded to
+one length by `maximus.data.collate`). Sequence log-probabilities are sums of per-token
+`log p(label)` over the answer tokens only (prompt and padding labels are -100), computed by
+`maximus.losses.linear_cross_entropy.token_log_probs` from the hidden states: no
+tokens x vocabulary logits tensor is ever held.
+
+Reference log-probs (for sigmoid / ipo / hinge; SimPO and ORPO need none), never a second model:
+
+- `dpo.reference: adapter_off` (LoRA / QLoRA): the same model under `disable_adapter()` in
+  `no_grad`, just before the policy forward of the same micro-batch. The reference is the base
+  *without* any adapter, including one loaded with `init_adapter`; to compare against the SFT
+  adapter you start from, use `precomputed`.
+- `dpo.reference: precomputed` (required for full fine-tuning): `prepare()` runs the model as it
+  is before the first step (base, or base + `init_adapter`) over every train and eval pair once
+  and writes `output_dir/reference_logps.safetensors`; a resumed or repeated run with the same
+  model reuses it. Pairs are keyed by a SHA-1 of their token ids and labels (the batch carries
+  no row index), so the same pair always finds its entry whatever the batch order.
+
+Protocol (see `maximus.train.objective.SFTObjective`): `count` = pairs, `loss_sum` = sum of
+per-pair losses with metric sums `rewards/chosen`, `rewards/rejected`, `rewards/margin`,
+`rewards/accuracy` (the trainer divides them by the pair count), `evaluate` = exact reward
+accuracy, margin and loss on the held-out pairs.
+
+Raises ConfigError: `adapter_off` on a model without an adapter (full fine-tuning).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+from pathlib import Path
+
+import torch
+
+from maximus.errors import ConfigError
+from maximus.losses.linear_cross_entropy import linear_cross_entropy, token_log_probs
+from maximus.losses.preference import dpo_loss, needs_reference
+from maximus.train.objective import IGNORE_INDEX, hidden_states, output_head, shift_labels
+
+CACHE_FILE = "reference_logps.safetensors"
+_CACHE_VERSION = "1"
+SIDES = ("chosen", "rejected")
+
+
+def sequence_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, labels: torch.Tensor,
+                   chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log p of each row's labelled tokens [R] float32, labelled token count [R])."""
+    hidden = hidden_states(model, input_ids, position_ids)
+    head = output_head(model)
+    target = shift_labels(labels, position_ids)
+    if head.softcap is None:
+        per_token = token_log_probs(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size, bias=head.bias)
+    else:  # Gemma-style soft-capped logits: same chunked kernel, with the cap
+        per_token = -linear_cross_entropy(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size,
+                                          softcap=head.softcap, reduction="none", bias=head.bias)
+    return per_token.sum(dim=-1), (target != IGNORE_INDEX).sum(dim=-1)
+
+
+def row_lengths(position_ids: torch.Tensor) -> torch.Tensor:
+    """Real (unpadded) length of each right-padded row [R]: padding restarts positions at 0."""
+    restart = position_ids[:, 1:] == 0
+    first = torch.where(restart.any(dim=1), restart.float().argmax(dim=1) + 1,
+                        torch.full_like(restart[:, 0], position_ids.shape[1], dtype=torch.long))
+    return first.long()
+
+
+def pair_keys(batch: dict) -> list[bytes]:
+    """SHA-1 of each pair's unpadded token ids and labels (both sides): its identity in the cache."""
+    parts = {}
+    for side in SIDES:
+        lengths = row_lengths(batch[f"{side}_position_ids"]).tolist()
+        ids = batch[f"{side}_input_ids"].cpu()
+        labels = batch[f"{side}_labels"].cpu()
+        parts[side] = [(ids[i, :n], labels[i, :n]) for i, n in enumerate(lengths)]
+    keys = []
+    for (ci, cl), (ri, rl) in zip(parts["chosen"], parts["rejected"]):
+        h = hashlib.sha1()
+        for t in (ci, cl, ri, rl):
+            h.update(len(t).to_bytes(8, "little"))
+            h.update(t.to(torch.int64).numpy().tobytes())
+        keys.append(h.digest())
+    return keys
+
+
+def _concat_sides(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """chosen rows then rejected rows, as one [2N, T] batch (collate pads both to one length)."""
+    return tuple(torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "position_ids", "labels"))
+
+
+def _peft_model_of(model):
+    m = model
+    for attr in ("module", "_orig_mod"):
+        m = getattr(m, attr, m)
+    return m if hasattr(m, "disable_adapter") and hasattr(m, "peft_config") else None
+
+
+class PreferenceObjective:
+    """DPO-family loss on (chosen, rejected) pairs; the trainer normalises by the pair count."""
+
+    name = "dpo"
+
+    def __init__(self, cfg, plan: dict, pad_token_id: int):
+        self.cfg = cfg
+        self.plan = plan
+        self.pad_token_id = pad_token_id
+        d = cfg.dpo
+        self.loss_type = d.loss
+        self.beta = d.beta
+        self.loss_kwargs = dict(beta=d.beta, loss_type=d.loss, label_smoothing=d.label_smoothing,
+                                simpo_gamma=d.simpo_gamma, orpo_alpha=d.orpo_alpha)
+        self.reference = d.reference if needs_reference(d.loss) else None
+        self.chunk_size = plan.get("loss_chunk_size")
+        self.cache: dict[bytes, tuple[float, float]] = {}
+        self.cache_path: Path | None = None
+        self.cache_reused = False
+
+    # ------------------------------------------------------------------------------ protocol
+    def count(self, batch: dict) -> int:
+        return int(batch["chosen_input_ids"].shape[0])
+
+    def tokens(self, batch: dict) -> int:
+        return int(sum(row_lengths(batch[f"{side}_position_ids"]).sum() for side in SIDES))
+
+    def prepare(self, trainer) -> None:
+        if self.reference == "adapter_off" and _peft_model_of(trainer.model) is None:
+            raise ConfigError(f"dpo.reference: adapter_off needs an adapter to switch off, but method is {trainer.method}",
+                              "set dpo.reference: precomputed (reference log-probs computed once and cached)")
+        if self.reference == "precomputed":
+            self._prepare_cache(trainer)
+
+    def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        losses, chosen_rewards, rejected_rewards, _ = self._pair_losses(model, batch)
+        return losses.sum(), _reward_sums(chosen_rewards, rejected_rewards)
+
+    @torch.no_grad()
+    def evaluate(self, trainer) -> dict:
+        """Held-out pairs: mean loss, reward accuracy (chosen reward > rejected), mean rewards and
+        margin, and the perplexity of the chosen answers under the model (per token)."""
+        from maximus.data import collate
+        from maximus.evaluate import autocast_for
+
+        model, rows = trainer.model, trainer.data.eval
+        size = int(self.plan["micro_batch_size"])
+        max_batches = self.cfg.eval.max_batches
+        totals = {"loss": 0.0, "rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/margin": 0.0,
+                  "rewards/accuracy": 0.0}
+        nll, nll_tokens, pairs = 0.0, 0, 0
+        was_training = model.training
+        model.eval()
+        try:
+            for i, start in enumerate(range(0, len(rows), size)):
+                if max_batches is not None and i >= max_batches:
+                    break
+                batch = {k: v.to(trainer.device) for k, v in collate(rows[start:start + size], self.pad_token_id).items()}
+                with autocast_for(trainer.device, trainer.dtype):
+                    losses, rc, rr, (logps, counts) = self._pair_losses(model, batch)
+                n = losses.shape[0]
+                totals["loss"] += float(losses.double().sum())
+                for k, v in _reward_sums(rc, rr).items():
+                    totals[k] += float(v)
+                nll -= float(logps[:n].double().sum())
+                nll_tokens += int(counts[:n].sum())
+                pairs += n
+        finally:
+            model.train(was_training)
+        result = {k: v / max(pairs, 1) for k, v in totals.items()}
+        chosen_nll = nll / max(nll_tokens, 1)
+        result.update(perplexity=math.exp(min(chosen_nll, 50.0)), pairs=pairs)
+        return result
+
+    # ------------------------------------------------------------------------------ internals
+    def _pair_losses(self, model, batch: dict):
+        """Per-pair losses [N], rewards [N] x 2, and the policy's (logps [2N], token counts [2N])."""
+        n = self.count(batch)
+        input_ids, position_ids, labels = _concat_sides(batch)
+        ref_chosen = ref_rejected = None
+        if self.reference == "adapter_off":
+            # Before the policy forward, so its activations are gone before the policy's are made.
+            with torch.no_grad(), _peft_model_of(model).disable_adapter():
+                ref, _ = sequence_logps(model, input_ids, position_ids, labels, self.chunk_size)
+            ref_chosen, ref_rejected = ref[:n], ref[n:]
+        elif self.reference == "precomputed":
+            ref_chosen, ref_rejected = self._lookup(batch)
+        logps, counts = sequence_logps(model, input_ids, position_ids, labels, self.chunk_size)
+        losses, rc, rr = dpo_loss(logps[:n], logps[n:], ref_chosen, ref_rejected, reduction="none",
+                                  chosen_lengths=counts[:n], rejected_lengths=counts[n:], **self.loss_kwargs)
+        return losses, rc, rr, (logps.detach(), counts)
+
+    def _lookup(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
+        keys = pair_keys(batch)
+        missing = sum(k not in self.cache for k in keys)
+        if missing:  # a bug, not a user mistake: prepare() covers every train and eval pair
+            raise RuntimeError(f"{missing} pair(s) of the batch have no precomputed reference log-probs")
+        values = torch.tensor([self.cache[k] for k in keys], dtype=torch.float64,
+                              device=batch["chosen_input_ids"].device)
+        return values[:, 0], values[:, 1]
+
+    def _cache_meta(self, trainer) -> dict:
+        cfg = self.cfg
+        return {"version": _CACHE_VERSION, "model": str(cfg.model), "init_adapter": str(cfg.init_adapter),
+                "method": str(trainer.method), "dtype": str(trainer.dtype), "loss_chunk_size": str(self.chunk_size)}
+
+    def _prepare_cache(self, trainer) -> None:
+        from maximus.data import collate
+        from maximus.evaluate import autocast_for
+
+        rows = list(trainer.data.train) + list(trainer.data.eval)
+        size = int(self.plan["micro_batch_size"])
+        batches = [collate(rows[i:i + size], self.pad_token_id) for i in range(0, len(rows), size)]
+        keys = [k for b in batches for k in pair_keys(b)]
+        self.cache_path = Path(trainer.run_dir) / CACHE_FILE
+        meta = self._cache_meta(trainer)
+        stored = _read_cache(self.cache_path, meta)
+        if stored is not None and all(k in stored for k in keys):
+            self.cache, self.cache_reused = stored, True
+            return
+        model = trainer.model
+        was_training = model.training
+        model.eval()
+        values = []
+        try:
+            with torch.no_grad():
+                for batch in batches:
+                    batch = {k: v.to(trainer.device) for k, v in batch.items()}
+                    with autocast_for(trainer.device, trainer.dtype):
+                        logps, _ = sequence_logps(model, *_concat_sides(batch), chunk_size=self.chunk_size)
+                    n = self.count(batch)
+                    values.extend(zip(logps[:n].double().tolist(), logps[n:].double().tolist()))
+        finally:
+            model.train(was_training)
+        self.cache = dict(zip(keys, values))
+        if getattr(getattr(trainer, "dist", None), "is_main", True):
+            _write_cache(self.cache_path, self.cache, meta)
+
+
+def _reward_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
+    """Per-micro-batch sums; the trainer divides by the step's pair count."""
+    return {"rewards/chosen": chosen.double().sum(), "rewards/rejected": rejected.double().sum(),
+            "rewards/margin": (chosen - rejected).double().sum(),
+            "rewards/accuracy": (chosen > rejected).double().sum()}
+
+
+def _read_cache(path: Path, meta: dict) -> dict | None:
+    """{key: (chosen, rejected)} from a cache written for the same model setup, else None."""
+    from safetensors import safe_open
+
+    if not path.is_file():
+        return None
+    try:
+        with safe_open(str(path), framework="pt") as f:
+            if (f.metadata() or {}).get("setup") != json.dumps(meta, sort_keys=True):
+                return None
+            keys, values = f.get_tensor("keys"), f.get_tensor("logps")
+    except Exception:  # a torn or foreign file is recomputed, never trusted
+        return None
+    return {bytes(k.tolist()): (float(v[0]), float(v[1])) for k, v in zip(keys, values)}
+
+
+def _write_cache(path: Path, cache: dict, meta: dict) -> None:
+    """keys: uint8 [P, 20] SHA-1 of each pair; logps: float64 [P, 2] (chosen, rejected) in nats."""
+    from safetensors.torch import save_file
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    keys = torch.tensor([list(k) for k in cache], dtype=torch.uint8).reshape(-1, 20)
+    values = torch.tensor(list(cache.values()), dtype=torch.float64).reshape(-1, 2)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    save_file({"keys": keys, "logps": values}, str(tmp), metadata={"setup": json.dumps(meta, sort_keys=True)})
+    os.replace(tmp, path)  # atomic: a crash leaves the old file or none, never half of one
