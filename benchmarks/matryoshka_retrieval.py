@@ -278,11 +278,13 @@ def main(argv=None) -> int:
     parser.add_argument("--pairs", type=int, default=1000, help="held-out retrieval pairs")
     parser.add_argument("--doc-tokens", type=int, default=128, help="tokens kept per query / document")
     parser.add_argument("--index-size", type=int, default=100_000, help="vectors in the timing index")
-    parser.add_argument("--cost-reps", type=int, default=7)
+    parser.add_argument("--cost-reps", type=int, default=7, help="alternating timed steps per variant")
+    parser.add_argument("--search-reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args(argv)
     if args.quick:
-        args.steps, args.pairs, args.vocab, args.cost_reps, args.doc_tokens = 12, 200, 1024, 3, 64
+        args.steps, args.pairs, args.vocab, args.doc_tokens = 6, 150, 1024, 64
+        args.cost_reps, args.search_reps = 3, 1
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
 
@@ -310,8 +312,9 @@ def main(argv=None) -> int:
             cost_model = model
     print(f"measuring costs ({time.perf_counter() - t0:.0f} s)", flush=True)
     cost = aux_cost(cost_model, windows, args)
-    head_cost = loss_only_cost(1024 if args.quick else 2048, 2048, 32000, args.cost_reps)
-    timing = {w: search_cost(args.index_size, w, 64, 3) for w in (args.hidden, 4096)}
+    head_shape = (512, 1024, 16000) if args.quick else (1024, 2048, 32000)  # tokens, hidden, vocab
+    head_cost = loss_only_cost(*head_shape, reps=2 if args.quick else 3)
+    timing = {w: search_cost(args.index_size, w, 64, args.search_reps) for w in (args.hidden, 4096)}
 
     print(f"\n## Retrieval: recall@10, {len(pairs)} docstring -> function pairs (held-out stdlib files)\n")
     print("| model | 64-d | 128-d | full (%d-d) | 64-d / full | 64-d shortlist -> full rerank | held-out CE full | CE with 64-d prefix |" % args.hidden)
@@ -329,13 +332,13 @@ def main(argv=None) -> int:
     print("|---|---|---|---|")
     print(f"| training step, benchmark model ({args.batch}x{args.seq_len} tokens), median s | {t[False]:.3f} | {t[True]:.3f} | {t[True] / t[False]:.3f} |")
     print(f"| peak tensor memory of a step, MiB | {p[False] / 2**20:.1f} | {p[True] / 2**20:.1f} | {p[True] / p[False]:.3f} |")
-    print(f"| head only: CE fwd+bwd, H=2048, V=32000, median s | {head_cost[False]:.3f} | {head_cost[True]:.3f} | {head_cost[True] / head_cost[False]:.3f} |")
+    print(f"| head only: CE fwd+bwd, {head_shape[0]} tokens, H={head_shape[1]}, V={head_shape[2]}, median s | {head_cost[False]:.3f} | {head_cost[True]:.3f} | {head_cost[True] / head_cost[False]:.3f} |")
     flop = lambda v, h, params: 6 * v * sum(d for d in DIMS if d < h) / (6 * params)
     print(f"\nAux matmul FLOPs as a share of a training step's 6*params FLOPs per token: benchmark model "
           f"{flop(len(tokenizer), args.hidden, sum(x.numel() for x in cost_model.parameters())):.1%}, "
           f"Llama-3-8B (V=128256, H=4096, 8.03e9 params) {flop(128256, 4096, 8.03e9):.2%}.")
 
-    print(f"\n## Search over {args.index_size:,} vectors, 64 queries, k=10 (median of 3)\n")
+    print(f"\n## Search over {args.index_size:,} vectors, 64 queries, k=10 (median of {args.search_reps})\n")
     print("| width | index MiB full | index MiB 64-d | full s | 64-d s | speed-up | 64-d shortlist 100 -> full rerank s |")
     print("|---|---|---|---|---|---|---|")
     for w, r in timing.items():

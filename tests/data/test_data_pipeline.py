@@ -55,9 +55,9 @@ def test_eval_split_sizes(write_jsonl, spec, tok, n, split, expected):
 
 def test_max_samples_takes_a_seeded_sample_and_sources_concatenate(numbers, write_jsonl, spec, tok):
     other = write_jsonl([{"prompt": f"p{i}", "completion": f" c{i}"} for i in range(5)], "pc.jsonl")
-    splits = build_datasets([spec(numbers, max_samples=7), spec(other)], tok, seq_len=64, eval_split=0, seed=1)
+    splits = build_datasets([spec(other), spec(numbers, max_samples=7)], tok, seq_len=64, eval_split=0, seed=1)
     assert splits.stats["documents"] == 12
-    assert [(s["format"], s["documents"]) for s in splits.stats["sources"]] == [("text", 7), ("prompt_completion", 5)]
+    assert [(s["format"], s["documents"]) for s in splits.stats["sources"]] == [("prompt_completion", 5), ("text", 7)]
     picked = {tok.decode(d[:-1]) for d in documents_of(splits.train) if tok.decode(d).startswith("number")}
     assert len(picked) == 7 and picked != {f"number {i} is here" for i in range(7)}  # shuffled, not the first 7
     again = build_datasets([spec(numbers, max_samples=7)], tok, seq_len=64, eval_split=0, seed=1)

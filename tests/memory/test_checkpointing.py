@@ -187,11 +187,12 @@ def test_qlora_4bit_base_with_adapters_only_trainable(tmp_path):
 
 
 class _LiveBytes(TorchDispatchMode):
-    """Bytes of tensor storages created under the mode and still alive."""
+    """Bytes of tensor storages created under the mode and still alive (weights excluded)."""
 
-    def __init__(self):
+    def __init__(self, model):
         super().__init__()
         self.live: dict[int, int] = {}
+        self.weights = {id(t.untyped_storage()) for t in [*model.parameters(), *model.buffers()]}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
@@ -199,7 +200,7 @@ class _LiveBytes(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 storage = t.untyped_storage()
                 key = id(storage)
-                if key not in self.live:
+                if key not in self.live and key not in self.weights:
                     self.live[key] = storage.nbytes()
                     weakref.finalize(storage, self.live.pop, key, None)
         return out
@@ -209,8 +210,9 @@ def live_bytes_after_forward(policy, seq):
     model = tiny_lora(dropout=0.0)
     report = apply_checkpointing(model, policy, micro_batch=1, seq_len=seq)
     stack = find_decoder_layers(model)[0]
+    stack.norm = torch.nn.Identity()  # the final norm's saved input is not a decoder layer's
     ids = torch.randint(0, SHAPES["vocab_size"], (1, seq))
-    with _LiveBytes() as tracker:
+    with _LiveBytes(model) as tracker:
         hidden = stack(input_ids=ids, use_cache=False).last_hidden_state
     return sum(tracker.live.values()) - hidden.untyped_storage().nbytes(), report
 
@@ -219,7 +221,7 @@ def live_bytes_after_forward(policy, seq):
 def test_estimated_saved_bytes_match_live_memory(policy):
     # 96 tokens: outside the two probe lengths (32, 64), so the fit is tested, not just replayed.
     measured, report = live_bytes_after_forward(policy, 96)
-    assert measured == pytest.approx(report.total_saved_bytes, rel=0.05)
+    assert measured == pytest.approx(report.total_saved_bytes, rel=0.02)
 
 
 def test_extrapolated_costs_scale_with_micro_batch_and_tokens():
@@ -272,10 +274,12 @@ def test_without_budget_minimise_memory_within_extra_time():
     # step 1000 FLOPs: 25 % = 250 allows all four selective (20) and two upgrades to full (95 each).
     assert choose_recompute_modes(LAYERS, step_flops=1000) == ["full", "full", "selective", "selective"]
     assert choose_recompute_modes(LAYERS, step_flops=100) == ["selective"] * 4
-    assert choose_recompute_modes(LAYERS, step_flops=10) == ["selective", "selective", "none", "none"]
+    assert choose_recompute_modes(LAYERS, step_flops=40) == ["selective", "selective", "none", "none"]
+    assert choose_recompute_modes(LAYERS, step_flops=10) == ["none"] * 4
     # A selective that saves little per FLOP is skipped in favour of going straight to full.
     poor = [cost(100, 95, 10, 50, 60)] * 2
-    assert choose_recompute_modes(poor, step_flops=240) == ["full", "full"]
+    assert choose_recompute_modes(poor, step_flops=480) == ["full", "full"]
+    assert choose_recompute_modes(poor, step_flops=240) == ["full", "none"]
 
 
 def test_auto_report_is_within_the_time_allowance_and_serialises():

@@ -73,8 +73,8 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
              "chat_template_fallback": False, "sources": []}
 
     documents: list = []
-    for index, spec in enumerate(specs):
-        documents.extend(_read_spec(spec, index, encoder, objective, seed, stats))
+    for spec in specs:
+        documents.extend(_read_spec(spec, encoder, objective, seed, stats))
     if not documents:
         paths = ", ".join(str(s.path) for s in specs)
         raise DataError(f"dataset is empty after filtering: {paths} ({stats['records']} records read, "
@@ -114,7 +114,7 @@ def _eval_count(n_documents: int, eval_split: float) -> int:
     return min(n_documents - 1, max(1, round(eval_split * n_documents)))
 
 
-def _read_spec(spec, index: int, encoder: Encoder, objective: str, seed: int, stats: dict) -> list:
+def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -> list:
     source = read_source(spec)
     records = source.records
     stats["records"] += len(records) + source.skipped
@@ -129,9 +129,10 @@ def _read_spec(spec, index: int, encoder: Encoder, objective: str, seed: int, st
     if objective == "dpo" and fmt != "preference":
         raise DataError(f"objective dpo needs preference records (prompt, chosen, rejected); {spec.path} has format {fmt}",
                         "use a dataset with chosen/rejected fields, or set `format: preference` and the field names")
-    # Seed per spec so that adding a source does not reshuffle (and resample) the others.
+    # Seeded per source (not per list position) so that adding or reordering sources does not
+    # reshuffle, and resample, the others.
     order = list(range(len(records)))
-    random.Random(f"{seed}:{index}").shuffle(order)
+    random.Random(f"{seed}:{spec.path}:{spec.name}:{spec.split}").shuffle(order)
 
     documents: list = []
     for i in order:

@@ -1,0 +1,23 @@
+"""Output-layer losses that never hold the tokens x vocabulary logits.
+
+* :func:`linear_cross_entropy`: exact cross-entropy of ``hidden @ weight.T``, chunked (default).
+* :func:`token_log_probs`: per-token ``log p(label)`` for sequence log-probabilities (DPO).
+* :func:`naive_cross_entropy`: full-logits reference (``optimization.loss: naive``).
+* :func:`ghost_logit_loss`: sampled softmax over hard candidates plus a "ghost" tail logit
+  (``optimization.use_ghost_logit: true``); training only, evaluation stays exact.
+"""
+from maximus.losses.ghost_logit import ghost_logit_loss
+from maximus.losses.linear_cross_entropy import (
+    chunk_size_for_budget,
+    linear_cross_entropy,
+    naive_cross_entropy,
+    token_log_probs,
+)
+
+__all__ = [
+    "chunk_size_for_budget",
+    "ghost_logit_loss",
+    "linear_cross_entropy",
+    "naive_cross_entropy",
+    "token_log_probs",
+]

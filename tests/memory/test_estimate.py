@@ -1,0 +1,228 @@
+"""The estimator against real models: parameter counts (Transformers, PEFT), saved activations
+(autograd's own saved tensors), and measured peaks of real training steps (MemoryMeter)."""
+import json
+import time
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM, MistralConfig,
+                          Qwen2Config, Qwen2ForCausalLM)
+
+from maximus.errors import ModelError
+from maximus.memory import KNOWN_SHAPES, estimate_peak, measure_step_peak, model_shape
+from maximus.memory.estimate import layer_activation_bytes_per_token, load_model_config
+from maximus.memory.meter import unique_storage_bytes
+
+TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,
+            num_key_value_heads=2, tie_word_embeddings=False)
+
+
+@pytest.mark.parametrize("config", [
+    LlamaConfig(**TINY),
+    LlamaConfig(**{**TINY, "tie_word_embeddings": True}),
+    Qwen2Config(**TINY),  # q/k/v biases
+    MistralConfig(**{**TINY, "head_dim": 48}),  # head_dim != hidden / heads
+], ids=["llama", "llama-tied", "qwen2", "mistral-head-dim"])
+def test_parameter_count_matches_transformers(config):
+    model = AutoModelForCausalLM.from_config(config)
+    assert model_shape(config).num_params == sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("r,targets", [(8, "all-linear"), (4, ["q_proj", "v_proj"])])
+def test_adapter_bytes_match_peft(r, targets):
+    config = LlamaConfig(**TINY)
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=r, target_modules=targets))
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    est = estimate_peak(config, method="lora", lora_r=r, lora_targets=targets, seq_len=16, device="cpu")
+    assert est.breakdown["adapters"] == 4 * trainable  # float32 adapters
+
+
+def test_qlora_weights_follow_the_nf4_formula():
+    shape = model_shape("meta-llama/Llama-3.1-8B")
+    est = estimate_peak("meta-llama/Llama-3.1-8B", method="qlora", seq_len=2048, device="cpu")
+    linear = shape.num_layers * shape.layer_linear_params
+    other = shape.num_params - linear
+    # 4 bits + a uint8 absmax per 64 weights + a float32 absmax per 256 blocks (double quant)
+    assert est.breakdown["weights"] == int(linear * (0.5 + 1 / 64 + 4 / (64 * 256))) + 2 * other
+    assert shape.num_params == 8_030_261_248  # Llama 3.1 8B, as published
+
+
+def test_qlora_weights_match_a_real_bitsandbytes_model(tmp_path):
+    config = LlamaConfig(**{**TINY, "hidden_size": 256, "intermediate_size": 512})
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.bfloat16)
+    tensors = []
+    for p in model.parameters():
+        tensors.append(p)
+        qs = getattr(p, "quant_state", None)
+        if qs is not None:
+            tensors += [qs.absmax, qs.state2.absmax]
+    measured, _ = unique_storage_bytes(tensors)
+    predicted = estimate_peak(config, method="qlora", seq_len=8, device="cpu").breakdown["weights"]
+    assert abs(predicted / measured - 1) < 0.01
+
+
+def _saved_bytes_per_token(config, method, dtype, tokens=64):
+    """Bytes autograd saves for backward, per token, counted with saved_tensors_hooks."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype)
+    if method == "lora":
+        model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(input_ids=torch.randint(0, config.vocab_size, (1, tokens)))
+    return sum(seen.values()) / tokens
+
+
+@pytest.mark.parametrize("method,dtype", [("full", torch.bfloat16), ("lora", torch.bfloat16), ("full", torch.float32),
+                                          ("lora", torch.float32)])
+def test_layer_activation_coefficients_match_autograd(method, dtype):
+    # a shape the coefficients were not fitted on
+    base = dict(vocab_size=256, hidden_size=384, intermediate_size=1152, num_attention_heads=6, num_key_value_heads=3,
+                tie_word_embeddings=False)
+    one = _saved_bytes_per_token(LlamaConfig(num_hidden_layers=1, **base), method, dtype)
+    two = _saved_bytes_per_token(LlamaConfig(num_hidden_layers=2, **base), method, dtype)
+    shape = model_shape(LlamaConfig(num_hidden_layers=2, **base))
+    b = 2 if dtype == torch.bfloat16 else 4
+    predicted = layer_activation_bytes_per_token(shape, method, b, lora_r=8, n_targets=7)
+    assert predicted == pytest.approx(two - one, rel=0.02)
+
+
+# -- measured peaks of real training steps ------------------------------------------------------
+
+
+def _measured_peak(config, tmp_path, *, method, checkpointing, loss_mode, seq_len, micro_batch=1):
+    torch.manual_seed(0)
+    if method == "qlora":
+        LlamaForCausalLM(config).to(torch.bfloat16).save_pretrained(tmp_path)
+        quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                                   bnb_4bit_compute_dtype=torch.bfloat16)
+        model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.bfloat16)
+    else:
+        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    if method != "full":
+        model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
+    if checkpointing == "full":
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (micro_batch, seq_len))
+
+    def step():
+        if loss_mode == "naive":
+            loss = model(input_ids=ids, labels=ids).loss
+        else:
+            from maximus.losses.linear_cross_entropy import linear_cross_entropy
+
+            lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+            hidden = lm.model(input_ids=ids).last_hidden_state
+            loss = linear_cross_entropy(hidden[:, :-1], lm.lm_head.weight, ids[:, 1:])
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    peak, _ = measure_step_peak(step, model, optimizer)
+    return peak
+
+
+@pytest.mark.parametrize("method,checkpointing,loss_mode,seq_len,micro_batch", [
+    ("full", "off", "naive", 128, 1),
+    ("lora", "off", "naive", 256, 2),
+    ("lora", "full", "exact", 512, 1),
+    ("qlora", "full", "naive", 256, 1),
+    ("qlora", "off", "exact", 256, 2),
+])
+def test_estimate_tracks_measured_peak_of_real_steps(tmp_path, method, checkpointing, loss_mode, seq_len, micro_batch):
+    if loss_mode == "exact":
+        pytest.importorskip("maximus.losses.linear_cross_entropy")
+    config = LlamaConfig(**TINY)
+    measured = _measured_peak(config, tmp_path, method=method, checkpointing=checkpointing, loss_mode=loss_mode,
+                              seq_len=seq_len, micro_batch=micro_batch)
+    est = estimate_peak(config, method=method, checkpointing=checkpointing, loss_mode=loss_mode, seq_len=seq_len,
+                        micro_batch=micro_batch, lora_r=16, device="cpu")
+    assert est.peak_bytes == pytest.approx(measured, rel=0.25)
+
+
+# -- shape of the model ---------------------------------------------------------------------------
+
+EIGHT_B = "meta-llama/Llama-3.1-8B"
+
+
+def test_more_tokens_need_more_memory():
+    peaks = [estimate_peak(EIGHT_B, method="qlora", seq_len=s, checkpointing=gc).peak_bytes
+             for gc in ("off", "full") for s in (512, 2048, 8192)]
+    assert peaks[0] < peaks[1] < peaks[2] and peaks[3] < peaks[4] < peaks[5]
+    assert estimate_peak(EIGHT_B, method="lora", micro_batch=4).peak_bytes > estimate_peak(EIGHT_B, method="lora").peak_bytes
+
+
+def test_checkpointing_reduces_activations():
+    acts = {gc: estimate_peak(EIGHT_B, method="lora", seq_len=4096, checkpointing=gc, loss_mode="exact")
+            .breakdown["activations"] for gc in ("off", "selective", "full")}
+    assert acts["full"] < acts["selective"] < acts["off"]
+    partial = [estimate_peak(EIGHT_B, method="lora", seq_len=4096, checkpointing=k, loss_mode="exact").peak_bytes
+               for k in (0, 8, 16, 31)]
+    assert partial == sorted(partial, reverse=True)
+    full = estimate_peak(EIGHT_B, method="lora", seq_len=4096, checkpointing="full")
+    offloaded = estimate_peak(EIGHT_B, method="lora", seq_len=4096, checkpointing="full", offload_activations=True)
+    assert offloaded.peak_bytes < full.peak_bytes
+
+
+def test_qlora_lora_full_weights_and_static_memory_are_ordered():
+    e = {m: estimate_peak(EIGHT_B, method=m, seq_len=1024, checkpointing="full") for m in ("qlora", "lora", "full")}
+    assert e["qlora"].breakdown["weights"] < e["lora"].breakdown["weights"] == e["full"].breakdown["weights"]
+    assert e["qlora"].peak_bytes < e["lora"].peak_bytes < e["full"].peak_bytes
+    # full fine-tuning in bf16 with AdamW: 2 (weights) + 2 (grads) + 4 (two states) bytes per parameter
+    shape = model_shape(EIGHT_B)
+    assert e["full"].breakdown["optimizer"] == 4 * shape.num_params
+    eight_bit = estimate_peak(EIGHT_B, method="full", seq_len=1024, checkpointing="full", optimizer="adamw_8bit")
+    assert eight_bit.breakdown["optimizer"] == 2 * shape.num_params
+
+
+def test_lean_loss_needs_far_less_than_naive_loss():
+    naive = estimate_peak(EIGHT_B, method="qlora", seq_len=8192, checkpointing="full", loss_mode="naive")
+    exact = estimate_peak(EIGHT_B, method="qlora", seq_len=8192, checkpointing="full", loss_mode="exact")
+    # naive: float32 logits, log-softmax and two gradients of 8192 x 128256
+    assert naive.breakdown["loss"] >= 12 * 8192 * 128256
+    assert exact.peak_bytes < 0.6 * naive.peak_bytes
+
+
+def test_8b_and_70b_estimates_take_milliseconds():
+    start = time.perf_counter()
+    for model in ("meta-llama/Llama-3.1-8B", "meta-llama/Llama-3.1-70B"):
+        for method in ("qlora", "lora", "full"):
+            e = estimate_peak(model, method=method, seq_len=8192, micro_batch=4, checkpointing="full")
+            assert sum(e.breakdown.values()) == e.peak_bytes
+    assert time.perf_counter() - start < 5.0
+    assert model_shape("meta-llama/Llama-3.1-70B").num_params == 70_553_706_496
+
+
+def test_model_config_from_dir_file_dict_and_known_ids(tmp_path):
+    config = LlamaConfig(**TINY)
+    config.save_pretrained(tmp_path)
+    expected = model_shape(config)
+    assert model_shape(str(tmp_path)) == expected
+    assert model_shape(str(tmp_path / "config.json")) == expected
+    assert model_shape(json.loads((tmp_path / "config.json").read_text())) == expected
+    assert model_shape("mistralai/Mistral-12B-v0.1") == model_shape("mistralai/Mistral-Nemo-Base-2407")
+    assert load_model_config("Qwen/Qwen2.5-7B") == KNOWN_SHAPES["Qwen/Qwen2.5-7B"]
+
+
+def test_unknown_model_is_a_one_line_error():
+    with pytest.raises(ModelError) as err:
+        model_shape("nobody/no-such-model")
+    assert str(err.value) == (
+        "cannot find the config of 'nobody/no-such-model' offline (hint: pass a local model directory or config.json, "
+        "or a known id such as Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-0.5B-Instruct, Qwen/Qwen2.5-1.5B, "
+        "Qwen/Qwen2.5-1.5B-Instruct, Qwen/Qwen2.5-7B, Qwen/Qwen2.5-7B-Instruct)")

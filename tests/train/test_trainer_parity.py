@@ -1,0 +1,93 @@
+"""Our training loss is Transformers' loss; the adapter PEFT loads gives our logits; gradient
+accumulation equals one big batch; every method trains on real models."""
+import json
+
+import pytest
+import torch
+
+from maximus import Config, Trainer, load_model
+from maximus.data import collate
+from maximus.train.objective import SFTObjective
+
+from conftest import ARCHS, tiny_config
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_exact_loss_equals_transformers_loss(arch, tiny_model_dirs, pc_data, tmp_path):
+    cfg = Config.from_dict(tiny_config(tiny_model_dirs[arch], pc_data, tmp_path / "run"))
+    model, tok = load_model(cfg)
+    torch.manual_seed(0)
+    ids = torch.randint(2, len(tok), (2, 24))
+    labels = ids.clone()
+    labels[:, :5] = -100
+    batch = {"input_ids": ids, "labels": labels}
+    for mode in ("exact", "naive"):
+        obj = SFTObjective(cfg, {"loss_mode": mode, "micro_batch_size": 2}, tok.pad_token_id)
+        ours, _ = obj.loss_sum(model, batch)
+        ours = ours / obj.count(batch)
+        ref = model(input_ids=ids, labels=labels).loss
+        torch.testing.assert_close(ours, ref, rtol=1e-5, atol=1e-6)
+
+
+def test_packed_boundary_targets_are_ignored(tiny_llama, pc_data, tmp_path):
+    from maximus.train.objective import shift_labels
+
+    labels = torch.tensor([[10, 11, 12, 20, 21, 22]])
+    pos = torch.tensor([[0, 1, 2, 0, 1, 2]])
+    assert shift_labels(labels, pos).tolist() == [[11, 12, -100, 21, 22, -100]]
+
+
+def _run(cfg_dict):
+    cfg = Config.from_dict(cfg_dict)
+    return Trainer(cfg).train(), cfg
+
+
+def test_adapter_loads_in_peft_with_identical_logits(tiny_llama, pc_data, tmp_path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    summary, cfg = _run(tiny_config(tiny_llama, pc_data, tmp_path / "run"))
+    run = tmp_path / "run"
+    assert (run / "adapter" / "adapter_model.safetensors").is_file()
+    assert (run / "adapter" / "adapter_config.json").is_file()
+    base = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    peft_model = PeftModel.from_pretrained(base, str(run / "adapter")).eval()
+    from maximus.export import load_tuned
+
+    ours, _ = load_tuned(run)
+    ids = torch.randint(2, 200, (1, 16))
+    with torch.no_grad():
+        torch.testing.assert_close(peft_model(input_ids=ids).logits, ours(input_ids=ids).logits, rtol=0, atol=0)
+    # the adapter moved away from the base
+    with torch.no_grad(), peft_model.disable_adapter():
+        assert not torch.allclose(peft_model(input_ids=ids).logits, ours(input_ids=ids).logits)
+    rows = [json.loads(l) for l in (run / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert {"loss", "lr", "tokens_per_s", "peak_memory_bytes"} <= set(r)
+    info = json.loads((run / "run.json").read_text())
+    assert info["eval"]["before"]["loss"] > info["eval"]["after"]["loss"]
+    assert info["memory"]["peak_bytes"] > 0 and (run / "loss.png").stat().st_size > 1000
+
+
+def test_gradient_accumulation_equals_one_big_batch(tiny_llama, pc_data, tmp_path):
+    from safetensors.torch import load_file
+
+    outs = []
+    for micro in (1, 4):
+        cfg = tiny_config(tiny_llama, pc_data, tmp_path / f"m{micro}", training={"micro_batch_size": micro, "max_steps": 2},
+                          eval={"enabled": False})
+        _run(cfg)
+        outs.append(load_file(str(tmp_path / f"m{micro}" / "adapter" / "adapter_model.safetensors")))
+    for k in outs[0]:
+        torch.testing.assert_close(outs[0][k], outs[1][k], rtol=1e-3, atol=2e-5)
+
+
+@pytest.mark.parametrize("method", ["full", "qlora"])
+def test_other_methods_train(method, tiny_llama, pc_data, tmp_path):
+    summary, _ = _run(tiny_config(tiny_llama, pc_data, tmp_path / "run", method=method,
+                                  training={"max_steps": 3, "learning_rate": 3e-3 if method == "full" else 1e-2}))
+    assert summary["eval"]["after"]["loss"] < summary["eval"]["before"]["loss"]
+    produced = "model" if method == "full" else "adapter"
+    assert (tmp_path / "run" / produced / ("model.safetensors" if method == "full" else "adapter_model.safetensors")).is_file()
+    assert summary["method"] == method
