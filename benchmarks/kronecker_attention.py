@@ -5,7 +5,7 @@ Each (implementation, length) runs in its own subprocess so the peak is that run
 the state right before the timed step. Times are medians over `--reps` steps after one warm-up.
 
     python benchmarks/kronecker_attention.py            # N = 2k..32k, layer and model
-    python benchmarks/kronecker_attention.py --quick    # N = 2k..8k, one rep, no warm-up
+    python benchmarks/kronecker_attention.py --quick    # layer only, N = 2k..8k, one rep, no warm-up
 
 Layer: one attention op, batch 1, 8 query heads, 4 kv heads, head_dim 64 (the reference model's
 attention). Model: the reference Llama decoder stack (hidden 512, 8/4 heads, intermediate 1536)
@@ -118,9 +118,9 @@ def _run(mode, impl, n, reps, warmup):
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--quick", action="store_true", help="N up to 8k, one rep, no warm-up (< 2 min idle)")
+    ap.add_argument("--quick", action="store_true", help="layer only, N up to 8k, one rep, no warm-up (< 2 min idle)")
     ap.add_argument("--lengths", type=int, nargs="*", help="override the sequence lengths (tokens)")
-    ap.add_argument("--modes", nargs="*", default=["layer", "model"], choices=["layer", "model"])
+    ap.add_argument("--modes", nargs="*", choices=["layer", "model"], help="default: both (quick: layer)")
     ap.add_argument("--reps", type=int, default=3)
     ap.add_argument("--worker", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -130,8 +130,9 @@ def main():
         return
     lengths = args.lengths or ([2048, 4096, 8192] if args.quick else [2048, 4096, 8192, 16384, 32768])
     reps, warmup = (1, 0) if args.quick else (args.reps, 1)
+    modes = args.modes or (["layer"] if args.quick else ["layer", "model"])
     print(f"device: {_device()}, torch {torch.__version__}, reps {reps} (median), warm-up {warmup}\n")
-    for mode in args.modes:
+    for mode in modes:
         print(f"### {mode}: fwd+bwd\n")
         print("| N | SDPA s | Kronecker s | speed-up | SDPA peak MiB | Kronecker peak MiB | memory ratio |")
         print("|---|---|---|---|---|---|---|")

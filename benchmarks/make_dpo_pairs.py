@@ -1,8 +1,10 @@
 """Generate the preference pairs of examples/dpo.yaml: examples/data/dpo_pairs.jsonl.
 
 The task matches `builtin:tiny-llama`'s tokenizer (the reverse-words vocabulary): the prompt asks
-to reverse 3-5 words; the chosen answer reverses them, the rejected one repeats them in the
-original order (half of the pairs) or in another wrong order (the other half). Deterministic.
+to reverse 3-5 words. Both answers hold the same words; what differs is behaviour, the kind of
+thing DPO is for (tone and format rather than knowledge): the chosen answer is the calm
+lower-case reversal, the rejected one shouts it (upper case, "!!!"), for half of the pairs in the
+right order and for the other half in the prompt's order. Deterministic.
 
     python benchmarks/make_dpo_pairs.py [--n 1200] [--seed 7] [--out examples/data/dpo_pairs.jsonl]
 """
@@ -23,14 +25,9 @@ def reverse_words_pairs(n: int, seed: int = 7) -> list[dict]:
     for i in range(n):
         words = rng.sample(WORDS, rng.randint(3, 5))
         chosen = list(reversed(words))
-        if i % 2 == 0:
-            rejected = list(words)
-        else:
-            rejected = list(chosen)
-            while rejected == chosen:
-                rng.shuffle(rejected)
+        rejected = [w.upper() for w in (chosen if i % 2 == 0 else words)]
         out.append({"prompt": f"Reverse: {' '.join(words)}\nAnswer:", "chosen": " " + " ".join(chosen),
-                    "rejected": " " + " ".join(rejected)})
+                    "rejected": " " + " ".join(rejected) + "!!!"})
     return out
 
 

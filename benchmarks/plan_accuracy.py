@@ -106,8 +106,10 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true", help="smaller model and grid (< 2 min)")
     parser.add_argument("--threshold", type=float, default=0.15, help="goal: |error| within this fraction")
+    parser.add_argument("--threads", type=int, default=1,
+                        help="torch threads (memory does not depend on it; 1 is fastest on a shared 2-core machine)")
     args = parser.parse_args(argv)
-    torch.set_num_threads(max(1, torch.get_num_threads()))
+    torch.set_num_threads(args.threads)
     shape = SMALL if args.quick else REFERENCE
     config = LlamaConfig(**shape)
     rows, worst = [], 0.0

@@ -55,7 +55,8 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
-def _check_model_source(cfg: Config) -> None:
+def check_model_source(cfg: Config) -> None:
+    """Fail fast, with a one-line ModelError, on a missing local model or pickle-only weights."""
     path = Path(cfg.model).expanduser()
     looks_local = path.exists() or cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1
     if not looks_local:
@@ -74,6 +75,8 @@ def _check_model_source(cfg: Config) -> None:
 def load_tokenizer(cfg: Config):
     from transformers import AutoTokenizer
 
+    if not cfg.tokenizer:
+        check_model_source(cfg)
     source = cfg.tokenizer or cfg.model
     try:
         tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
@@ -102,7 +105,7 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
     from transformers import AutoModelForCausalLM
 
     method = method or cfg.method
-    _check_model_source(cfg)
+    check_model_source(cfg)
     kwargs: dict = dict(trust_remote_code=cfg.trust_remote_code, use_safetensors=None if cfg.allow_pickle else True)
     if method == "full":
         # Master weights in fp32 when training in reduced precision: bf16 updates lose small steps.
@@ -154,7 +157,8 @@ def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[s
                          "use all-linear or names of linear layers such as q_proj, v_proj") from None
 
 
-def load_model(cfg: Config, *, device: torch.device | None = None, method: str | None = None, for_training: bool = True):
+def load_model(cfg: Config, *, device: torch.device | None = None, method: str | None = None, for_training: bool = True,
+               tokenizer=None):
     """Load `(model, tokenizer)` with quantization, attention swap and adapters applied.
 
     `method` overrides `cfg.method` (the planner resolves `auto`). Raises ModelError for a missing
@@ -166,7 +170,7 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
     device = device or resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.training.dtype, device)
     method = method or (cfg.method if cfg.method != "auto" else "lora")
-    tokenizer = load_tokenizer(cfg)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
     model = load_base_model(cfg, device, dtype, method)
     extra: list[str] = []
     if cfg.optimization.kronecker is not None:

@@ -114,8 +114,9 @@ def _manual_logps(model, ids, labels):
     return (picked * mask).sum(-1)
 
 
-@pytest.mark.parametrize("loss_type", ["sigmoid", "ipo", "simpo", "orpo"])
-def test_loss_sum_matches_transformers_logits_and_peft_disable_adapter(tiny, loss_type):
+@pytest.mark.parametrize("loss_type,mode", [("sigmoid", "exact"), ("ipo", "exact"), ("simpo", "exact"),
+                                            ("orpo", "exact"), ("hinge", "naive")])
+def test_loss_sum_matches_transformers_logits_and_peft_disable_adapter(tiny, loss_type, mode):
     cfg = config(tiny, tiny / "unused", **{"dpo": {"loss": loss_type, "beta": 0.5}})
     model, tok = maximus.load_model(cfg, device=torch.device("cpu"), method="lora")
     torch.manual_seed(1)
@@ -126,7 +127,8 @@ def test_loss_sum_matches_transformers_logits_and_peft_disable_adapter(tiny, los
     data = build_datasets(cfg.datasets, tok, seq_len=32, objective="dpo", eval_split=0.0)
     rows = data.train[:3]
     batch = collate(rows, tok.pad_token_id)
-    objective = PreferenceObjective(cfg, {"micro_batch_size": 3, "loss_chunk_size": 5}, tok.pad_token_id)
+    objective = PreferenceObjective(cfg, {"micro_batch_size": 3, "loss_chunk_size": 5, "loss_mode": mode},
+                                    tok.pad_token_id)
     loss_sum, sums = objective.loss_sum(model, batch)
 
     # One sequence at a time, unpadded: no padding can leak into the oracle.
@@ -173,11 +175,38 @@ def test_full_finetune_with_precomputed_reference_caches_and_reuses(tiny, tmp_pa
     assert again.objective.cache_reused
 
 
+def test_dpo_on_top_of_an_sft_adapter(tiny, tmp_path):
+    """init_adapter: `precomputed` references the SFT model itself (first loss log 2); `adapter_off`
+    references the base without it (first loss differs)."""
+    maximus.Trainer(config(tiny, tmp_path / "sft", objective="sft", eval={"enabled": False},
+                           **{"training.max_steps": 2})).train()
+    adapter = str(tmp_path / "sft" / "adapter")
+    first = {}
+    for reference in ("precomputed", "adapter_off"):
+        out = tmp_path / reference
+        maximus.Trainer(config(tiny, out, init_adapter=adapter, dpo={"reference": reference},
+                               eval={"enabled": False}, **{"training.max_steps": 1})).train()
+        first[reference] = metrics_rows(out)[0]["loss"]
+    assert first["precomputed"] == pytest.approx(math.log(2), abs=1e-5)
+    assert abs(first["adapter_off"] - math.log(2)) > 1e-3
+
+
 def test_adapter_off_without_an_adapter_is_a_config_error(tiny, tmp_path):
     with pytest.raises(ConfigError) as err:
         maximus.Trainer(config(tiny, tmp_path, method="full")).train()
     assert str(err.value) == ("dpo.reference: adapter_off needs an adapter to switch off, but method is full "
                               "(hint: set dpo.reference: precomputed (reference log-probs computed once and cached))")
+
+
+def test_approximate_or_sft_only_losses_are_refused(tiny, tmp_path):
+    with pytest.raises(ConfigError) as err:
+        PreferenceObjective(config(tiny, tmp_path, optimization={"use_ghost_logit": True}), {}, 1)
+    assert str(err.value) == ("optimization.use_ghost_logit does not apply to objective dpo (hint: set "
+                              "use_ghost_logit: false; DPO's exact log-probs already hold no full logits)")
+    with pytest.raises(ConfigError) as err:
+        PreferenceObjective(config(tiny, tmp_path, optimization={"matryoshka": {"dims": [16]}}), {}, 1)
+    assert str(err.value) == ("optimization.matryoshka does not apply to objective dpo "
+                              "(hint: remove optimization.matryoshka (it is an SFT auxiliary loss))")
 
 
 def test_pair_keys_ignore_padding_and_row_lengths():

@@ -56,6 +56,7 @@ __all__ = [
     "measure_layer_costs",
     "remove_checkpointing",
     "selective_policy",
+    "set_recompute_modes",
 ]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -186,6 +187,13 @@ def _checkpointed_class(base: type) -> type:
     })
     _CHECKPOINTED_CLASSES[base] = cls
     return cls
+
+
+def set_recompute_modes(model: nn.Module, modes: Sequence[str], offloader=None) -> None:
+    """Set the decoder layers' recompute modes directly (no cost trace, no report); `offloader`
+    (an `ActivationOffloader`) moves the inputs of checkpointed layers to host memory."""
+    _, layers = find_decoder_layers(model)
+    _set_modes(layers, _policy_modes(list(modes), len(layers)), offloader)
 
 
 def _set_modes(layers: Sequence[nn.Module], modes: Sequence[str], offloader=None) -> None:

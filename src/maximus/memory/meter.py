@@ -112,13 +112,14 @@ class StorageTracker(TorchDispatchMode):
         self.device_type = device_type
         self.current_bytes = 0
         self.peak_bytes = 0
-        self._live: dict[int, tuple[weakref.ref, int]] = {}
-        self._self_ref = weakref.ref(self)
+        self._live: dict[int, weakref.ref] = {}  # id(storage) -> weak reference to it
+        self._sizes: dict[weakref.ref, tuple[int, int]] = {}  # weak reference -> (id, bytes)
 
     # -- bookkeeping ---------------------------------------------------------------------------
-    def _forget(self, key: int, nbytes: int) -> None:
-        if self._live.pop(key, None) is not None:
-            self.current_bytes -= nbytes
+    def _on_free(self, ref: weakref.ref) -> None:
+        key, nbytes = self._sizes.pop(ref)
+        del self._live[key]
+        self.current_bytes -= nbytes
 
     def record(self, t: torch.Tensor) -> None:
         """Count `t`'s storage if it lives on the tracked device type and is not counted yet."""
@@ -133,10 +134,9 @@ class StorageTracker(TorchDispatchMode):
         nbytes = st.nbytes()
         if nbytes == 0:
             return
-        # The callback holds only ints, so it does not keep the storage (or the tracker) alive.
-        ref = weakref.ref(st, lambda _r, k=key, n=nbytes, tracker=self._self_ref: (
-            tracker() is not None and tracker()._forget(k, n)))
-        self._live[key] = (ref, nbytes)
+        ref = weakref.ref(st, self._on_free)
+        self._live[key] = ref
+        self._sizes[ref] = (key, nbytes)
         self.current_bytes += nbytes
         if self.current_bytes > self.peak_bytes:
             self.peak_bytes = self.current_bytes
@@ -174,6 +174,7 @@ class MemoryMeter:
         self.budget_bytes = budget_bytes
         self._cuda = self.device.type == "cuda"
         self._tracker = None if self._cuda else StorageTracker(self.device.type)
+        self._adopted: set[int] = set()  # ids of modules / optimizers already walked
 
     # -- readings ------------------------------------------------------------------------------
     def current_bytes(self) -> int:
@@ -206,21 +207,28 @@ class MemoryMeter:
             for t in _tensors_of(obj):
                 self._tracker.record(t)
 
+    def _adopt_once(self, objects: tuple) -> None:
+        # Walking a model's parameters every step costs more than the step's bookkeeping, and
+        # what a model or optimizer creates later is created inside `track` and seen there.
+        fresh = [o for o in objects if id(o) not in self._adopted]
+        self.adopt(*fresh)
+        self._adopted.update(id(o) for o in fresh if isinstance(o, (torch.nn.Module, torch.optim.Optimizer)))
+
     @contextlib.contextmanager
     def track(self, *objects: Any):
-        """Count every storage created inside the block (CPU); `objects` are adopted first.
+        """Count every storage created inside the block (CPU); `objects` (a model, an optimizer,
+        tensors) are adopted the first time they are passed.
 
-        The trainer wraps each optimizer step in it. On CUDA this is free: the allocator counts.
+        The trainer wraps each step in it. On CUDA this is free: the allocator counts.
+        Tensors a model or optimizer gains outside any `track` block after its first adoption
+        (e.g. a state loaded on resume) are counted after `adopt` is called for it again.
         """
-        self.adopt(*objects)
         if self._cuda:
             yield self
             return
+        self._adopt_once(objects)
         with self._tracker:
             yield self
-        # Grads and optimizer state created inside are already counted; adopt again so that
-        # tensors made outside the block (e.g. by a C++ path the mode cannot see) are not missed.
-        self.adopt(*objects)
 
     # -- categories ----------------------------------------------------------------------------
     def breakdown(self, model: torch.nn.Module | None = None, optimizer: torch.optim.Optimizer | None = None) -> dict[str, int]:

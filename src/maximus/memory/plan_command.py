@@ -65,6 +65,9 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                  ghost_candidates=cfg.optimization.ghost_logit.candidates,
                  dtype=cfg.training.dtype if cfg.training.dtype != "auto" else "bf16",
                  budget=cfg.optimization.target_vram)
+        if "method" not in cfg.model_fields_set and cfg.optimization.target_vram is not None:
+            # A config that names a budget but no method (the article's) asks Maximus to choose.
+            s["method"] = "auto"
         if isinstance(cfg.training.micro_batch_size, int):
             s["micro_batch"] = cfg.training.micro_batch_size
     flags = dict(model=args.model, method=args.method, seq_len=args.seq, batch_size=args.batch,

@@ -23,7 +23,10 @@ per-pair losses with metric sums `rewards/chosen`, `rewards/rejected`, `rewards/
 `rewards/accuracy` (the trainer divides them by the pair count), `evaluate` = exact reward
 accuracy, margin and loss on the held-out pairs.
 
-Raises ConfigError: `adapter_off` on a model without an adapter (full fine-tuning).
+The log-probs are exact (`optimization.loss: exact`, or `naive` for the full-logits reference
+path). Raises ConfigError: `adapter_off` on a model without an adapter (full fine-tuning);
+`optimization.use_ghost_logit` or `optimization.matryoshka` with `objective: dpo` (an
+approximate normaliser would bias policy - reference differences; the auxiliary losses are SFT's).
 """
 from __future__ import annotations
 
@@ -36,7 +39,7 @@ from pathlib import Path
 import torch
 
 from maximus.errors import ConfigError
-from maximus.losses.linear_cross_entropy import linear_cross_entropy, token_log_probs
+from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
 from maximus.losses.preference import dpo_loss, needs_reference
 from maximus.train.objective import IGNORE_INDEX, hidden_states, output_head, shift_labels
 
@@ -46,12 +49,17 @@ SIDES = ("chosen", "rejected")
 
 
 def sequence_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, labels: torch.Tensor,
-                   chunk_size: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(summed log p of each row's labelled tokens [R] float32, labelled token count [R])."""
+                   chunk_size: int | None = None, mode: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
+    """(summed log p of each row's labelled tokens [R] float32, labelled token count [R]).
+
+    mode: ``exact`` (chunked, no full logits) or ``naive`` (full logits: the reference path)."""
     hidden = hidden_states(model, input_ids, position_ids)
     head = output_head(model)
     target = shift_labels(labels, position_ids)
-    if head.softcap is None:
+    if mode == "naive":
+        per_token = -naive_cross_entropy(hidden, head.weight, target, IGNORE_INDEX, softcap=head.softcap,
+                                         reduction="none", bias=head.bias)
+    elif head.softcap is None:
         per_token = token_log_probs(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size, bias=head.bias)
     else:  # Gemma-style soft-capped logits: same chunked kernel, with the cap
         per_token = -linear_cross_entropy(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size,
@@ -106,6 +114,14 @@ class PreferenceObjective:
         self.cfg = cfg
         self.plan = plan
         self.pad_token_id = pad_token_id
+        opt = cfg.optimization
+        if opt.use_ghost_logit:
+            raise ConfigError("optimization.use_ghost_logit does not apply to objective dpo",
+                              "set use_ghost_logit: false; DPO's exact log-probs already hold no full logits")
+        if opt.matryoshka is not None:
+            raise ConfigError("optimization.matryoshka does not apply to objective dpo",
+                              "remove optimization.matryoshka (it is an SFT auxiliary loss)")
+        self.mode = "naive" if plan.get("loss_mode") == "naive" else "exact"
         d = cfg.dpo
         self.loss_type = d.loss
         self.beta = d.beta
@@ -180,11 +196,11 @@ class PreferenceObjective:
         if self.reference == "adapter_off":
             # Before the policy forward, so its activations are gone before the policy's are made.
             with torch.no_grad(), _peft_model_of(model).disable_adapter():
-                ref, _ = sequence_logps(model, input_ids, position_ids, labels, self.chunk_size)
+                ref, _ = sequence_logps(model, input_ids, position_ids, labels, self.chunk_size, self.mode)
             ref_chosen, ref_rejected = ref[:n], ref[n:]
         elif self.reference == "precomputed":
             ref_chosen, ref_rejected = self._lookup(batch)
-        logps, counts = sequence_logps(model, input_ids, position_ids, labels, self.chunk_size)
+        logps, counts = sequence_logps(model, input_ids, position_ids, labels, self.chunk_size, self.mode)
         losses, rc, rr = dpo_loss(logps[:n], logps[n:], ref_chosen, ref_rejected, reduction="none",
                                   chosen_lengths=counts[:n], rejected_lengths=counts[n:], **self.loss_kwargs)
         return losses, rc, rr, (logps.detach(), counts)
@@ -201,7 +217,7 @@ class PreferenceObjective:
     def _cache_meta(self, trainer) -> dict:
         cfg = self.cfg
         return {"version": _CACHE_VERSION, "model": str(cfg.model), "init_adapter": str(cfg.init_adapter),
-                "method": str(trainer.method), "dtype": str(trainer.dtype), "loss_chunk_size": str(self.chunk_size)}
+                "method": str(trainer.method), "dtype": str(trainer.dtype), "mode": self.mode}
 
     def _prepare_cache(self, trainer) -> None:
         from maximus.data import collate
@@ -226,7 +242,7 @@ class PreferenceObjective:
                 for batch in batches:
                     batch = {k: v.to(trainer.device) for k, v in batch.items()}
                     with autocast_for(trainer.device, trainer.dtype):
-                        logps, _ = sequence_logps(model, *_concat_sides(batch), chunk_size=self.chunk_size)
+                        logps, _ = sequence_logps(model, *_concat_sides(batch), chunk_size=self.chunk_size, mode=self.mode)
                     n = self.count(batch)
                     values.extend(zip(logps[:n].double().tolist(), logps[n:].double().tolist()))
         finally:

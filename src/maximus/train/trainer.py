@@ -37,7 +37,7 @@ import torch
 from maximus.config import Config
 from maximus.errors import MaximusError
 from maximus.evaluate import autocast_for
-from maximus.models import count_parameters, load_model, resolve_device, resolve_dtype
+from maximus.models import check_model_source, count_parameters, load_model, load_tokenizer, resolve_device, resolve_dtype
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
 from maximus.train.lock import RunLock
@@ -78,11 +78,13 @@ class Trainer:
         self.device = resolve_device(cfg.device) if not self.dist.enabled else self.dist.device
         self.dtype = resolve_dtype(cfg.training.dtype, self.device)
         _seed_everything(cfg.training.seed)
+        check_model_source(cfg)
         self.plan = self._plan()
         self.method = self.plan.get("method", cfg.method if cfg.method != "auto" else "lora")
-        # Model first (tokenizer needed by the data), then data; both before touching output_dir.
-        self.model, self.tokenizer = load_model(cfg, device=self.device, method=self.method)
+        # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
+        self.tokenizer = load_tokenizer(cfg)
         self.data = self._load_data()
+        self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
         self.checkpointing = self._apply_checkpointing()
         self.optimizer = self._build_optimizer()
         self.total_steps = self._total_steps()
