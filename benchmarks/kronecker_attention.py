@@ -2,7 +2,7 @@
 
 Each (implementation, length) runs in its own subprocess so the peak is that run's own: on CUDA
 `torch.cuda.max_memory_allocated`, on CPU the growth of the process's peak RSS (ru_maxrss) over
-the state right before the timed step. Times are medians over `--reps` steps after one warm-up.
+the state right after imports (inputs, weights, warm-up and timed steps included). Times are medians over `--reps` steps after one warm-up.
 
     python benchmarks/kronecker_attention.py            # N = 2k..32k, layer and model
     python benchmarks/kronecker_attention.py --quick    # layer only, N = 2k..8k, one rep, no warm-up
@@ -33,7 +33,7 @@ def _peak_bytes_start(dev):
     if dev.type == "cuda":
         torch.cuda.synchronize()
         torch.cuda.reset_peak_memory_stats()
-        return torch.cuda.max_memory_allocated()
+        return 0
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
@@ -91,10 +91,10 @@ def _model_step(impl, n, dev, dtype):
 def worker(mode, impl, n, reps, warmup):
     dev = _device()
     dtype = torch.bfloat16 if dev.type == "cuda" else torch.float32
+    start = _peak_bytes_start(dev)
     step = (_layer_step if mode == "layer" else _model_step)(impl, n, dev, dtype)
     for _ in range(warmup):
         step()
-    start = _peak_bytes_start(dev)
     times = []
     for _ in range(reps):
         if dev.type == "cuda":
@@ -104,7 +104,7 @@ def worker(mode, impl, n, reps, warmup):
         if dev.type == "cuda":
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
-    peak = _peak_bytes_end(dev) - (0 if dev.type == "cuda" else start)
+    peak = _peak_bytes_end(dev) - start
     print(json.dumps({"seconds": statistics.median(times), "peak_bytes": peak}))
 
 

@@ -11,7 +11,7 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from maximus.errors import ConfigError
 from maximus.memory.checkpointing import apply_checkpointing, find_decoder_layers
-from maximus.memory.offload import ActivationOffloader, OffloadedAdamW, build_optimizer
+from maximus.memory.offload import ActivationOffloader, FrozenWeightStreamer, OffloadedAdamW, build_optimizer
 
 SHAPES = dict(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=3,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
@@ -193,3 +193,35 @@ def test_bitsandbytes_8bit_adamw_steps_on_cpu_like_adamw(name):
         ref.step()
     assert opt.state[ours]["state1"].dtype == torch.uint8
     assert (ours - theirs).abs().max() < 2e-3 and (ours - theirs).abs().mean() < 2e-4
+
+
+# ---------------------------------------------------------------------------------------------
+# Frozen-weight streaming
+
+
+@pytest.mark.parametrize("policy", ["off", "full"])
+def test_frozen_weight_streaming_is_exact_and_releases_weights(policy, reference):
+    model = tiny_lora()
+    apply_checkpointing(model, policy, micro_batch=2, seq_len=32)
+    layers = find_decoder_layers(model)[1]
+    q_base = [layer.self_attn.q_proj.base_layer.weight for layer in layers]
+    streamer = FrozenWeightStreamer(model)
+    assert [w.untyped_storage().nbytes() for w in q_base] == [0, 0, 0]
+    loss = forward(model)
+    # After forward only the last layer (where backward starts) holds its weights.
+    assert [w.untyped_storage().nbytes() > 0 for w in q_base] == [False, False, True]
+    loss.backward()
+    torch.testing.assert_close(loss.detach(), reference[0], rtol=0, atol=0)
+    ours = grads(model)
+    for name, grad in reference[1].items():
+        torch.testing.assert_close(ours[name], grad, rtol=0, atol=0, msg=name)
+    # Forward: layer 0 fetched on demand, 1 and 2 prefetched; backward: 1 and 0 prefetched again.
+    assert streamer.stats["fetches"] == 1 and streamer.stats["prefetches"] == 4
+    with torch.no_grad():
+        model.eval()
+        logits = model(input_ids=IDS).logits
+    assert [w.untyped_storage().nbytes() for w in q_base] == [0, 0, 0]
+    streamer.remove()
+    assert all(w.untyped_storage().nbytes() == 256 * 256 * 4 for w in q_base)
+    with torch.no_grad():
+        torch.testing.assert_close(model(input_ids=IDS).logits, logits, rtol=0, atol=0)

@@ -48,6 +48,15 @@ class DistEnv:
     def _reduce_device(self) -> torch.device:
         return self.device if self.device is not None and self.device.type == "cuda" else torch.device("cpu")
 
+    def wrap(self, module: torch.nn.Module, plan: dict) -> torch.nn.Module:
+        """The training forward, wrapped for the world: unchanged in one process."""
+        if not self.enabled:
+            return module
+        from torch.nn.parallel import DistributedDataParallel
+
+        device_ids = [self.device.index] if self.device is not None and self.device.type == "cuda" else None
+        return DistributedDataParallel(module, device_ids=device_ids)
+
     def shutdown(self) -> None:
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()

@@ -162,6 +162,19 @@ class SFTObjective:
         return result
 
 
+class ObjectiveModule(torch.nn.Module):
+    """model + objective as one module whose forward returns (loss_sum, metric sums), so that DDP
+    (which syncs gradients only for forwards run through it) can wrap the whole training forward."""
+
+    def __init__(self, model, objective):
+        super().__init__()
+        self.model = model
+        self.objective = objective
+
+    def forward(self, batch: dict):
+        return self.objective.loss_sum(self.model, batch)
+
+
 def build_objective(cfg, plan: dict, pad_token_id: int):
     """The objective the config asks for (`objective: sft | dpo`)."""
     if cfg.objective == "dpo":

@@ -41,7 +41,7 @@ from maximus.models import check_model_source, count_parameters, load_model, loa
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
 from maximus.train.lock import RunLock
-from maximus.train.objective import build_objective
+from maximus.train.objective import ObjectiveModule, build_objective
 from maximus.train.progress import MetricsLog, ProgressDisplay, plot_loss
 
 PREEMPTED_EXIT_CODE = 75
@@ -93,6 +93,8 @@ class Trainer:
 
         self.objective = build_objective(cfg, self.plan, self.tokenizer.pad_token_id)
         self.objective.prepare(self)
+        # What the loop calls each micro-batch; under torchrun, wrapped for DDP / FSDP2.
+        self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.plan)
         self.meter = MemoryMeter(self.device)
         self.meter.budget_bytes = self.plan.get("budget_bytes")
 
@@ -219,7 +221,7 @@ class Trainer:
         for batch in batches:
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             with autocast_for(self.device, self.dtype):
-                loss_sum, metric_sums = obj.loss_sum(self.model, batch)
+                loss_sum, metric_sums = self.step_module(batch)
             (loss_sum * scale).backward()
             loss_total += loss_sum.detach().double()
             for k, v in metric_sums.items():
