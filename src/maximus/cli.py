@@ -18,8 +18,11 @@ USER_ERROR_EXIT = 2
 def _quiet_libraries() -> None:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")
+    import logging
     import warnings
 
+    # bitsandbytes logs a warning on every CPU import when the optional hub `kernels` are absent.
+    logging.getLogger("bitsandbytes").setLevel(logging.ERROR)
     warnings.filterwarnings("ignore", message=".*kernels.*")
     warnings.filterwarnings("ignore", category=FutureWarning)
     try:

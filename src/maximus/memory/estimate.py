@@ -404,16 +404,23 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         if len(flags) != L:
             raise ConfigError(f"per-layer checkpointing needs {L} entries, got {len(flags)}", "one boolean per layer")
         policy = ["full" if f else "off" for f in flags]
-    stored = 0.0
-    for p in policy:
-        if p == "full" and offload_activations:
-            continue  # the layer input lives in host memory
-        stored += {"off": per_off, "full": per_full, "selective": per_sel}[p]
+    kept = {"off": per_off, "full": per_full, "selective": per_sel}
+    per_layer = [0.0 if (p == "full" and offload_activations) else kept[p] for p in policy]  # offloaded: on host
     recomputing = any(p != "off" for p in policy)
-    if offload_activations and recomputing:
-        stored += 2 * per_full  # one input in flight each way (prefetch one layer ahead)
-    # While a checkpointed layer runs its backward, its full set of saved tensors exists again.
-    transient = per_off if recomputing else 0.0
+    in_flight = 2 * per_full if (offload_activations and recomputing) else 0.0  # prefetch one layer ahead
+    stored = sum(per_layer) + in_flight
+    # Backward walks the layers from the last: at layer l, the layers below still hold what they
+    # kept, and a recomputed layer holds its full set of saved tensors again.
+    below = stored
+    bwd_layers = 0.0
+    for l in range(L - 1, -1, -1):
+        below -= per_layer[l]
+        here = per_off if policy[l] != "off" else per_layer[l]
+        bwd_layers = max(bwd_layers, below + here)
+    # Backward of one layer also holds the gradients flowing through it (hidden and MLP
+    # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
+    # incoming hidden-state gradient.
+    grad_work = 2 * b * (h + shape.intermediate_size) + 2 * h * b
     # Embedding output, final norm (float32 copy) and the head's input.
     head_acts = (2 * b + 4) * h
     acts = int(T * (stored + head_acts))
@@ -453,7 +460,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     grads_before = grads if grad_accum > 1 else 0
     phases = {
         "loss": {"gradients": grads_before, "activations": acts, "loss": loss},
-        "backward": {"gradients": grads, "activations": int(T * (stored + transient + 2 * h * b)), "loss": 0},
+        "backward": {"gradients": grads, "activations": int(T * (bwd_layers + grad_work)), "loss": 0},
         "optimizer": {"gradients": grads, "activations": 0,
                       "loss": 0, "workspace_extra": _optimizer_temporaries(trainable, p_bytes, optimizer, device_type,
                                                                            shape, adapter, offload_optimizer) // shard},

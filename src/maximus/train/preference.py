@@ -254,8 +254,9 @@ class PreferenceObjective:
 
 def _reward_sums(chosen: torch.Tensor, rejected: torch.Tensor) -> dict:
     """Per-micro-batch sums; the trainer divides by the step's pair count."""
-    return {"rewards/chosen": chosen.double().sum(), "rewards/rejected": rejected.double().sum(),
-            "rewards/margin": (chosen - rejected).double().sum(),
+    chosen, rejected = chosen.double(), rejected.double()
+    return {"rewards/chosen": chosen.sum(), "rewards/rejected": rejected.sum(),
+            "rewards/margin": (chosen - rejected).sum(),
             "rewards/accuracy": (chosen > rejected).double().sum()}
 
 
