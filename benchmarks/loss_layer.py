@@ -113,10 +113,17 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two configurations, 2 repeats (< 2 min)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
+    parser.add_argument("--configs", default=None,
+                        help="override, e.g. '4096x512x128256,8192x1024x262144' (tokens x hidden x vocab)")
     parser.add_argument("--repeats", type=int, default=None, help="timed runs per method (default 2 quick, 3 full)")
     args = parser.parse_args()
     dtype = getattr(torch, args.dtype)
     configs = QUICK if args.quick else FULL
+    if args.configs:
+        configs = [tuple(int(x) for x in c.split("x")) for c in args.configs.split(",")]
+    if args.threads:
+        torch.set_num_threads(args.threads)
     repeats = args.repeats or (2 if args.quick else 3)
     rows = []
     for tokens, hidden, vocab in configs:

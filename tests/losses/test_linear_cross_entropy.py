@@ -211,6 +211,7 @@ def test_chunk_sizes_from_budget():
     assert default_chunk_size(8192, 32000, 4) == DEFAULT_CHUNK_LOGITS_BYTES // (32000 * 4)
     assert default_chunk_size(8192, 262144, 2) == 64  # never below MIN_CHUNK_TOKENS
     assert default_chunk_size(10, 32000, 4) == 10
+    assert default_chunk_size(8192, 128256, 2, trainable_head=True) == 512  # amortise the V x H pass
 
 
 def test_user_errors_are_one_line_config_errors():

@@ -34,14 +34,22 @@ from maximus.errors import ConfigError
 
 Reduction = Literal["mean", "sum", "none"]
 
-#: Default size of one chunk's float32 logits, in bytes. Measured on a 2-core CPU (see
-#: docs/benchmarks/losses.md): below ~32 MiB the per-chunk weight-gradient update (a full pass
-#: over ``V x H``) starts to dominate; above ~128 MiB nothing gets faster and memory grows.
+#: Default size of one chunk's float32 logits, in bytes (about 64 MiB; see DEFAULT_CHUNK_* below).
 DEFAULT_CHUNK_LOGITS_BYTES = 64 * 2**20
 
-#: Never use chunks smaller than this many tokens unless there are fewer tokens: the weight
-#: gradient ``G.T @ h_c`` has inner dimension ``C`` and gets memory-bound below it.
+#: Never use chunks smaller than this many tokens unless there are fewer tokens.
 MIN_CHUNK_TOKENS = 64
+
+#: With a trainable head every chunk adds ``G.T @ h_c`` into the whole ``V x H`` weight gradient:
+#: a full pass over ``V x H`` per chunk whatever the chunk size. Chunks of at least this many
+#: tokens keep that pass under ~15 % of the chunk's matmul time (measured on CPU, where the ratio
+#: of matmul rate to memory bandwidth is about 300 flop/byte, as on current GPUs). A frozen head
+#: (the LoRA / QLoRA case) has no such pass and keeps the small default.
+MIN_CHUNK_TOKENS_TRAINABLE_HEAD = 512
+
+#: Rows per block when a 16-bit weight gradient is added into its float32 accumulator, so the
+#: 16-bit product ``G.T @ h_c`` exists one block at a time (not a second ``V x H`` buffer).
+WEIGHT_GRAD_BLOCK_ROWS = 8192
 
 
 def _logits_bytes_per_token(vocab_size: int, dtype_bytes: int) -> int:
@@ -65,11 +73,13 @@ def chunk_size_for_budget(num_tokens: int, vocab_size: int, hidden_size: int, dt
     return int(max(1, min(num_tokens, budget_bytes // max(per_token, 1))))
 
 
-def default_chunk_size(num_tokens: int, vocab_size: int, dtype_bytes: int) -> int:
+def default_chunk_size(num_tokens: int, vocab_size: int, dtype_bytes: int, trainable_head: bool = False) -> int:
     """The chunk used when none is given: logits of about :data:`DEFAULT_CHUNK_LOGITS_BYTES`,
-    but never fewer than :data:`MIN_CHUNK_TOKENS` tokens (nor more than ``num_tokens``)."""
+    but never fewer than :data:`MIN_CHUNK_TOKENS` tokens (:data:`MIN_CHUNK_TOKENS_TRAINABLE_HEAD`
+    when the weight needs a gradient), nor more than ``num_tokens``."""
     per_token = _logits_bytes_per_token(vocab_size, dtype_bytes)
-    chunk = max(MIN_CHUNK_TOKENS, DEFAULT_CHUNK_LOGITS_BYTES // max(per_token, 1))
+    floor = MIN_CHUNK_TOKENS_TRAINABLE_HEAD if trainable_head else MIN_CHUNK_TOKENS
+    chunk = max(floor, DEFAULT_CHUNK_LOGITS_BYTES // max(per_token, 1))
     return int(max(1, min(num_tokens, chunk)))
 
 
@@ -247,8 +257,10 @@ def _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, g
     if grad_weight is not None:
         if grad_weight.dtype == g.dtype:
             grad_weight.addmm_(g.t(), h_c)
-        else:
-            grad_weight.add_(g.t() @ h_c)
+        else:  # 16-bit product into the float32 accumulator, one block of rows at a time
+            for row in range(0, grad_weight.shape[0], WEIGHT_GRAD_BLOCK_ROWS):
+                block = slice(row, row + WEIGHT_GRAD_BLOCK_ROWS)
+                grad_weight[block].add_(g[:, block].t() @ h_c)
 
 
 def _flatten(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, bias):
@@ -298,7 +310,8 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     flat_hidden, flat_labels = _flatten(hidden, weight, labels, bias)
     num_tokens = flat_hidden.shape[0]
     if chunk_size is None:
-        chunk_size = default_chunk_size(num_tokens, weight.shape[0], flat_hidden.element_size())
+        trainable_head = weight.requires_grad and torch.is_grad_enabled()
+        chunk_size = default_chunk_size(num_tokens, weight.shape[0], flat_hidden.element_size(), trainable_head)
     chunk_size = max(1, int(chunk_size))
     if softcap is not None and softcap <= 0:
         raise ConfigError(f"softcap must be positive, got {softcap}", hint="use e.g. 30.0 (Gemma 2) or None")

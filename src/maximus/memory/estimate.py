@@ -479,8 +479,11 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     }
     peak = sum(breakdown.values())
 
+    chunk_ratio = 1.0
+    if loss_mode != "naive":
+        chunk_ratio = max(1.0, default_loss_chunk(T, V, b) / max(1, min(loss_chunk_tokens or T, T)))
     flops, tps = _throughput(shape, method, T, seq_len, policy, offload_activations, offload_optimizer,
-                             loss_mode, trainable, grad_accum, device_type)
+                             loss_mode, trainable, grad_accum, device_type, chunk_ratio)
     settings = dict(method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,
                     checkpointing=checkpointing if isinstance(checkpointing, (str, int)) else list(checkpointing),
                     offload_activations=offload_activations, offload_optimizer=offload_optimizer,
@@ -505,7 +508,8 @@ def _optimizer_temporaries(trainable: int, p_bytes: int, optimizer: str, device_
 
 
 def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: list[str], offload_act: bool,
-                offload_opt: bool, loss_mode: str, trainable: int, grad_accum: int, device_type: str) -> tuple[float, float]:
+                offload_opt: bool, loss_mode: str, trainable: int, grad_accum: int, device_type: str,
+                chunk_ratio: float = 1.0) -> tuple[float, float]:
     """(training FLOPs per token, a tokens/s guess) used to rank plans against each other."""
     L = shape.num_layers
     layer_fwd = 2 * shape.layer_linear_params + 2 * seq_len * shape.q_dim  # causal attention: half of 4*s*d
@@ -523,6 +527,8 @@ def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: li
         seconds *= 1.15  # dequantising NF4 weights on every matmul
     if loss_mode == "exact":
         seconds *= 1.02
+    # Chunks smaller than the loss's default run smaller, less efficient matmuls.
+    seconds *= 1 + 0.02 * math.log2(chunk_ratio)
     if offload_act:
         seconds *= 1.05  # copies mostly hidden behind compute
     # The optimizer step is memory-bound: ~16 bytes touched per trainable parameter, once per

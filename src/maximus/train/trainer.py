@@ -122,13 +122,17 @@ class Trainer:
 
         budget = resolve_budget(opt.target_vram, self.device)
         model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
         chosen = plan_for_budget(model_config, budget, method=cfg.method, batch_size=per_rank,
-                                 seq_len=cfg.training.seq_len, dtype=self.dtype, optimizer=cfg.training.optimizer,
-                                 lora_r=cfg.lora.r, world_size=self.dist.world_size,
-                                 micro_batch_size=cfg.training.micro_batch_size,
-                                 gradient_checkpointing=opt.gradient_checkpointing,
-                                 loss_mode=plan["loss_mode"], offload=opt.offload)
+                                 seq_len=cfg.training.seq_len, dtype=dtype_name, optimizer=cfg.training.optimizer,
+                                 lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
+                                 world_size=self.dist.world_size, micro_batch_size=cfg.training.micro_batch_size,
+                                 gradient_checkpointing=opt.gradient_checkpointing, loss_mode=plan["loss_mode"],
+                                 loss_chunk_size=opt.loss_chunk_size, offload_activations=opt.offload.activations,
+                                 offload_optimizer=opt.offload.optimizer, device=self.device.type)
         plan.update(chosen.to_dict())
+        if isinstance(plan["gradient_checkpointing"], list):  # per layer: recompute it fully or keep it
+            plan["gradient_checkpointing"] = ["full" if on else "none" for on in plan["gradient_checkpointing"]]
         plan["budget_bytes"] = budget
         self._plan_obj = chosen
         return plan
@@ -394,8 +398,8 @@ class Trainer:
                     f"{len(self.data.eval)} eval rows | {self.total_steps} steps of {self.cfg.training.batch_size} x "
                     f"{self.cfg.training.seq_len} tokens")
         if getattr(self, "_plan_obj", None) is not None and hasattr(self._plan_obj, "table"):
-            for line in self._plan_obj.table():
-                out.message(str(line))
+            for line in self._plan_obj.text().splitlines():
+                out.message("  " + line)
 
     def _print_summary(self, before: dict, after: dict, out: ProgressDisplay) -> None:
         lines = [f"{'':<22}{'base (before)':>16}{'tuned (after)':>16}"]

@@ -1,0 +1,77 @@
+"""The benchmark reference model of ../shared/ANCHORS.md, built once and cached on disk.
+
+A Llama-architecture model with a Llama-3-sized vocabulary (128,256 rows) but a small body
+(hidden 512, 8 layers), so that on a 2-core CPU the output layer weighs in a step as it does in
+real models. Weights are random (`torch.manual_seed(0)`): memory and speed depend on shapes,
+not on weight values. It is saved with `save_pretrained` (safetensors, bf16: 156 M parameters,
+about 312 MB on disk) together with a small byte-level BPE tokenizer; benchmarks feed random
+token ids in [0, vocab_size), so the tokenizer only has to exist for loaders that want one.
+
+    from _reference_model import reference_model_dir
+    path = reference_model_dir()        # builds on first use (~10 s), then reuses the cache
+"""
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import torch
+
+#: The shape of ANCHORS.md "The reference model for benchmarks".
+REFERENCE_CONFIG = dict(
+    vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+    num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+    tie_word_embeddings=False, rope_theta=500000.0,
+)
+SEED = 0
+#: Bump when the saved content changes, so old caches are not reused.
+_VERSION = "1"
+_DONE = "BUILD_COMPLETE"
+
+
+def default_cache_dir() -> Path:
+    """`$MAXIMUS_CACHE/reference-llama-128k-v<version>` (default cache root `~/.cache/maximus`)."""
+    from maximus.builtin import cache_root
+
+    return cache_root() / f"reference-llama-128k-v{_VERSION}"
+
+
+def build_reference_model(dtype: torch.dtype = torch.bfloat16):
+    """The reference `LlamaForCausalLM`, randomly initialised from seed 0, in `dtype`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**REFERENCE_CONFIG)
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(config)  # initialised in float32, then cast: same values for every dtype
+    return model.to(dtype)
+
+
+def reference_model_dir(cache_dir: str | Path | None = None) -> Path:
+    """Directory holding the saved reference model and tokenizer; written on first call.
+
+    The build goes to a temporary sibling directory and is renamed into place after a marker file
+    is written, so an interrupted build is never mistaken for a finished one.
+    """
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    if (path / _DONE).is_file():
+        return path
+    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+
+    tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    model = build_reference_model(torch.bfloat16)
+    model.config.use_cache = False
+    model.save_pretrained(str(tmp), safe_serialization=True)
+    build_tiny_tokenizer().save_pretrained(str(tmp))
+    (tmp / _DONE).write_text("ok\n")
+    del model
+    if path.exists():  # a concurrent or broken build: replace it
+        shutil.rmtree(path, ignore_errors=True)
+    os.replace(tmp, path)
+    return path
+
+
+if __name__ == "__main__":  # pragma: no cover
+    print(reference_model_dir())

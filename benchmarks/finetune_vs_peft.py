@@ -1,0 +1,324 @@
+"""The same fine-tune step on the reference model: Maximus vs plain Transformers + PEFT (+ bitsandbytes).
+
+Model: the ANCHORS.md reference Llama (vocab 128,256, hidden 512, 8 layers; see
+`_reference_model.py`), random weights. Step: batch 1, one packed row of `seq` random token ids
+(labels = inputs), LoRA r=16 / alpha 32 on every linear layer (PEFT `all-linear`), torch AdamW
+lr 2e-4, bf16 autocast compute with fp32 adapters. QLoRA loads the base in bitsandbytes 4-bit NF4
+with double quantisation and runs PEFT's `prepare_model_for_kbit_training` (both sides).
+
+* (a) Maximus: `maximus.Trainer(Config.from_dict(...))`, `trainer.setup()`, then
+  `trainer.train_step(step)` on synthetic rows (the exact chunked loss: no logits tensor).
+* (b) peer: `model(input_ids, labels=labels).loss.backward()` + `AdamW.step()`.
+
+Each (implementation, setting) runs in a fresh subprocess (`--worker`), so the two never share
+allocator state. Per run:
+
+* training memory growth: peak process RSS during warm-up + measured steps minus RSS right after
+  the model, adapter and optimizer were built (peak via VmHWM, reset with /proc/self/clear_refs
+  after a malloc_trim, so both sides start from a trimmed heap);
+* peak live tensor bytes of one further step, from `maximus.memory.meter.MemoryMeter` (CPU
+  storage tracker) and its growth over the tensors alive before the step (weights, optimizer
+  state). This step is not timed (the tracker costs Python time per op);
+* tokens/s: median over the measured steps; the loss of the first step (same data, same init),
+  which shows both sides compute the same loss.
+
+    python benchmarks/finetune_vs_peft.py --quick            # QLoRA seq 512 + 2048, 1 warm-up + 3 steps
+    python benchmarks/finetune_vs_peft.py                    # LoRA and QLoRA, seq 512 + 2048, 1 + 5 steps
+    python benchmarks/finetune_vs_peft.py --quick --profile  # + top ops of one step of each side (QLoRA, longest seq)
+"""
+from __future__ import annotations
+
+import argparse
+import ctypes
+import gc
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+QUICK_SETTINGS = [("qlora", 512), ("qlora", 2048)]
+FULL_SETTINGS = [("lora", 512), ("lora", 2048), ("qlora", 512), ("qlora", 2048)]
+#: (implementation, gradient checkpointing) rows per setting; the peer runs without checkpointing.
+RUNS = [("peft", "off"), ("maximus", "off"), ("maximus", "auto")]
+LORA = dict(r=16, alpha=32.0, dropout=0.0)
+LEARNING_RATE = 2e-4
+DATA_SEED = 1234
+
+
+# ------------------------------------------------------------------------------------- memory
+def _status_bytes(field: str) -> int:
+    """A `VmRSS` / `VmHWM` line of /proc/self/status, in bytes."""
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1]) * 1024
+    raise RuntimeError(f"{field} not in /proc/self/status")
+
+
+def _trim_and_reset_peak() -> int:
+    """Return freed heap to the OS, restart the peak-RSS window, and return the RSS now (bytes)."""
+    gc.collect()
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except OSError:  # not glibc: the baseline is then a little higher
+        pass
+    Path("/proc/self/clear_refs").write_text("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    return _status_bytes("VmRSS")
+
+
+# ------------------------------------------------------------------------------------- data
+def synthetic_ids(n_rows: int, seq: int, vocab: int):
+    """`n_rows` rows of `seq` random token ids in [0, vocab), the same for both sides."""
+    import torch
+
+    g = torch.Generator().manual_seed(DATA_SEED)
+    return torch.randint(0, vocab, (n_rows, seq), generator=g)
+
+
+# ------------------------------------------------------------------------------------- the two sides
+def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, total_steps: int, work: Path):
+    """A set-up Maximus trainer; returns (step(i) -> loss, model, optimizer, set_rows(ids), info)."""
+    import torch
+
+    from maximus import Config, Trainer
+
+    data = work / "tiny.jsonl"
+    data.write_text("".join(json.dumps({"text": f"document {i} for the tokenizer and packer"}) + "\n" for i in range(8)))
+    cfg = Config.from_dict({
+        "model": str(model_dir), "dataset": str(data), "method": method, "device": "cpu",
+        "output_dir": str(work / "run"),
+        "lora": {"r": LORA["r"], "alpha": LORA["alpha"], "dropout": LORA["dropout"], "target_modules": "all-linear"},
+        "optimization": {"gradient_checkpointing": checkpointing, "loss": "exact"},
+        "training": {"batch_size": 1, "micro_batch_size": 1, "seq_len": seq, "max_steps": total_steps,
+                     "learning_rate": LEARNING_RATE, "warmup_steps": 0, "scheduler": "constant",
+                     "max_grad_norm": None, "dtype": "bf16", "optimizer": "adamw"},
+        "eval": {"enabled": False}, "logging": {"progress": "none"},
+    })
+    trainer = Trainer(cfg)
+    trainer.setup()
+
+    def set_rows(ids):
+        rows = [{"input_ids": r.tolist(), "labels": r.tolist(), "position_ids": list(range(len(r)))} for r in ids]
+        trainer.data.train = rows
+        # rows_for_step picks rows through a seeded permutation; pin row i-1 to step i instead,
+        # so both sides see the same rows in the same order.
+        order = torch.arange(len(rows))
+        trainer._epoch_order = lambda epoch: order
+
+    def step(i: int) -> float:
+        return trainer.train_step(i)["loss"]
+
+    return step, trainer.model, trainer.optimizer, set_rows, {"checkpointing": _checkpointing_summary(trainer)}
+
+
+def _checkpointing_summary(trainer) -> str:
+    report = trainer.checkpointing
+    modes = getattr(report, "modes", None)
+    if modes:
+        counts: dict[str, int] = {}
+        for m in modes:
+            counts[m] = counts.get(m, 0) + 1
+        return ", ".join(f"{n}x {m}" for m, n in counts.items())
+    return str(trainer.plan.get("gradient_checkpointing"))
+
+
+def build_peft(model_dir: Path, method: str):
+    """The plain Transformers + PEFT (+ bitsandbytes) recipe; returns the same tuple as build_maximus."""
+    import torch
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    kwargs: dict = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
+    if method == "qlora":
+        kwargs["quantization_config"] = BitsAndBytesConfig(
+            load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.uint8)
+        kwargs["device_map"] = {"": "cpu"}
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    model.config.use_cache = False
+    if method == "qlora":
+        model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
+    model = get_peft_model(model, LoraConfig(r=LORA["r"], lora_alpha=LORA["alpha"], lora_dropout=LORA["dropout"],
+                                             target_modules="all-linear", task_type="CAUSAL_LM", bias="none"))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE, weight_decay=0.0)
+    rows: list = []
+
+    def set_rows(ids):
+        rows[:] = [r.unsqueeze(0) for r in ids]
+
+    def step(i: int) -> float:
+        ids = rows[i - 1]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss)
+
+    return step, model, optimizer, set_rows, {"checkpointing": "off"}
+
+
+# ------------------------------------------------------------------------------------- worker
+def top_ops(step, i: int, limit: int = 15) -> list[dict]:
+    """Self CPU time of the `limit` costliest ops of one step, from torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(i)
+    events = [e for e in prof.key_averages()]
+    total = sum(e.self_cpu_time_total for e in events) or 1
+    events.sort(key=lambda e: e.self_cpu_time_total, reverse=True)
+    return [{"op": e.key, "calls": e.count, "self_ms": e.self_cpu_time_total / 1e3,
+             "share": e.self_cpu_time_total / total} for e in events[:limit]]
+
+
+def worker(args) -> dict:
+    import torch
+
+    from _reference_model import REFERENCE_CONFIG, reference_model_dir
+    from maximus.memory.meter import MemoryMeter
+
+    model_dir = reference_model_dir(args.model_dir)
+    n_rows = args.warmup + args.steps + 1 + (1 if args.profile else 0)
+    ids = synthetic_ids(n_rows, args.seq, REFERENCE_CONFIG["vocab_size"])
+    t_load = time.perf_counter()
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.impl == "maximus":
+            step, model, optimizer, set_rows, info = build_maximus(model_dir, args.method, args.seq, args.checkpointing,
+                                                                   n_rows, Path(tmp))
+        else:
+            step, model, optimizer, set_rows, info = build_peft(model_dir, args.method)
+        set_rows(ids)
+        load_s = time.perf_counter() - t_load
+        base_rss = _trim_and_reset_peak()
+        losses, times = [], []
+        for i in range(1, args.warmup + args.steps + 1):
+            t0 = time.perf_counter()
+            losses.append(step(i))
+            if i > args.warmup:
+                times.append(time.perf_counter() - t0)
+        peak_rss = _status_bytes("VmHWM")
+        # One more step under the live-tensor meter (not timed: the tracker adds Python work per op).
+        meter = MemoryMeter("cpu")
+        meter.adopt(model, optimizer)
+        before_live = meter.current_bytes()
+        meter.reset_peak()
+        with meter.track(model, optimizer):
+            step(args.warmup + args.steps + 1)
+        result = {
+            "impl": args.impl, "method": args.method, "seq": args.seq, "checkpointing": info["checkpointing"],
+            "policy": args.checkpointing, "load_s": load_s, "base_rss": base_rss, "peak_rss": peak_rss,
+            "rss_growth": peak_rss - base_rss, "live_before": before_live, "live_peak": meter.peak_bytes(),
+            "live_growth": meter.peak_bytes() - before_live, "step_s": times,
+            "tokens_per_s": args.seq / statistics.median(times), "losses": losses, "threads": torch.get_num_threads(),
+        }
+        if args.profile:
+            result["top_ops"] = top_ops(step, n_rows)
+    return result
+
+
+# ------------------------------------------------------------------------------------- driver
+def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--checkpointing", policy,
+           "--method", method, "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+    if args.model_dir:
+        cmd += ["--model-dir", str(args.model_dir)]
+    if args.profile and method == "qlora" and seq == max(s for _, s in args.settings) and policy == "off":
+        cmd.append("--profile")
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
+        raise RuntimeError(f"worker {impl}/{policy} {method} seq {seq} failed (exit {proc.returncode}):\n{tail}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    result["wall_s"] = time.perf_counter() - t0
+    print(f"  {impl:<8} ckpt {policy:<4} {method} seq {seq}: growth {result['rss_growth'] / 2**20:7.0f} MiB RSS, "
+          f"{result['live_growth'] / 2**20:7.0f} MiB live, {result['tokens_per_s']:6.0f} tok/s, "
+          f"loss {result['losses'][0]:.4f} ({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
+    return result
+
+
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f}"
+
+
+def markdown_table(results: list[dict]) -> str:
+    rows = ["| method | seq | implementation | grad. ckpt | train memory growth (RSS, MiB) | ratio | "
+            "peak live tensors (MiB) | live growth (MiB) | ratio | tokens/s (median) | ratio | step-1 loss |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    peers = {(r["method"], r["seq"]): r for r in results if r["impl"] == "peft"}
+    for r in results:
+        peer = peers.get((r["method"], r["seq"]))
+        name = "Transformers + PEFT" + (" + bnb" if r["method"] == "qlora" else "") if r["impl"] == "peft" else "Maximus"
+        ckpt = r["policy"] if r["policy"] != "auto" else f"auto ({r['checkpointing']})"
+
+        def ratio(key):
+            if peer is None or r is peer:
+                return "1"
+            return f"{r[key] / peer[key]:.2f}x" if peer[key] else "-"
+
+        rows.append(f"| {r['method'].upper() if r['method'] != 'qlora' else 'QLoRA'} | {r['seq']} | {name} | {ckpt} | "
+                    f"{_mib(r['rss_growth'])} | {ratio('rss_growth')} | {_mib(r['live_peak'])} | {_mib(r['live_growth'])} | "
+                    f"{ratio('live_growth')} | {r['tokens_per_s']:,.0f} | {ratio('tokens_per_s')} | {r['losses'][0]:.4f} |")
+    return "\n".join(rows).replace("| LORA |", "| LoRA |")
+
+
+def ops_table(result: dict) -> str:
+    lines = [f"Top ops of one {result['impl']} step ({result['method']}, seq {result['seq']}), by self CPU time:", "",
+             "| op | calls | self ms | share |", "|---|---:|---:|---:|"]
+    for op in result["top_ops"]:
+        lines.append(f"| `{op['op']}` | {op['calls']} | {op['self_ms']:,.0f} | {op['share']:.1%} |")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--quick", action="store_true", help="QLoRA seq 512 and 2048, 1 warm-up + 3 measured steps")
+    p.add_argument("--steps", type=int, default=None, help="measured steps per run (default 3 quick, 5 full)")
+    p.add_argument("--warmup", type=int, default=1, help="untimed steps before measuring")
+    p.add_argument("--profile", action="store_true", help="also profile one step of each side (QLoRA, longest seq)")
+    p.add_argument("--model-dir", type=Path, default=None, help="reference model cache directory")
+    p.add_argument("--json", type=Path, default=None, help="also write all results here")
+    p.add_argument("--worker-timeout", type=int, default=900, help="seconds before a worker is killed")
+    # worker mode (one implementation, one setting, in its own process)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=("maximus", "peft"), help=argparse.SUPPRESS)
+    p.add_argument("--method", choices=("lora", "qlora"), help=argparse.SUPPRESS)
+    p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--checkpointing", choices=("off", "auto"), default="off", help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.steps is None:
+        args.steps = 3 if args.quick else 5
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return 0
+
+    from _reference_model import reference_model_dir
+
+    reference_model_dir(args.model_dir)  # build the cache once, before the workers race for it
+    args.settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
+    results = []
+    started = time.perf_counter()
+    for method, seq in args.settings:
+        for impl, policy in RUNS:
+            results.append(run_worker(impl, policy, method, seq, args))
+    print(f"\ntotal {time.perf_counter() - started:.0f} s, {args.warmup} warm-up + {args.steps} measured steps per run\n")
+    print(markdown_table(results))
+    for r in results:
+        if "top_ops" in r:
+            print()
+            print(ops_table(r))
+    if args.json:
+        args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
