@@ -22,7 +22,7 @@ allocator state. Per run:
 * tokens/s: median over the measured steps; the loss of the first step (same data, same init),
   which shows both sides compute the same loss.
 
-    python benchmarks/finetune_vs_peft.py --quick            # QLoRA seq 512 + 2048, 1 warm-up + 3 steps
+    python benchmarks/finetune_vs_peft.py --quick            # QLoRA seq 512 + 2048 (auto row at 2048 only), 1 warm-up + 3 steps
     python benchmarks/finetune_vs_peft.py                    # LoRA and QLoRA, seq 512 + 2048, 1 + 5 steps
     python benchmarks/finetune_vs_peft.py --quick --profile  # + top ops of one step of each side (QLoRA, longest seq)
 """
@@ -159,7 +159,7 @@ def build_peft(model_dir: Path, method: str):
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
-        return float(loss)
+        return float(loss.detach())
 
     return step, model, optimizer, set_rows, {"checkpointing": "off"}
 
@@ -184,8 +184,9 @@ def worker(args) -> dict:
     from _reference_model import REFERENCE_CONFIG, reference_model_dir
     from maximus.memory.meter import MemoryMeter
 
+    torch.set_num_threads(args.threads)
     model_dir = reference_model_dir(args.model_dir)
-    n_rows = args.warmup + args.steps + 1 + (1 if args.profile else 0)
+    n_rows = args.warmup + args.steps + (1 if args.profile else 0)
     ids = synthetic_ids(n_rows, args.seq, REFERENCE_CONFIG["vocab_size"])
     t_load = time.perf_counter()
     with tempfile.TemporaryDirectory() as tmp:
@@ -197,26 +198,30 @@ def worker(args) -> dict:
         set_rows(ids)
         load_s = time.perf_counter() - t_load
         base_rss = _trim_and_reset_peak()
-        losses, times = [], []
-        for i in range(1, args.warmup + args.steps + 1):
-            t0 = time.perf_counter()
-            losses.append(step(i))
-            if i > args.warmup:
-                times.append(time.perf_counter() - t0)
-        peak_rss = _status_bytes("VmHWM")
-        # One more step under the live-tensor meter (not timed: the tracker adds Python work per op).
+        # Warm-up steps run under the live-tensor meter (untimed: the tracker adds Python work per
+        # op); the first of them also creates the optimizer state, which the peak then includes.
         meter = MemoryMeter("cpu")
         meter.adopt(model, optimizer)
         before_live = meter.current_bytes()
         meter.reset_peak()
-        with meter.track(model, optimizer):
-            step(args.warmup + args.steps + 1)
+        losses, times, cpu_times = [], [], []
+        for i in range(1, args.warmup + 1):
+            with meter.track(model, optimizer):
+                losses.append(step(i))
+        for i in range(args.warmup + 1, args.warmup + args.steps + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            losses.append(step(i))
+            times.append(time.perf_counter() - t0)
+            cpu_times.append(time.process_time() - c0)
+        peak_rss = _status_bytes("VmHWM")
         result = {
             "impl": args.impl, "method": args.method, "seq": args.seq, "checkpointing": info["checkpointing"],
             "policy": args.checkpointing, "load_s": load_s, "base_rss": base_rss, "peak_rss": peak_rss,
             "rss_growth": peak_rss - base_rss, "live_before": before_live, "live_peak": meter.peak_bytes(),
-            "live_growth": meter.peak_bytes() - before_live, "step_s": times,
-            "tokens_per_s": args.seq / statistics.median(times), "losses": losses, "threads": torch.get_num_threads(),
+            "live_growth": meter.peak_bytes() - before_live, "step_s": times, "cpu_s": cpu_times,
+            "tokens_per_s": args.seq / statistics.median(times),
+            "tokens_per_cpu_s": args.seq / statistics.median(cpu_times),
+            "losses": losses, "threads": torch.get_num_threads(),
         }
         if args.profile:
             result["top_ops"] = top_ops(step, n_rows)
@@ -226,7 +231,8 @@ def worker(args) -> dict:
 # ------------------------------------------------------------------------------------- driver
 def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--checkpointing", policy,
-           "--method", method, "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup)]
+           "--method", method, "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--threads", str(args.threads)]
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
     if args.profile and method == "qlora" and seq == max(s for _, s in args.settings) and policy == "off":
@@ -286,6 +292,9 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also profile one step of each side (QLoRA, longest seq)")
     p.add_argument("--model-dir", type=Path, default=None, help="reference model cache directory")
     p.add_argument("--json", type=Path, default=None, help="also write all results here")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch threads per worker (default 1: on a shared, oversubscribed CPU a 2-thread region "
+                        "waits for whichever thread is descheduled)")
     p.add_argument("--worker-timeout", type=int, default=900, help="seconds before a worker is killed")
     # worker mode (one implementation, one setting, in its own process)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -296,6 +305,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 3 if args.quick else 5
+    if args.warmup < 1:
+        p.error("--warmup must be at least 1 (the memory meter watches the warm-up steps)")
     if args.worker:
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
@@ -308,6 +319,8 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     for method, seq in args.settings:
         for impl, policy in RUNS:
+            if policy == "auto" and args.quick and seq != max(s for m, s in args.settings if m == method):
+                continue  # quick mode: the `auto` row only at the longest sequence
             results.append(run_worker(impl, policy, method, seq, args))
     print(f"\ntotal {time.perf_counter() - started:.0f} s, {args.warmup} warm-up + {args.steps} measured steps per run\n")
     print(markdown_table(results))

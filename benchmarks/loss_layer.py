@@ -37,11 +37,11 @@ FULL = [(4096, 512, 32000), (8192, 512, 32000), (4096, 512, 128256), (8192, 1024
         (4096, 2048, 128256), (4096, 512, 262144), (8192, 1024, 262144)]
 
 
-def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0):
+def make_inputs(tokens: int, hidden: int, vocab: int, dtype: torch.dtype, seed: int = 0, frozen_head=False):
     """Hidden states like a final RMSNorm output, a head initialised like Llama (std 0.02)."""
     g = torch.Generator().manual_seed(seed)
     h = torch.randn(tokens, hidden, generator=g).to(dtype).requires_grad_()
-    w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(dtype).requires_grad_()
+    w = (torch.randn(vocab, hidden, generator=g) * 0.02).to(dtype).requires_grad_(not frozen_head)
     y = torch.randint(0, vocab, (tokens,), generator=g)
     return h, w, y
 
@@ -76,8 +76,8 @@ def peak_extra_bytes(method: str, h, w, y) -> int:
     return peak
 
 
-def run_config(tokens, hidden, vocab, dtype, repeats):
-    h, w, y = make_inputs(tokens, hidden, vocab, dtype)
+def run_config(tokens, hidden, vocab, dtype, repeats, frozen_head=False):
+    h, w, y = make_inputs(tokens, hidden, vocab, dtype, frozen_head=frozen_head)
     row = {"config": f"{tokens} x {hidden} -> {vocab}"}
     for method in METHODS:
         row[f"{method}_loss"] = step(method, h, w, y)  # warm-up, and the loss value
@@ -113,6 +113,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="two configurations, 2 repeats (< 2 min)")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--frozen-head", action="store_true", help="head weight without gradient (LoRA/QLoRA case)")
     parser.add_argument("--threads", type=int, default=None, help="torch threads (default: torch's choice)")
     parser.add_argument("--configs", default=None,
                         help="override, e.g. '4096x512x128256,8192x1024x262144' (tokens x hidden x vocab)")
@@ -127,8 +128,9 @@ def main() -> None:
     repeats = args.repeats or (2 if args.quick else 3)
     rows = []
     for tokens, hidden, vocab in configs:
-        rows.append(run_config(tokens, hidden, vocab, dtype, repeats))
+        rows.append(run_config(tokens, hidden, vocab, dtype, repeats, args.frozen_head))
         print(f"done {rows[-1]['config']}", flush=True)
+    print(f"threads {torch.get_num_threads()}, head {'frozen' if args.frozen_head else 'trainable'}")
     print(markdown(rows, dtype))
 
 

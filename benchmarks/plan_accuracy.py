@@ -20,7 +20,7 @@ import torch
 from peft import LoraConfig, get_peft_model
 from transformers import AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig, LlamaForCausalLM
 
-from maximus.memory import estimate_peak, measure_step_peak
+from maximus.memory import MemoryMeter, estimate_peak, measure_step_peak
 
 try:  # the lean loss lands in maximus.losses (another issue); skip its column without it
     from maximus.losses.linear_cross_entropy import linear_cross_entropy
@@ -84,6 +84,34 @@ def measure(config: LlamaConfig, *, method: str, dtype: str, seq_len: int, check
     return peak, breakdown, seconds
 
 
+def meter_overhead(config: LlamaConfig, seq_len: int = 512, repeats: int = 7) -> tuple[float, float]:
+    """Median seconds of one LoRA training step without and with `MemoryMeter.track` (CPU),
+    alternating the two so that machine noise hits both alike."""
+    import statistics
+
+    model = build(config, "lora", "bf16", "off", 16, None)
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, config.vocab_size, (1, seq_len), generator=torch.Generator().manual_seed(0))
+
+    def step():
+        loss_of(model, ids, "naive").backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+
+    meter = MemoryMeter("cpu")
+    step()
+    plain, tracked = [], []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        step()
+        plain.append(time.perf_counter() - start)
+        start = time.perf_counter()
+        with meter.track(model, optimizer):
+            step()
+        tracked.append(time.perf_counter() - start)
+    return statistics.median(plain), statistics.median(tracked)
+
+
 def grid(quick: bool) -> list[dict]:
     settings = []
     seqs = (256, 1024) if quick else (512, 2048)
@@ -108,8 +136,14 @@ def main(argv=None) -> int:
     parser.add_argument("--threshold", type=float, default=0.15, help="goal: |error| within this fraction")
     parser.add_argument("--threads", type=int, default=1,
                         help="torch threads (memory does not depend on it; 1 is fastest on a shared 2-core machine)")
+    parser.add_argument("--overhead-only", action="store_true", help="only time the meter's overhead")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
+    plain, tracked = meter_overhead(LlamaConfig(**SMALL))
+    print(f"meter overhead (LoRA step, SMALL model, 1 x 512 tokens): {plain:.3f} s plain, {tracked:.3f} s tracked, "
+          f"x{tracked / plain:.2f} (medians of 7, alternated)", flush=True)
+    if args.overhead_only:
+        return 0
     shape = SMALL if args.quick else REFERENCE
     config = LlamaConfig(**shape)
     rows, worst = [], 0.0

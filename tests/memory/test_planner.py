@@ -69,15 +69,15 @@ def test_nothing_fits_names_the_smallest_budget_word_for_word():
     with pytest.raises(BudgetError) as err:
         plan_for_budget(EIGHT_B, 4 * GiB, method="qlora", batch_size=2, seq_len=2048)
     assert str(err.value) == (
-        "nothing fits in 4.00 GiB: the smallest plan needs 7.13 GiB (qlora, micro_batch 1, full checkpointing, "
+        "nothing fits in 4.00 GiB: the smallest plan needs 7.29 GiB (qlora, micro_batch 1, full checkpointing, "
         "activation offload, optimizer offload, seq 2048) (hint: raise target_vram or lower training.seq_len)")
     with pytest.raises(BudgetError) as err:
         plan_for_budget(EIGHT_B, 8 * GiB, method="lora", batch_size=2, seq_len=2048, allow={"checkpointing"})
     assert str(err.value) == (
-        "nothing fits in 8.00 GiB: the smallest plan needs 19.82 GiB (lora, micro_batch 2, full checkpointing, "
+        "nothing fits in 8.00 GiB: the smallest plan needs 20.09 GiB (lora, micro_batch 2, full checkpointing, "
         "seq 2048) (hint: raise target_vram, lower training.seq_len, or use method: qlora)")
     # the smallest budget named really is enough
-    plan_for_budget(EIGHT_B, int(19.83 * GiB), method="lora", batch_size=2, seq_len=2048, allow={"checkpointing"})
+    plan_for_budget(EIGHT_B, int(20.10 * GiB), method="lora", batch_size=2, seq_len=2048, allow={"checkpointing"})
 
 
 def test_batch_must_split_over_ranks():
@@ -167,10 +167,11 @@ def test_plan_command_needs_a_model():
 
 
 def test_real_run_of_the_plan_stays_under_budget_and_uses_it():
+    before = torch.get_num_threads()
     torch.set_num_threads(1)
     config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
                          num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
-    batch, seq = 8, 256
+    batch, seq = 4, 256
     allow = {"checkpointing", "micro_batch", "loss_chunk"}  # what plain Transformers can execute
     smallest = estimate_peak(config, method="lora", micro_batch=1, seq_len=seq, checkpointing="full",
                              loss_chunk_tokens=64, device="cpu").peak_bytes
@@ -179,6 +180,7 @@ def test_real_run_of_the_plan_stays_under_budget_and_uses_it():
         measured = _run(config, plan, batch, seq)
         assert measured <= budget
         assert measured >= 0.6 * budget  # the plan grows into the budget it has
+    torch.set_num_threads(before)
 
 
 def _run(config, plan, batch, seq):

@@ -17,7 +17,9 @@ loss and the same gradients one chunk of tokens at a time:
 
 The peak extra memory is therefore about one chunk of logits (``C x V`` float32, plus a
 ``C x V`` copy in the input dtype for 16-bit inputs) plus the gradient buffers, instead of several
-``N x V`` tensors.
+``N x V`` tensors. A 16-bit trainable head accumulates its gradient over chunks in a float32
+``V x H`` buffer (measured: accumulating in bf16 over 64 chunks was 10x less accurate than one
+bf16 matmul); a frozen head (LoRA / QLoRA) needs no weight gradient at all.
 
 Semantics follow ``torch.nn.functional.cross_entropy`` on ``hidden @ weight.T + bias``, with one
 deliberate difference: when every label is ``ignore_index`` the mean is 0 (with zero gradients),
@@ -34,7 +36,7 @@ from maximus.errors import ConfigError
 
 Reduction = Literal["mean", "sum", "none"]
 
-#: Default size of one chunk's float32 logits, in bytes (about 64 MiB; see DEFAULT_CHUNK_* below).
+#: Default size of one chunk's float32 logits, in bytes.
 DEFAULT_CHUNK_LOGITS_BYTES = 64 * 2**20
 
 #: Never use chunks smaller than this many tokens unless there are fewer tokens.
@@ -42,8 +44,9 @@ MIN_CHUNK_TOKENS = 64
 
 #: With a trainable head every chunk adds ``G.T @ h_c`` into the whole ``V x H`` weight gradient:
 #: a full pass over ``V x H`` per chunk whatever the chunk size. Chunks of at least this many
-#: tokens keep that pass under ~15 % of the chunk's matmul time (measured on CPU, where the ratio
-#: of matmul rate to memory bandwidth is about 300 flop/byte, as on current GPUs). A frozen head
+#: tokens keep that pass to ~10-15 % of the chunk's matmul time where matmul rate / memory
+#: bandwidth is ~300 flop/byte (this CPU in bf16, and current GPUs); with 87-token chunks the
+#: exact loss ran at 0.59x naive's speed at V=128k (docs/benchmarks/losses.md). A frozen head
 #: (the LoRA / QLoRA case) has no such pass and keeps the small default.
 MIN_CHUNK_TOKENS_TRAINABLE_HEAD = 512
 

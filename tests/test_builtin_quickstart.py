@@ -1,0 +1,35 @@
+"""The embedded default builds offline, deterministically, and the quickstart config validates."""
+import json
+from pathlib import Path
+
+from maximus import Config
+from maximus.builtin import materialize, resolve, reverse_words_records
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_reverse_words_task_is_deterministic_and_correct():
+    a, b = reverse_words_records(50, seed=3), reverse_words_records(50, seed=3)
+    assert a == b
+    for rec in a:
+        words = rec["prompt"][len("Reverse: "):-len("\nAnswer:")].split()
+        assert rec["completion"].split() == words[::-1] and 3 <= len(words) <= 5
+
+
+def test_builtins_materialise_once(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXIMUS_CACHE", str(tmp_path))
+    data = Path(materialize("builtin:reverse-words"))
+    lines = (data / "train.jsonl").read_text().splitlines()
+    assert len(lines) == 4000 and json.loads(lines[0]).keys() == {"prompt", "completion"}
+    model = Path(materialize("builtin:tiny-llama"))
+    assert (model / "model.safetensors").is_file() and (model / "tokenizer.json").is_file()
+    stamp = (model / "model.safetensors").stat().st_mtime_ns
+    assert Path(materialize("builtin:tiny-llama")) == model  # reused, not rebuilt
+    assert (model / "model.safetensors").stat().st_mtime_ns == stamp
+
+
+def test_quickstart_config_resolves(tmp_path, monkeypatch):
+    monkeypatch.setenv("MAXIMUS_CACHE", str(tmp_path))
+    cfg = resolve(Config.from_yaml(ROOT / "examples" / "quickstart.yaml"))
+    assert Path(cfg.model).is_dir() and Path(cfg.datasets[0].path).is_dir()
+    assert cfg.eval.exact_match > 0 and cfg.training.max_steps >= 100
