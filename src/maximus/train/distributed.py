@@ -1,36 +1,91 @@
-"""torch.distributed environment for the trainer: one process by default, torchrun when launched by it.
+"""torch.distributed for the trainer: one process by default, DDP or FSDP2 when launched by torchrun.
 
-`init()` reads torchrun's variables (WORLD_SIZE, RANK, LOCAL_RANK), starts the process group
-(nccl on CUDA, gloo on CPU) and says how to shard each step's rows: every rank takes a contiguous
-slice of the step's `batch_size` rows, so N processes together see exactly the rows one would.
+`init()` reads torchrun's variables (WORLD_SIZE, RANK, LOCAL_RANK) and starts the process group
+(nccl on CUDA, gloo on CPU) with a timeout, so a rank whose peer died stops instead of waiting
+forever. The rest is what the trainer asks of the world:
+
+- data: every rank takes a contiguous slice of each step's `batch_size` rows (`shard`), so N
+  processes together see exactly the rows one would; the step's unit count is summed over ranks
+  (`all_reduce_int`) and each rank scales its loss by world_size / units, so the gradient the
+  ranks average is the gradient of the whole batch;
+- model (`prepare_model`, before the optimizer is built): `training.distributed` = ``ddp``,
+  ``fsdp`` or ``auto`` (FSDP2 when the model does not fit one device, else DDP). FSDP2 shards
+  parameters, gradients and optimizer state with `torch.distributed.fsdp.fully_shard`: each
+  decoder layer, then the decoder stack (embeddings, final norm) as the root. The output head
+  stays whole on every rank, because the lean loss reads its weight directly (no forward call
+  FSDP could hook); trainable parameters outside FSDP (a fully trained head, a tied embedding,
+  PEFT copies of the head) have their gradients averaged across ranks by a hook. bitsandbytes
+  4-bit weights cannot be sharded by `fully_shard`, so QLoRA runs under DDP (one-line notice);
+- the training forward (`wrap`): DistributedDataParallel under DDP, unchanged under FSDP2 (its
+  hooks live on the decoder modules);
+- checkpoints (`checkpoint_view`): under FSDP2 every rank takes part in gathering the full
+  trainable tensors and optimizer state (`DTensor.full_tensor`), rank 0 writes them in the
+  one-process format; a checkpoint therefore resumes under any number of processes. Restoring
+  copies full tensors into shards (inside `session()`, which lets whole tensors meet DTensors)
+  and an optimizer load hook cuts the saved moments into this rank's shards.
 """
 from __future__ import annotations
 
+import contextlib
 import os
-from dataclasses import dataclass
+import sys
+from dataclasses import dataclass, field
+from datetime import timedelta
 
 import torch
 import torch.distributed as dist
 
+from maximus.errors import ConfigError
+
+STRATEGIES = ("auto", "ddp", "fsdp")
+
+#: Seconds a collective may wait for a peer before the process group gives up (env
+#: MAXIMUS_DIST_TIMEOUT_S). Long enough for rank 0 to write a large checkpoint while the others
+#: wait at the next step, short enough that a dead peer does not hold the job for hours.
+DEFAULT_TIMEOUT_S = 1800
+
+QLORA_FSDP_NOTICE = ("notice: FSDP2 cannot shard bitsandbytes 4-bit weights; QLoRA runs with DDP "
+                     "(each process holds the whole NF4 base)")
+
 
 @dataclass
 class DistEnv:
+    """Where this process stands in the world. `strategy` is ``single`` until `prepare_model`
+    chooses ``ddp`` or ``fsdp``."""
+
     enabled: bool = False
     world_size: int = 1
     rank: int = 0
     local_rank: int = 0
     device: torch.device | None = None
+    strategy: str = "single"
+    _hooks: list = field(default_factory=list, repr=False)
 
     @property
     def is_main(self) -> bool:
         return self.rank == 0
 
+    def describe(self) -> dict:
+        """What run.json records about the world."""
+        return {"strategy": self.strategy, "world_size": self.world_size}
+
+    # ------------------------------------------------------------------------------ data
     def shard(self, rows: list) -> list:
+        """This rank's contiguous slice of one step's rows (all of them in one process)."""
         if not self.enabled:
             return rows
         per = -(-len(rows) // self.world_size)
         return rows[self.rank * per:(self.rank + 1) * per]
 
+    def check_batch(self, batch_size: int) -> None:
+        """Every rank must get the same number of rows: a rank with fewer micro-batches would
+        leave its peers waiting in a gradient collective."""
+        if self.enabled and batch_size % self.world_size:
+            raise ConfigError(f"training.batch_size ({batch_size}) must be a multiple of the number of processes "
+                              f"({self.world_size})",
+                              f"use a batch_size divisible by {self.world_size} or change --nproc_per_node")
+
+    # ------------------------------------------------------------------------------ collectives
     def all_reduce_int(self, value: int) -> int:
         if not self.enabled:
             return value
@@ -45,24 +100,105 @@ class DistEnv:
         dist.all_reduce(t)
         return t.to(tensor.device)
 
+    def any(self, flag: bool) -> bool:
+        """True on every rank when it is true on some rank (e.g. a stop signal arrived)."""
+        return self.all_reduce_int(int(bool(flag))) > 0
+
+    def all_ok(self, ok: bool) -> bool:
+        """True on every rank only when it is true on every rank."""
+        return self.all_reduce_int(int(not ok)) == 0
+
+    def barrier(self) -> None:
+        if self.enabled:
+            dist.barrier()
+
     def _reduce_device(self) -> torch.device:
         return self.device if self.device is not None and self.device.type == "cuda" else torch.device("cpu")
 
-    def wrap(self, module: torch.nn.Module, plan: dict) -> torch.nn.Module:
-        """The training forward, wrapped for the world: unchanged in one process."""
+    # ------------------------------------------------------------------------------ model
+    def prepare_model(self, model: torch.nn.Module, cfg, plan: dict, *, method: str, dtype: torch.dtype) -> str:
+        """Choose DDP or FSDP2 for this run and, for FSDP2, shard `model` in place. Call it after
+        gradient checkpointing is applied and BEFORE the optimizer is built (FSDP2 replaces the
+        parameters by sharded ones). Returns the strategy (``single`` in one process)."""
+        if not self.enabled:
+            return self.strategy
+        self.check_batch(cfg.training.batch_size)
+        requested = cfg.training.distributed
+        need = capacity = None
+        if requested == "auto":
+            need = one_device_bytes(model, cfg, plan, method=method, dtype=dtype, device=self.device)
+            capacity = device_capacity_bytes(self.device, plan.get("budget_bytes"))
+        strategy, notice = choose_strategy(requested, method=method, need_bytes=need, capacity_bytes=capacity)
+        if strategy == "fsdp" and (plan.get("offload_optimizer") or plan.get("optimizer", "adamw") != "adamw"):
+            raise ConfigError("training.distributed: fsdp supports the torch AdamW optimizer without offload only",
+                              "set training.optimizer: adamw and optimization.offload.optimizer: off, "
+                              "or training.distributed: ddp")
+        if notice:
+            self.say(notice)
+        if strategy == "fsdp":
+            self._hooks = shard_with_fsdp2(model, self.device, dtype, self.world_size)
+        self.strategy = strategy
+        return strategy
+
+    def wrap(self, module: torch.nn.Module, plan: dict, optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
+        """The training forward, wrapped for the world: DDP under ``ddp``, unchanged otherwise.
+        Under FSDP2 `optimizer` gets a load hook that cuts whole saved moments into shards."""
+        if self.strategy == "fsdp":
+            if optimizer is not None:
+                optimizer.register_load_state_dict_pre_hook(_shard_optimizer_state)
+            return module
         if not self.enabled:
             return module
+        if self.strategy == "single":  # prepare_model was not called: DDP, as before
+            self.strategy = "ddp"
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device is not None and self.device.type == "cuda" else None
-        return DistributedDataParallel(module, device_ids=device_ids)
+        # No buffer a decoder keeps changes in forward (rotary tables are constant): skip the
+        # per-forward broadcast.
+        return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)
+
+    @contextlib.contextmanager
+    def session(self):
+        """The span of training. Under FSDP2, whole tensors may meet DTensors (treated as
+        replicated): checkpoint restore copies whole tensors into shards, and the replicated
+        head's gradient joins the sharded ones in clipping and the optimizer step."""
+        if self.strategy != "fsdp":
+            yield self
+            return
+        from torch.distributed.tensor.experimental import implicit_replication
+
+        with implicit_replication():
+            yield self
+
+    # ------------------------------------------------------------------------------ checkpoints
+    def checkpoint_view(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None):
+        """(model-like, optimizer-like) for `save_checkpoint`: the live objects when every rank
+        holds whole tensors; under FSDP2 a `GatheredState` with the whole trainable tensors and
+        optimizer state, in the one-process format, on rank 0 (None elsewhere). A collective
+        under FSDP2: every rank must call it."""
+        if self.strategy != "fsdp":
+            return model, optimizer
+        gathered = GatheredState(full_trainable_state(model, keep=self.is_main),
+                                 full_optimizer_state(optimizer, keep=self.is_main) if optimizer is not None else None)
+        return (gathered, gathered if optimizer is not None else None) if self.is_main else (None, None)
+
+    # ------------------------------------------------------------------------------ output
+    def say(self, text: str) -> None:
+        """A one-line notice, printed by rank 0 only."""
+        if self.is_main:
+            print(text, file=sys.stderr, flush=True)
 
     def shutdown(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
         if self.enabled and dist.is_initialized():
             dist.destroy_process_group()
 
 
 def init() -> DistEnv:
+    """The world torchrun describes in the environment (one process when WORLD_SIZE is unset)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return DistEnv()
@@ -74,5 +210,177 @@ def init() -> DistEnv:
     else:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
-        dist.init_process_group(backend=backend)
+        timeout = timedelta(seconds=float(os.environ.get("MAXIMUS_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
+        dist.init_process_group(backend=backend, timeout=timeout)
     return DistEnv(True, world, rank, local, device)
+
+
+# ---------------------------------------------------------------------------------- the choice
+def choose_strategy(requested: str, *, method: str, need_bytes: int | None = None,
+                    capacity_bytes: int | None = None) -> tuple[str, str | None]:
+    """(``ddp`` | ``fsdp``, notice or None) for `training.distributed` = `requested`.
+
+    ``auto`` picks FSDP2 when one device cannot hold the run (`need_bytes` > `capacity_bytes`),
+    else DDP (no sharding traffic). QLoRA always gets DDP: `fully_shard` cannot split
+    bitsandbytes' packed 4-bit weights (their quantisation state is lost)."""
+    if requested not in STRATEGIES:
+        raise ConfigError(f"training.distributed must be one of {', '.join(STRATEGIES)}, got {requested!r}")
+    if requested == "ddp":
+        return "ddp", None
+    wants_fsdp = requested == "fsdp" or (need_bytes is not None and capacity_bytes is not None
+                                         and need_bytes > capacity_bytes)
+    if not wants_fsdp:
+        return "ddp", None
+    if method == "qlora":
+        return "ddp", QLORA_FSDP_NOTICE
+    return "fsdp", None
+
+
+def one_device_bytes(model: torch.nn.Module, cfg, plan: dict, *, method: str, dtype: torch.dtype,
+                     device: torch.device | None) -> int:
+    """Peak bytes of one training step on one device: the planner's estimate
+    (`maximus.memory.estimate.estimate_peak`) from the model's config, or, for an architecture it
+    does not know, the static part measured on the loaded model (weights + gradients + AdamW)."""
+    from maximus.errors import MaximusError
+
+    try:
+        from maximus.memory.estimate import estimate_peak, load_model_config
+
+        policy = plan.get("gradient_checkpointing")
+        est = estimate_peak(load_model_config(cfg.model), method=method,
+                            dtype={torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16"),
+                            micro_batch=int(plan.get("micro_batch_size") or 1), seq_len=cfg.training.seq_len,
+                            checkpointing=policy if policy in ("off", "full", "selective") else "selective",
+                            loss_mode=plan.get("loss_mode", "exact"), optimizer=plan.get("optimizer", "adamw"),
+                            lora_r=cfg.lora.r, world_size=1, device=device.type if device is not None else "cuda")
+        return int(est.peak_bytes)
+    except (MaximusError, ImportError, OSError, ValueError, KeyError):
+        pass
+    total = 0
+    for p in model.parameters():
+        total += p.numel() * p.element_size()
+        if p.requires_grad:
+            total += p.numel() * (p.element_size() + 8)  # gradient + two fp32 AdamW moments
+    return total
+
+
+def device_capacity_bytes(device: torch.device | None, budget_bytes: int | None = None) -> int:
+    """Bytes one process may use: `target_vram` when set, else the GPU's memory, else the host's
+    memory split between the processes of this node."""
+    if budget_bytes:
+        return int(budget_bytes)
+    if device is not None and device.type == "cuda":
+        return int(torch.cuda.get_device_properties(device).total_memory)
+    try:
+        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - platforms without sysconf
+        return 1 << 62
+    return host // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+
+
+# ---------------------------------------------------------------------------------- FSDP2
+def shard_with_fsdp2(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, world_size: int) -> list:
+    """`fully_shard` each decoder layer, then the decoder stack as the root, in place.
+
+    The output head (and the embedding when tied to it) stays whole on every rank: the lean loss
+    uses `head.weight` directly, outside any forward FSDP could hook. Trainable parameters left
+    outside FSDP get a gradient hook that averages them across ranks, as FSDP's reduce-scatter
+    does for the rest. Mixed precision: parameters are gathered in the compute dtype, gradients
+    reduced in fp32. Returns the hook handles."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import DTensor
+
+    from maximus.memory.checkpointing import find_decoder_layers
+    from maximus.models import causal_lm_of
+
+    stack, layers = find_decoder_layers(model)
+    mesh = init_device_mesh(device.type, (world_size,))
+    mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype != torch.float32 else MixedPrecisionPolicy()
+    head = causal_lm_of(model).get_output_embeddings()
+    head_ids = {id(p) for p in head.parameters()} if head is not None else set()
+    ignored = {p for p in stack.parameters() if id(p) in head_ids}
+    for layer in layers:
+        fully_shard(layer, mesh=mesh, mp_policy=mp)
+    fully_shard(stack, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
+    hooks = []
+    for p in model.parameters():
+        if p.requires_grad and not isinstance(p, DTensor):
+            hooks.append(p.register_hook(_average_across_ranks))
+    return hooks
+
+
+def _average_across_ranks(grad: torch.Tensor) -> torch.Tensor:
+    """The mean over ranks of one backward's gradient (before it is accumulated into .grad, so
+    gradient accumulation adds averaged micro-batch gradients, as DDP does)."""
+    out = grad.clone()
+    dist.all_reduce(out)
+    return out.div_(dist.get_world_size())
+
+
+def _full(t: torch.Tensor, keep: bool) -> torch.Tensor | None:
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):
+        t = t.full_tensor()  # an all-gather: every rank runs it, in the same order
+    return t.detach().cpu() if keep else None
+
+
+def full_trainable_state(model: torch.nn.Module, *, keep: bool = True) -> dict[str, torch.Tensor]:
+    """Whole trainable tensors by parameter name, on the CPU (gathered from FSDP2 shards one at a
+    time, so only one whole tensor is on the device at once). Ranks with keep=False take part in
+    the gathers and get {}."""
+    out = {}
+    for name, p in model.named_parameters():
+        if p.requires_grad:
+            t = _full(p, keep)
+            if keep:
+                out[name] = t
+    return out
+
+
+def full_optimizer_state(optimizer: torch.optim.Optimizer, *, keep: bool = True) -> dict:
+    """`optimizer.state_dict()` with whole tensors: exactly what one process would save, so the
+    checkpoint resumes under any number of processes."""
+    sd = optimizer.state_dict()
+    state = {}
+    for idx in sorted(sd["state"]):
+        state[idx] = {k: (_full(v, keep) if isinstance(v, torch.Tensor) and v.dim() > 0 else v)
+                      for k, v in sd["state"][idx].items()}
+    return {"state": state, "param_groups": sd["param_groups"]} if keep else {}
+
+
+def _shard_optimizer_state(optimizer: torch.optim.Optimizer, state_dict: dict) -> dict:
+    """Optimizer load pre-hook: whole saved tensors of sharded parameters become DTensors with the
+    parameter's sharding (each rank keeps its slice; no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    saved_ids = [i for g in state_dict["param_groups"] for i in g["params"]]
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    by_id = dict(zip(saved_ids, params))
+    state = {}
+    for idx, st in state_dict["state"].items():
+        p = by_id.get(int(idx))
+        new = {}
+        for k, v in st.items():
+            if isinstance(p, DTensor) and isinstance(v, torch.Tensor) and not isinstance(v, DTensor) and v.shape == p.shape:
+                v = distribute_tensor(v.to(p.to_local().device), p.device_mesh, p.placements, src_data_rank=None)
+            new[k] = v
+        state[idx] = new
+    return {**state_dict, "state": state}
+
+
+class GatheredState:
+    """Whole tensors gathered for a checkpoint, shaped like what `save_checkpoint` reads from a
+    model (`named_parameters`, all trainable) and an optimizer (`state_dict`)."""
+
+    def __init__(self, params: dict[str, torch.Tensor], optimizer_state: dict | None):
+        self.tensors = params
+        self.optimizer_state = optimizer_state
+
+    def named_parameters(self):
+        for name, t in self.tensors.items():
+            yield name, torch.nn.Parameter(t, requires_grad=True)
+
+    def state_dict(self) -> dict:
+        return self.optimizer_state

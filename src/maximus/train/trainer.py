@@ -86,6 +86,8 @@ class Trainer:
         self.data = self._load_data()
         self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
         self.checkpointing = self._apply_checkpointing()
+        # DDP or FSDP2 under torchrun; FSDP2 replaces parameters by shards, so before the optimizer.
+        self.dist.prepare_model(self.model, cfg, self.plan, method=self.method, dtype=self.dtype)
         self.optimizer = self._build_optimizer()
         self.total_steps = self._total_steps()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
@@ -94,7 +96,7 @@ class Trainer:
         self.objective = build_objective(cfg, self.plan, self.tokenizer.pad_token_id)
         self.objective.prepare(self)
         # What the loop calls each micro-batch; under torchrun, wrapped for DDP / FSDP2.
-        self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.plan)
+        self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.plan, self.optimizer)
         self.meter = MemoryMeter(self.device)
         self.meter.budget_bytes = self.plan.get("budget_bytes")
 
@@ -255,17 +257,27 @@ class Trainer:
     # ------------------------------------------------------------------------------ the run
     def train(self) -> dict:
         started = time.time()
-        self.setup()
-        is_main = self.dist.is_main
-        lock = RunLock(self.run_dir) if is_main else None
-        if lock:
-            lock.acquire()
+        lock = None
         try:
-            return self._train(started)
+            self.setup()
+            # Rank 0 owns output_dir; the others go on only once it holds the lock (and the
+            # directory exists), and stop too when it cannot.
+            error = None
+            if self.dist.is_main:
+                lock = RunLock(self.run_dir)
+                try:
+                    lock.acquire()
+                except MaximusError as exc:
+                    error = exc
+            if not self.dist.all_ok(error is None):
+                raise error or MaximusError("rank 0 could not start this run", "see rank 0's error")
+            with self.dist.session():
+                return self._train(started)
         finally:
             if lock:
                 lock.release()
-            self.dist.shutdown()
+            if hasattr(self, "dist"):
+                self.dist.shutdown()  # destroys the process group, also after an error
 
     def _train(self, started: float) -> dict:
         cfg, run_dir = self.cfg, self.run_dir
@@ -344,9 +356,12 @@ class Trainer:
         return self._summary
 
     def _save(self, root: Path, step: int, state: dict) -> None:
+        # Under FSDP2 every rank helps gather whole tensors; rank 0 alone writes.
+        model, optimizer = self.dist.checkpoint_view(self.model, self.optimizer)
         if not self.dist.is_main:
             return
-        save_checkpoint(root, step, self.model, self.optimizer, {**state, "scheduler": self.scheduler.state_dict()},
+        self._gathered = model if model is not self.model else None  # for _save_final_weights
+        save_checkpoint(root, step, model, optimizer, {**state, "scheduler": self.scheduler.state_dict()},
                         keep=self.cfg.training.keep_checkpoints)
 
     # ------------------------------------------------------------------------------ outputs
@@ -367,6 +382,7 @@ class Trainer:
             "checkpointing": self.checkpointing.to_dict() if hasattr(self.checkpointing, "to_dict") else None,
             "data": self.data.stats,
             "eval": {"before": state.get("eval_before", {}), "after": eval_after},
+            "distributed": self.dist.describe(),
         }
         write_json(run_dir / "run.json", summary)
         try:
@@ -381,7 +397,10 @@ class Trainer:
         final = run_dir / name
         tmp = run_dir / f".{name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
-        self.model.save_pretrained(str(tmp), safe_serialization=True)
+        # Under FSDP2 the live parameters are shards: save the whole ones the last _save gathered.
+        gathered = getattr(self, "_gathered", None)
+        extra = {"state_dict": gathered.tensors} if gathered is not None else {}
+        self.model.save_pretrained(str(tmp), safe_serialization=True, **extra)
         self.tokenizer.save_pretrained(str(tmp))
         old = run_dir / f".{name}.old"
         shutil.rmtree(old, ignore_errors=True)
