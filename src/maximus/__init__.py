@@ -1,10 +1,11 @@
 """Maximus: fine-tune large language models inside the memory you have.
 
-Public surface: `Config`, `load_model`, `Trainer` (and `embed` once Matryoshka lands).
+Public surface: `Config`, `load_model`, `Trainer`, `embed`.
 """
 from __future__ import annotations
 
 from maximus.config import Config
+from maximus.embed import embed
 from maximus.errors import MaximusError
 
 __version__ = "0.1.0"
@@ -26,4 +27,4 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["Config", "MaximusError", "Trainer", "load_model", "__version__"]
+__all__ = ["Config", "MaximusError", "Trainer", "embed", "load_model", "__version__"]

@@ -156,6 +156,7 @@ def _plan(argv: list[str]) -> int:
 
 
 def _embed(argv: list[str]) -> int:
+    _quiet_libraries()
     from maximus.embed_command import embed_main
 
     return embed_main(argv)

@@ -15,6 +15,7 @@ import yaml
 from safetensors.torch import load_file
 
 from maximus import Config, Trainer
+from maximus.errors import CheckpointError
 from maximus.train.trainer import TrainingError
 
 from conftest import tiny_config
@@ -24,7 +25,7 @@ import sys, time
 from maximus.train import trainer as t
 orig = t.Trainer.__init__
 def slow_init(self, cfg, **kw):
-    orig(self, cfg, hooks={"after_backward": lambda tr, step: time.sleep(0.4)}, **kw)
+    orig(self, cfg, hooks={"after_backward": lambda tr, step: time.sleep(0.8)}, **kw)
 t.Trainer.__init__ = slow_init
 from maximus.cli import train_main
 sys.exit(train_main(sys.argv[1:]))
@@ -78,6 +79,11 @@ def test_sigkill_then_rerun_equals_uninterrupted(tiny_llama, uninterrupted, tmp_
     data, reference = uninterrupted
     cfg = _cfg(tiny_llama, data, tmp_path / "run")
     proc = _start(cfg, tmp_path)
+    _wait_for(tmp_path / "run" / "checkpoints" / "step-000001", proc)
+    with pytest.raises(CheckpointError) as err:  # a second run on the same output_dir refuses
+        Trainer(Config.from_dict(cfg)).train()
+    assert err.value.one_line() == (f"output_dir {tmp_path / 'run'} is in use by another run (pid {proc.pid}) "
+                                    "(hint: wait for it to finish, stop it, or choose another output_dir)")
     _wait_for(tmp_path / "run" / "checkpoints" / "step-000003", proc)
     proc.kill()
     proc.wait()

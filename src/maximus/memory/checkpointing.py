@@ -28,7 +28,6 @@ would otherwise write to it twice), as Transformers' own checkpointing does.
 """
 from __future__ import annotations
 
-import contextlib
 import functools
 from dataclasses import asdict, dataclass, field
 from typing import Any, Sequence

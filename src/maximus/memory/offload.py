@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import difflib
 import weakref
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Callable, Iterable
 
 import torch
