@@ -233,5 +233,4 @@ def test_unknown_model_is_a_one_line_error():
         model_shape("nobody/no-such-model")
     assert str(err.value) == (
         "cannot find the config of 'nobody/no-such-model' offline (hint: pass a local model directory or config.json, "
-        "or a known id such as Qwen/Qwen2.5-0.5B, Qwen/Qwen2.5-0.5B-Instruct, Qwen/Qwen2.5-1.5B, "
-        "Qwen/Qwen2.5-1.5B-Instruct, Qwen/Qwen2.5-7B, Qwen/Qwen2.5-7B-Instruct)")
+        "or a known id such as meta-llama/Llama-3.1-8B, mistralai/Mistral-7B-v0.1, Qwen/Qwen2.5-7B (all: KNOWN_SHAPES))")

@@ -199,7 +199,7 @@ def load_model_config(model: str | Path | dict | Any) -> Any:
 
         return AutoConfig.from_pretrained(text, local_files_only=True)
     except Exception:  # noqa: BLE001 - any failure means "not available offline"
-        known = ", ".join(sorted(k for k in KNOWN_SHAPES if KNOWN_SHAPES[k] is not None)[:6])
+        known = "meta-llama/Llama-3.1-8B, mistralai/Mistral-7B-v0.1, Qwen/Qwen2.5-7B (all: KNOWN_SHAPES)"
         raise ModelError(f"cannot find the config of '{text}' offline",
                          f"pass a local model directory or config.json, or a known id such as {known}") from None
 

@@ -118,14 +118,15 @@ class Trainer:
         }
         if opt.target_vram is None:
             return plan
-        from transformers import AutoConfig
-
+        from maximus.memory.estimate import load_model_config
         from maximus.memory.planner import plan_for_budget, resolve_budget
 
         budget = resolve_budget(opt.target_vram, self.device)
-        model_config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        model_config = load_model_config(cfg.model)
+        # With a budget and no explicit method, the planner may pick LoRA, QLoRA or full.
+        method = cfg.method if "method" in cfg.model_fields_set else "auto"
         dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
-        chosen = plan_for_budget(model_config, budget, method=cfg.method, batch_size=per_rank,
+        chosen = plan_for_budget(model_config, budget, method=method, batch_size=per_rank,
                                  seq_len=cfg.training.seq_len, dtype=dtype_name, optimizer=cfg.training.optimizer,
                                  lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
                                  world_size=self.dist.world_size, micro_batch_size=cfg.training.micro_batch_size,
@@ -309,7 +310,7 @@ class Trainer:
         try:
             for step in range(start_step + 1, self.total_steps + 1):
                 t0 = time.perf_counter()
-                with self.meter.track():
+                with self.meter.track(self.model, self.optimizer):
                     result = self.train_step(step)
                 elapsed = time.perf_counter() - t0
                 peak = max(peak, self.meter.peak_bytes())
@@ -378,7 +379,8 @@ class Trainer:
             "parameters": {"trainable": trainable, "total": total},
             "steps": self.total_steps, "skipped_steps": skipped,
             "wall_time_s": round(time.time() - started, 3),
-            "memory": {"peak_bytes": peak, "budget_bytes": self.plan.get("budget_bytes")},
+            "memory": {"peak_bytes": peak, "budget_bytes": self.plan.get("budget_bytes"),
+                       "breakdown": self.meter.breakdown(self.model, self.optimizer)},
             "checkpointing": self.checkpointing.to_dict() if hasattr(self.checkpointing, "to_dict") else None,
             "data": self.data.stats,
             "eval": {"before": state.get("eval_before", {}), "after": eval_after},
