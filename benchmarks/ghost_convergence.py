@@ -128,7 +128,7 @@ def main() -> None:
         init = sum(exact_loss(make_model(args.vocab, args.hidden, args.layers, 0), b).item()
                    for b in held_out) / len(held_out)
     results = [train(name, train_ids, held_out, args) for name in ("exact", "ghost")]
-    exact, ghost = results
+    exact = results[0]
     print()
     print(f"model: Llama, hidden {args.hidden}, {args.layers} layers, vocab {args.vocab} (BPE {bpe_size}); "
           f"{args.steps} steps x {args.batch} x {args.seq} tokens; AdamW lr {args.lr}; "
@@ -140,7 +140,6 @@ def main() -> None:
         print(f"| {r['loss']} | {r['held_out_exact']:.4f} | {r['held_out_exact'] / exact['held_out_exact'] - 1:+.2%} | "
               f"{r['seconds']:.1f} | {exact['seconds'] / r['seconds']:.2f}x |")
     print("train-loss curves (step, loss):", {r["loss"]: r["curve"] for r in results})
-    del ghost
 
 
 if __name__ == "__main__":

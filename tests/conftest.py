@@ -1,10 +1,8 @@
-"""Shared fixtures: tiny random models of real architectures saved like hub checkpoints, and
-small generated datasets. Nothing is downloaded."""
+"""Shared fixtures (builders live in tests/tiny.py). Nothing is downloaded."""
 from __future__ import annotations
 
-import json
 import os
-import random
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,31 +11,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-ARCHS = ("llama", "mistral", "qwen2")
-_WORDS = "red green blue gold stone river cloud tiger eagle maple north south".split()
-
-
-def build_tiny_model_dir(path: Path, arch: str = "llama", *, hidden: int = 64, layers: int = 2, seed: int = 0,
-                         tie: bool = False) -> Path:
-    """A random `arch` causal LM (2 layers, hidden 64, GQA) with a trained byte-level BPE tokenizer."""
-    from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
-                              Qwen2ForCausalLM)
-
-    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer(vocab_size=300)
-    common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
-                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                  tie_word_embeddings=tie)
-    cls = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
-           "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
-    torch.manual_seed(seed)
-    model = cls[1](cls[0](**common))
-    model.save_pretrained(str(path), safe_serialization=True)
-    tok.save_pretrained(str(path))
-    return path
+from tiny import ARCHS, build_tiny_model_dir, tiny_config, write_prompt_completion  # noqa: E402
 
 
 @pytest.fixture(scope="session")
@@ -51,36 +27,6 @@ def tiny_llama(tiny_model_dirs) -> Path:
     return tiny_model_dirs["llama"]
 
 
-def write_prompt_completion(path: Path, n: int = 64, seed: int = 0) -> Path:
-    rng = random.Random(seed)
-    with open(path, "w", encoding="utf-8") as f:
-        for _ in range(n):
-            words = rng.sample(_WORDS, 3)
-            f.write(json.dumps({"prompt": f"Reverse: {' '.join(words)}\nAnswer:",
-                                "completion": " " + " ".join(reversed(words))}) + "\n")
-    return path
-
-
 @pytest.fixture
 def pc_data(tmp_path) -> Path:
     return write_prompt_completion(tmp_path / "data.jsonl")
-
-
-def tiny_config(model_dir: Path, data: Path, out: Path, **sections) -> dict:
-    """A small, fast run config (fp32, no eval generations) as a dict; `sections` update it."""
-    cfg = {
-        "model": str(model_dir), "dataset": {"path": str(data), "format": "prompt_completion"},
-        "method": "lora", "output_dir": str(out),
-        "lora": {"r": 4, "alpha": 8},
-        "optimization": {"gradient_checkpointing": "off"},
-        "training": {"batch_size": 4, "micro_batch_size": 2, "max_steps": 4, "learning_rate": 1e-2,
-                     "warmup_steps": 0, "seq_len": 64, "dtype": "fp32", "seed": 0},
-        "eval": {"split": 0.1, "before": True},
-        "logging": {"progress": "none"},
-    }
-    for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
-            cfg[key] = {**cfg[key], **value}
-        else:
-            cfg[key] = value
-    return cfg

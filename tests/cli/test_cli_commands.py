@@ -6,7 +6,7 @@ import yaml
 
 from maximus.cli import main, train_main
 
-from conftest import tiny_config
+from tiny import tiny_config
 
 
 def test_train_then_export_eval_generate(tiny_llama, pc_data, tmp_path, capsys):

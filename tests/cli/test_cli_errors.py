@@ -10,7 +10,7 @@ import yaml
 
 from maximus.cli import main, train_main
 
-from conftest import tiny_config
+from tiny import tiny_config
 
 
 def _write_cfg(tmp_path: Path, cfg: dict) -> Path:

@@ -57,13 +57,10 @@ def test_exact_when_candidates_cover_the_vocabulary():
 def test_invariant_to_adding_a_constant_vector_to_every_embedding_row():
     hidden, weight, labels = make_case(seed=1)
     shift = 5.0 * torch.randn(weight.shape[1], generator=torch.Generator().manual_seed(2), dtype=torch.float64)
-    for softcap in (None, 4.0):
-        # With a soft cap the true softmax is no longer shift invariant; compare without it only.
-        if softcap is not None:
-            continue
-        before = ghost_logit_loss(hidden, weight, labels, num_candidates=20, chunk_size=32, prefix_dims=8)
-        after = ghost_logit_loss(hidden, weight + shift, labels, num_candidates=20, chunk_size=32, prefix_dims=8)
-        torch.testing.assert_close(after, before, rtol=1e-11, atol=1e-11)
+    # (No soft cap here: a capped softmax is not shift invariant to begin with.)
+    before = ghost_logit_loss(hidden, weight, labels, num_candidates=20, chunk_size=32, prefix_dims=8)
+    after = ghost_logit_loss(hidden, weight + shift, labels, num_candidates=20, chunk_size=32, prefix_dims=8)
+    torch.testing.assert_close(after, before, rtol=1e-11, atol=1e-11)
     # The exact loss is invariant too (a sanity check of the premise).
     torch.testing.assert_close(naive_cross_entropy(hidden, weight + shift, labels),
                                naive_cross_entropy(hidden, weight, labels), rtol=1e-11, atol=1e-11)

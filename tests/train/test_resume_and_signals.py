@@ -18,7 +18,7 @@ from maximus import Config, Trainer
 from maximus.errors import CheckpointError
 from maximus.train.trainer import TrainingError
 
-from conftest import tiny_config
+from tiny import tiny_config
 
 RUNNER = """
 import sys, time
@@ -61,7 +61,7 @@ def _adapter(run: Path):
 
 @pytest.fixture(scope="module")
 def uninterrupted(tiny_llama, tmp_path_factory):
-    from conftest import write_prompt_completion
+    from tiny import write_prompt_completion
 
     tmp = tmp_path_factory.mktemp("ref")
     data = write_prompt_completion(tmp / "data.jsonl")

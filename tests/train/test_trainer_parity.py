@@ -9,7 +9,7 @@ from maximus import Config, Trainer, load_model
 from maximus.data import collate
 from maximus.train.objective import SFTObjective
 
-from conftest import ARCHS, tiny_config
+from tiny import ARCHS, tiny_config
 
 
 @pytest.mark.parametrize("arch", ARCHS)
