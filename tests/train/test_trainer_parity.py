@@ -91,3 +91,28 @@ def test_other_methods_train(method, tiny_llama, pc_data, tmp_path):
     produced = "model" if method == "full" else "adapter"
     assert (tmp_path / "run" / produced / ("model.safetensors" if method == "full" else "adapter_model.safetensors")).is_file()
     assert summary["method"] == method
+
+
+def test_out_of_memory_replans_and_redoes_the_step(tiny_llama, pc_data, tmp_path):
+    """The runtime guard: an OOM (simulated by a hook, as CUDA would raise it) halves the
+    micro-batch and redoes the same rows, so the run equals one planned that way from the start."""
+    from safetensors.torch import load_file
+
+    raised = []
+
+    def oom_once(trainer, step):
+        if step == 2 and not raised:
+            raised.append(step)
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+
+    base = tiny_config(tiny_llama, pc_data, tmp_path / "a", training={"micro_batch_size": 4, "max_steps": 3},
+                       eval={"enabled": False})
+    summary = Trainer(Config.from_dict(base), hooks={"after_backward": oom_once}).train()
+    assert summary["replans"] == [{"step": 2, "change": "micro-batch 4 -> 2"}]
+    ref = tiny_config(tiny_llama, pc_data, tmp_path / "b", training={"micro_batch_size": 2, "max_steps": 3},
+                      eval={"enabled": False})
+    Trainer(Config.from_dict(ref)).train()
+    a = load_file(str(tmp_path / "a" / "adapter" / "adapter_model.safetensors"))
+    b = load_file(str(tmp_path / "b" / "adapter" / "adapter_model.safetensors"))
+    for k in a:
+        torch.testing.assert_close(a[k], b[k], rtol=1e-3, atol=2e-5)

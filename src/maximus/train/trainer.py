@@ -69,6 +69,7 @@ class Trainer:
         self.stream = stream
         self.run_dir = Path(cfg.output_dir)
         self._stop_signal: int | None = None
+        self.replans: list[dict] = []
         self._summary: dict = {}
 
     # ------------------------------------------------------------------------------ setup
@@ -249,6 +250,40 @@ class Trainer:
         return {"loss": loss if finite else None, "grad_norm": float(grad_norm) if finite else None,
                 "finite": finite, "tokens": tokens * self.dist.world_size, "units": units, "metrics": extra}
 
+    # ------------------------------------------------------------------------------ runtime guard
+    def _guarded_step(self, step: int, out: ProgressDisplay) -> dict:
+        """`train_step`, redone after an out-of-memory error with a smaller plan. The step's rows
+        do not change, so neither the effective batch nor the data order does."""
+        while True:
+            try:
+                return self.train_step(step)
+            except torch.OutOfMemoryError:
+                self.optimizer.zero_grad(set_to_none=True)
+                if self.device.type == "cuda":
+                    torch.cuda.empty_cache()
+                change = self._shrink_plan()
+                if change is None:
+                    raise TrainingError(f"out of memory at step {step} with micro-batch 1 and full recomputation",
+                                        "lower training.seq_len, use method: qlora, or set a smaller target_vram "
+                                        "so the planner offloads more") from None
+                self.replans.append({"step": step, "change": change})
+                out.message(f"warning: out of memory at step {step}; re-planned ({change}) and redoing the step")
+
+    def _shrink_plan(self) -> str | None:
+        """The next cheaper setting: halve the micro-batch, then recompute every layer."""
+        micro = int(self.plan["micro_batch_size"])
+        if micro > 1:
+            self.plan["micro_batch_size"] = micro // 2
+            return f"micro-batch {micro} -> {micro // 2}"
+        if self.plan.get("gradient_checkpointing") != "full":
+            from maximus.memory.checkpointing import apply_checkpointing
+
+            self.checkpointing = apply_checkpointing(self.model, "full", micro_batch=1, seq_len=self.cfg.training.seq_len,
+                                                     offload_activations=bool(self.plan.get("offload_activations")))
+            self.plan["gradient_checkpointing"] = "full"
+            return "gradient checkpointing -> full"
+        return None
+
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
         if not self.cfg.eval.enabled or not self.data.eval:
@@ -311,9 +346,15 @@ class Trainer:
             for step in range(start_step + 1, self.total_steps + 1):
                 t0 = time.perf_counter()
                 with self.meter.track(self.model, self.optimizer):
-                    result = self.train_step(step)
+                    result = self._guarded_step(step, out)
                 elapsed = time.perf_counter() - t0
                 peak = max(peak, self.meter.peak_bytes())
+                budget = self.plan.get("budget_bytes")
+                if budget and self.meter.peak_bytes() > budget:
+                    change = self._shrink_plan()
+                    out.message(f"warning: step {step} peaked at {self.meter.peak_bytes():,} bytes, over the budget of "
+                                f"{budget:,}; re-planned for the next steps: {change or 'nothing left to shrink'}")
+                    self.meter.reset_peak()
                 row = {"step": step, "loss": result["loss"], "lr": self.scheduler.get_last_lr()[0],
                        "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
                        "step_time_s": elapsed, "tokens": result["tokens"], "memory_bytes": self.meter.current_bytes(),
@@ -377,7 +418,7 @@ class Trainer:
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "method": self.method,
             "parameters": {"trainable": trainable, "total": total},
-            "steps": self.total_steps, "skipped_steps": skipped,
+            "steps": self.total_steps, "skipped_steps": skipped, "replans": self.replans,
             "wall_time_s": round(time.time() - started, 3),
             "memory": {"peak_bytes": peak, "budget_bytes": self.plan.get("budget_bytes"),
                        "breakdown": self.meter.breakdown(self.model, self.optimizer)},
