@@ -60,7 +60,8 @@ from maximus.losses.linear_cross_entropy import (
 #: token more of its own hard negatives; the candidate matmuls cost ``N * (num_candidates + C)``.
 DEFAULT_GHOST_CHUNK_TOKENS = 256
 
-#: Bytes of one ``C x vocab_chunk`` block of prefix scores in the candidate scan.
+#: Bytes of one ``C x vocab_chunk`` block of prefix scores in the candidate scan (and of one
+#: block of weight rows in float32 when the vocabulary statistics are summed).
 SCAN_BLOCK_BYTES = 16 * 2**20
 
 
@@ -174,7 +175,9 @@ class _GhostLogitLoss(torch.autograd.Function):
         token_weight = valid_f / valid_f.sum().clamp(min=1.0) if reduction == "mean" else valid_f
 
         vocab_block = max(1, SCAN_BLOCK_BYTES // (max(chunk_size, 1) * hidden.element_size()))
-        stats = VocabularyStatistics(weight, bias, prefix_dims, block_rows=max(vocab_block, 4096))
+        # Statistics pass in blocks of rows of about SCAN_BLOCK_BYTES in float32, never a V x H copy.
+        stats_rows = max(1, SCAN_BLOCK_BYTES // (4 * hidden.shape[1]))
+        stats = VocabularyStatistics(weight, bias, prefix_dims, block_rows=stats_rows)
         position = torch.zeros(vocab, dtype=torch.long, device=hidden.device)  # vocab id -> column
 
         losses = torch.empty(num_tokens, dtype=stats_dtype, device=hidden.device)

@@ -87,6 +87,12 @@ class Trainer:
         self.data = self._load_data()
         self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
         self.checkpointing = self._apply_checkpointing()
+        self.streamer = None
+        if cfg.optimization.offload.params == "on":
+            from maximus.memory.offload import FrozenWeightStreamer
+
+            # Frozen base weights live on the host and reach the device one layer ahead of use.
+            self.streamer = FrozenWeightStreamer(self.model)
         # DDP or FSDP2 under torchrun; FSDP2 replaces parameters by shards, so before the optimizer.
         self.dist.prepare_model(self.model, cfg, self.plan, method=self.method, dtype=self.dtype)
         self.optimizer = self._build_optimizer()
@@ -436,6 +442,9 @@ class Trainer:
 
     def _save_final_weights(self, run_dir: Path) -> None:
         """adapter/ (PEFT) or model/ (full), written beside and renamed into place."""
+        if self.streamer is not None:
+            self.streamer.remove()
+            self.streamer = None
         name = "adapter" if hasattr(self.model, "peft_config") else "model"
         final = run_dir / name
         tmp = run_dir / f".{name}.tmp"
