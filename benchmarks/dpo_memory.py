@@ -147,27 +147,30 @@ def run(args) -> list[dict]:
         dpo = PreferenceObjective(cfg, plan, tok.pad_token_id)
         simpo = PreferenceObjective(cfg.model_copy(update={"dpo": cfg.dpo.model_copy(update={"loss": "simpo"})}),
                                     plan, tok.pad_token_id)
-        results = {}
-        for rep in range(args.repeats):
-            for name, fn, extra in (
-                ("sft", lambda: sft.loss_sum(model, sft_b)[0], ()),
-                ("dpo", lambda: dpo.loss_sum(model, dpo_b)[0], ()),
-                ("simpo", lambda: simpo.loss_sum(model, dpo_b)[0], ()),
-            ):
-                results.setdefault(name, []).append(measure(model, fn, extra))
+        tokens = int(sft_b["input_ids"].numel())
+
+        def record(name, runs):
+            row = {"checkpointing": policy, "objective": name, "rows": 2 * args.pairs, "seq": seq, "tokens": tokens,
+                   "step_bytes": statistics.median(r["step_bytes"] for r in runs),
+                   "total_bytes": statistics.median(r["total_bytes"] for r in runs),
+                   "seconds": statistics.median(r["seconds"] for r in runs)}
+            out.append(row)
+            print(json.dumps(row), flush=True)  # a killed run keeps what it measured
+
+        steps = {"sft": lambda: sft.loss_sum(model, sft_b)[0], "dpo": lambda: dpo.loss_sum(model, dpo_b)[0],
+                 "simpo": lambda: simpo.loss_sum(model, dpo_b)[0]}
+        results: dict[str, list] = {name: [] for name in steps}
+        for _ in range(args.repeats):  # interleaved, so load changes hit every objective alike
+            for name, fn in steps.items():
+                results[name].append(measure(model, fn))
+        for name, runs in results.items():
+            record(name, runs)
         if args.trl:
             reference = copy.deepcopy(model.get_base_model()).requires_grad_(False)
-            results["trl_style"] = [measure(model, lambda: trl_style_loss(model, reference, dpo_b), (reference,))
-                                    for _ in range(args.repeats)]
+            record("trl_style", [measure(model, lambda: trl_style_loss(model, reference, dpo_b), (reference,))
+                                 for _ in range(args.repeats)])
             del reference
-        tokens = int(sft_b["input_ids"].numel())
-        for name, runs in results.items():
-            out.append({"checkpointing": policy, "objective": name, "rows": 2 * args.pairs, "seq": seq,
-                        "tokens": tokens,
-                        "step_bytes": statistics.median(r["step_bytes"] for r in runs),
-                        "total_bytes": statistics.median(r["total_bytes"] for r in runs),
-                        "seconds": statistics.median(r["seconds"] for r in runs)})
-        del model
+        model = None  # free it before the next policy loads its own
         gc.collect()
     return out
 

@@ -16,9 +16,10 @@ allocator state. Per run:
 * training memory growth: peak process RSS during warm-up + measured steps minus RSS right after
   the model, adapter and optimizer were built (peak via VmHWM, reset with /proc/self/clear_refs
   after a malloc_trim, so both sides start from a trimmed heap);
-* peak live tensor bytes of one further step, from `maximus.memory.meter.MemoryMeter` (CPU
-  storage tracker) and its growth over the tensors alive before the step (weights, optimizer
-  state). This step is not timed (the tracker costs Python time per op);
+* peak live tensor bytes of the warm-up step(s), from `maximus.memory.meter.MemoryMeter` (CPU
+  storage tracker), and their growth over the tensors alive before (weights, optimizer state).
+  Warm-up is not timed, so the tracker's Python work per op does not touch the speed numbers;
+* tokens/CPU-s: tokens over the process CPU time of a step, far less load-sensitive than wall time;
 * tokens/s: median over the measured steps; the loss of the first step (same data, same init),
   which shows both sides compute the same loss.
 
@@ -81,7 +82,8 @@ def synthetic_ids(n_rows: int, seq: int, vocab: int):
 
 
 # ------------------------------------------------------------------------------------- the two sides
-def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, total_steps: int, work: Path):
+def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, total_steps: int, work: Path,
+                  train_mode: bool = False):
     """A set-up Maximus trainer; returns (step(i) -> loss, model, optimizer, set_rows(ids), info)."""
     import torch
 
@@ -101,6 +103,11 @@ def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, to
     })
     trainer = Trainer(cfg)
     trainer.setup()
+    if train_mode:
+        # Preview of a trainer fix: `from_pretrained` returns the model in eval mode and
+        # `Trainer.setup` does not call `model.train()`, so checkpointed layers (which recompute
+        # only when `module.training`) save their activations as if checkpointing were off.
+        trainer.model.train()
 
     def set_rows(ids):
         rows = [{"input_ids": r.tolist(), "labels": r.tolist(), "position_ids": list(range(len(r)))} for r in ids]
@@ -192,7 +199,7 @@ def worker(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         if args.impl == "maximus":
             step, model, optimizer, set_rows, info = build_maximus(model_dir, args.method, args.seq, args.checkpointing,
-                                                                   n_rows, Path(tmp))
+                                                                   n_rows, Path(tmp), train_mode=args.train_mode)
         else:
             step, model, optimizer, set_rows, info = build_peft(model_dir, args.method)
         set_rows(ids)
@@ -216,7 +223,7 @@ def worker(args) -> dict:
         peak_rss = _status_bytes("VmHWM")
         result = {
             "impl": args.impl, "method": args.method, "seq": args.seq, "checkpointing": info["checkpointing"],
-            "policy": args.checkpointing, "load_s": load_s, "base_rss": base_rss, "peak_rss": peak_rss,
+            "policy": args.checkpointing + (" + train()" if args.train_mode else ""), "load_s": load_s, "base_rss": base_rss, "peak_rss": peak_rss,
             "rss_growth": peak_rss - base_rss, "live_before": before_live, "live_peak": meter.peak_bytes(),
             "live_growth": meter.peak_bytes() - before_live, "step_s": times, "cpu_s": cpu_times,
             "tokens_per_s": args.seq / statistics.median(times),
@@ -230,11 +237,15 @@ def worker(args) -> dict:
 
 # ------------------------------------------------------------------------------------- driver
 def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:
+    train_mode = policy.endswith("+train")
+    policy = policy.removesuffix("+train")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--checkpointing", policy,
            "--method", method, "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--threads", str(args.threads)]
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
+    if train_mode:
+        cmd.append("--train-mode")
     if args.profile and method == "qlora" and seq == max(s for _, s in args.settings) and policy == "off":
         cmd.append("--profile")
     t0 = time.perf_counter()
@@ -257,13 +268,14 @@ def _mib(n: float) -> str:
 
 def markdown_table(results: list[dict]) -> str:
     rows = ["| method | seq | implementation | grad. ckpt | train memory growth (RSS, MiB) | ratio | "
-            "peak live tensors (MiB) | live growth (MiB) | ratio | tokens/s (median) | ratio | step-1 loss |",
-            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+            "peak live tensors (MiB) | live growth (MiB) | ratio | tokens/s (median) | ratio | tokens/CPU-s | ratio | "
+            "step-1 loss |",
+            "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     peers = {(r["method"], r["seq"]): r for r in results if r["impl"] == "peft"}
     for r in results:
         peer = peers.get((r["method"], r["seq"]))
         name = "Transformers + PEFT" + (" + bnb" if r["method"] == "qlora" else "") if r["impl"] == "peft" else "Maximus"
-        ckpt = r["policy"] if r["policy"] != "auto" else f"auto ({r['checkpointing']})"
+        ckpt = r["policy"] if not r["policy"].startswith("auto") else f"{r['policy']} ({r['checkpointing']})"
 
         def ratio(key):
             if peer is None or r is peer:
@@ -272,7 +284,8 @@ def markdown_table(results: list[dict]) -> str:
 
         rows.append(f"| {r['method'].upper() if r['method'] != 'qlora' else 'QLoRA'} | {r['seq']} | {name} | {ckpt} | "
                     f"{_mib(r['rss_growth'])} | {ratio('rss_growth')} | {_mib(r['live_peak'])} | {_mib(r['live_growth'])} | "
-                    f"{ratio('live_growth')} | {r['tokens_per_s']:,.0f} | {ratio('tokens_per_s')} | {r['losses'][0]:.4f} |")
+                    f"{ratio('live_growth')} | {r['tokens_per_s']:,.0f} | {ratio('tokens_per_s')} | "
+                    f"{r['tokens_per_cpu_s']:,.0f} | {ratio('tokens_per_cpu_s')} | {r['losses'][0]:.4f} |")
     return "\n".join(rows).replace("| LORA |", "| LoRA |")
 
 
@@ -292,6 +305,8 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true", help="also profile one step of each side (QLoRA, longest seq)")
     p.add_argument("--model-dir", type=Path, default=None, help="reference model cache directory")
     p.add_argument("--json", type=Path, default=None, help="also write all results here")
+    p.add_argument("--preview-train-fix", action="store_true",
+                   help="add a Maximus `auto` row (longest seq) that calls model.train() after setup")
     p.add_argument("--threads", type=int, default=1,
                    help="torch threads per worker (default 1: on a shared, oversubscribed CPU a 2-thread region "
                         "waits for whichever thread is descheduled)")
@@ -302,6 +317,7 @@ def main(argv=None) -> int:
     p.add_argument("--method", choices=("lora", "qlora"), help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
     p.add_argument("--checkpointing", choices=("off", "auto"), default="off", help=argparse.SUPPRESS)
+    p.add_argument("--train-mode", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps is None:
         args.steps = 3 if args.quick else 5
@@ -317,9 +333,13 @@ def main(argv=None) -> int:
     args.settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
     results = []
     started = time.perf_counter()
+    runs = RUNS + ([("maximus", "auto+train")] if args.preview_train_fix else [])
     for method, seq in args.settings:
-        for impl, policy in RUNS:
-            if policy == "auto" and args.quick and seq != max(s for m, s in args.settings if m == method):
+        for impl, policy in runs:
+            longest = seq == max(s for m, s in args.settings if m == method)
+            if policy == "auto+train" and not longest:
+                continue
+            if policy == "auto" and args.quick and not longest:
                 continue  # quick mode: the `auto` row only at the longest sequence
             results.append(run_worker(impl, policy, method, seq, args))
     print(f"\ntotal {time.perf_counter() - started:.0f} s, {args.warmup} warm-up + {args.steps} measured steps per run\n")

@@ -109,6 +109,7 @@ def main() -> None:
     parser.add_argument("--candidates", type=int, default=1024)
     parser.add_argument("--prefix-dims", type=int, default=64)
     parser.add_argument("--text-bytes", type=int, default=8_000_000)
+    parser.add_argument("--held-out-batches", type=int, default=8)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
     if args.quick:
@@ -117,11 +118,15 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     ids, bpe_size = tokenize(stdlib_text(args.text_bytes), args.bpe_vocab)
-    split = int(ids.numel() * 0.95)
-    train_ids, held_ids = ids[:split], ids[split:]
+    # Held out: every 20th block of batch x (seq + 1) tokens, spread over the whole corpus (the
+    # sorted file order puts similar modules together, so a contiguous tail would be unrepresentative).
     span = args.seq + 1
-    held_out = [held_ids[i:i + span * args.batch].view(args.batch, span)
-                for i in range(0, held_ids.numel() - span * args.batch, span * args.batch)][:4]
+    block = span * args.batch
+    blocks = ids[:ids.numel() // block * block].view(-1, block)
+    held_mask = torch.zeros(blocks.shape[0], dtype=torch.bool)
+    held_mask[10::20] = True
+    held_out = [b.view(args.batch, span) for b in blocks[held_mask][:args.held_out_batches]]
+    train_ids = blocks[~held_mask].reshape(-1)
     print(f"{ids.numel()} tokens, BPE vocab {bpe_size}, output rows {args.vocab}, "
           f"tokenizer {time.perf_counter() - t0:.0f} s", flush=True)
     with torch.no_grad():

@@ -180,6 +180,13 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
         extra = kronecker_module_names(model)
     if method in ("lora", "qlora"):
         model = apply_adapter(model, cfg, method, extra)
+        if method == "qlora" and dtype != torch.float32:
+            # prepare_model_for_kbit_training upcasts every non-quantized weight to fp32; the frozen
+            # embedding and head do not need it (norms keep fp32), and an fp32 head costs a cast per step.
+            lm = causal_lm_of(model)
+            for module in (lm.get_input_embeddings(), lm.get_output_embeddings()):
+                if module is not None and not any(p.requires_grad for p in module.parameters()):
+                    module.to(dtype)
         if dtype != torch.float32:
             # Adapters train in fp32 (PEFT's default autocast_adapter_dtype); the frozen base stays in dtype.
             for p in model.parameters():

@@ -120,24 +120,29 @@ def test_gap_to_exact_is_small_on_a_seeded_case():
         assert F.cosine_similarity(a.flatten(), b.flatten(), dim=0) > 0.97
 
 
-def test_hidden_gradient_matches_finite_differences():
-    """The ghost is differentiable in the hidden state: central differences agree (candidate sets
-    do not change under a 1e-6 nudge). The weight gradient deliberately ignores the tail statistics."""
+def test_gradients_match_finite_differences():
+    """The loss is differentiated as computed: hidden, weight (candidate AND tail rows, through the
+    tail statistics) and bias agree with central differences (candidate sets do not change under
+    a 1e-6 nudge)."""
     hidden, weight, labels = make_case(n=20, h=6, v=80, seed=6)
-    weight = weight.detach()
-    bias = torch.randn(80, dtype=torch.float64, generator=torch.Generator().manual_seed(9))
-    coords = [(4, 0), (5, 3), (11, 5), (19, 2), (8, 1)]
+    bias = torch.randn(80, dtype=torch.float64, generator=torch.Generator().manual_seed(9)).requires_grad_()
+    inputs = [hidden, weight, bias]
+    coords = {0: [(4, 0), (5, 3), (19, 2)], 1: [(0, 0), (17, 5), (79, 1), (labels[5].item(), 2)],
+              2: [(0,), (33,), (labels[6].item(),)]}
     for softcap in (None, 2.0):
-        def loss(h):
-            return ghost_logit_loss(h, weight, labels, num_candidates=10, chunk_size=8, prefix_dims=3,
-                                    softcap=softcap, z_loss=1e-2, bias=bias)
-        (analytic,) = torch.autograd.grad(loss(hidden), [hidden])
+        def loss(h, w, b):
+            return ghost_logit_loss(h, w, labels, num_candidates=10, chunk_size=8, prefix_dims=3,
+                                    softcap=softcap, z_loss=1e-2, bias=b)
+        analytic = torch.autograd.grad(loss(*inputs), inputs)
         with torch.no_grad():
-            for i, j in coords:
-                step = torch.zeros_like(hidden)
-                step[i, j] = 1e-6
-                numeric = (loss(hidden + step) - loss(hidden - step)) / 2e-6
-                assert abs(numeric.item() - analytic[i, j].item()) < 1e-7, (softcap, i, j)
+            for k, points in coords.items():
+                for point in points:
+                    step = torch.zeros_like(inputs[k])
+                    step[point] = 1e-6
+                    plus = [x + step if i == k else x for i, x in enumerate(inputs)]
+                    minus = [x - step if i == k else x for i, x in enumerate(inputs)]
+                    numeric = (loss(*plus) - loss(*minus)) / 2e-6
+                    assert abs(numeric.item() - analytic[k][point].item()) < 1e-7, (softcap, k, point)
 
 
 def test_never_allocates_tokens_by_vocab_and_never_syncs():

@@ -25,13 +25,14 @@ How each part is built, and how it fixes the defects listed in ../shared/ANCHORS
   true logit: the loss is shift invariant (tested). With a bias, its tail mean and variance are
   added; with a soft cap, the tail mean is capped and the variance scaled by the cap's slope
   (delta method).
-* **Gradient.** Candidate logits get their exact gradient (hidden, weight rows, bias). The ghost
-  is differentiable with respect to the hidden state (``d ghost / d h = mu + var * h``: the mean
-  tail row under the Gaussian model, exactly what the true softmax pushes ``h`` away from) but its
-  statistics are detached from the weight: unsampled rows get no gradient, as in every sampled
-  softmax. The alternative, a mean-field update of all ``V - K`` rows per chunk, would cost a dense
-  ``V x H`` pass per chunk and push every tail row by the same tiny vector; rows that matter get
-  their exact gradient whenever they become hard negatives.
+* **Gradient.** The loss is differentiated exactly as computed: candidate logits get their exact
+  gradient, and the ghost is differentiable in the hidden state (``d ghost / d h = mu + var * h``
+  without a cap: the mean tail row under the Gaussian model, what the true softmax pushes ``h``
+  away from) and in the tail statistics, hence in every tail row of the weight (``d mu / d w_v =
+  1/n``, ``d var / d w_v = 2 (w_v - mu) / n``: see :class:`TailGradient`) and bias. Only the
+  choice of candidates (a top-k) is piecewise constant. Detaching the statistics was tried first:
+  the unsampled rows then never move, and with a 128k vocabulary whose rows are mostly rare the
+  exact held-out loss lagged far behind; the mean-field update costs one ``V x H`` pass per call.
 * Gradients are formed chunk by chunk inside forward (the Liger scheme of
   :mod:`maximus.losses.linear_cross_entropy`); no ``.item()`` anywhere; the vocabulary size is read
   from ``weight``.
@@ -118,35 +119,88 @@ def select_candidates(h_c: torch.Tensor, safe_labels_c: torch.Tensor, valid_c: t
     return best.topk(num_total, sorted=False).indices
 
 
-def tail_log_mass(h: torch.Tensor, cand_rows: torch.Tensor, cand_bias: torch.Tensor | None,
-                  stats: VocabularyStatistics, num_tail: int, softcap: float | None) -> torch.Tensor:
-    """Ghost logit per token: estimate of ``log sum_{v in tail} exp(logit_v)`` (differentiable in h).
+class TailStatistics:
+    """Mean and per-dimension variance of the tail rows (and of the tail bias), as leaves that
+    autograd can differentiate the ghost with respect to (statistics dtype)."""
 
-    ``h`` [C, H] in the statistics dtype; ``cand_rows`` [K, H] the candidates' weight rows (any
-    dtype; the tail is everything else). ``num_tail = V - K`` must be >= 1.
-    """
-    vocab = num_tail + cand_rows.shape[0]
-    centred = cand_rows.to(h.dtype) - stats.mean
-    # Tail sums = whole-vocabulary sums minus candidate sums (centred rows sum to 0 overall).
-    tail_mean = stats.mean - centred.sum(dim=0) / num_tail
-    tail_sq = (stats.centred_sq_sum - centred.square().sum(dim=0)).clamp_(min=0.0)
-    tail_var = (tail_sq / num_tail - (tail_mean - stats.mean).square()).clamp_(min=0.0)
-    mean_logit = h @ tail_mean
-    var_logit = h.square() @ tail_var
-    if cand_bias is not None:
-        b = cand_bias.to(h.dtype)
-        bias_tail_mean = (stats.bias_mean * vocab - b.sum()) / num_tail
-        bias_tail_var = ((stats.bias_centred_sq_sum - (b - stats.bias_mean).square().sum()) / num_tail
-                         - (bias_tail_mean - stats.bias_mean).square()).clamp(min=0.0)
-        mean_logit = mean_logit + bias_tail_mean
-        var_logit = var_logit + bias_tail_var
+    def __init__(self, cand_rows: torch.Tensor, cand_bias: torch.Tensor | None, stats: VocabularyStatistics,
+                 num_tail: int, track_weight: bool, track_bias: bool):
+        dtype = stats.mean.dtype
+        vocab = num_tail + cand_rows.shape[0]
+        self.num_tail = num_tail
+        centred = cand_rows.to(dtype) - stats.mean
+        # Tail sums = whole-vocabulary sums minus candidate sums (centred rows sum to 0 overall).
+        self.mean = (stats.mean - centred.sum(dim=0) / num_tail).requires_grad_(track_weight)
+        tail_sq = (stats.centred_sq_sum - centred.square().sum(dim=0)).clamp_(min=0.0)
+        self.var = (tail_sq / num_tail - (self.mean.detach() - stats.mean).square()).clamp_(min=0.0)
+        self.var.requires_grad_(track_weight)
+        self.bias_mean = self.bias_var = None
+        if cand_bias is not None:
+            b = cand_bias.to(dtype)
+            self.bias_mean = ((stats.bias_mean * vocab - b.sum()) / num_tail).requires_grad_(track_bias)
+            self.bias_var = ((stats.bias_centred_sq_sum - (b - stats.bias_mean).square().sum()) / num_tail
+                             - (self.bias_mean.detach() - stats.bias_mean).square()).clamp(min=0.0)
+            self.bias_var.requires_grad_(track_bias)
+
+
+def tail_log_mass(h: torch.Tensor, tail: TailStatistics, softcap: float | None) -> torch.Tensor:
+    """Ghost logit per token: estimate of ``log sum_{v in tail} exp(logit_v)``, differentiable in
+    ``h`` [C, H] (statistics dtype) and in the tail statistics."""
+    mean_logit = h @ tail.mean
+    var_logit = h.square() @ tail.var
+    if tail.bias_mean is not None:
+        mean_logit = mean_logit + tail.bias_mean
+        var_logit = var_logit + tail.bias_var
     if softcap is None:
         # log E[exp(x)] for x ~ N(m, s^2) is m + s^2 / 2 exactly.
-        return math.log(num_tail) + mean_logit + 0.5 * var_logit
+        return math.log(tail.num_tail) + mean_logit + 0.5 * var_logit
     # Capped logits are bounded, far from log-normal: integrate E[exp(cap(x))] by Gauss-Hermite.
     nodes, log_weights = _gauss_hermite(h.dtype, h.device)
     x = mean_logit[:, None] + (2.0 * var_logit).clamp(min=1e-12).sqrt()[:, None] * nodes
-    return math.log(num_tail) + torch.logsumexp(softcap * torch.tanh(x / softcap) + log_weights, dim=1)
+    return math.log(tail.num_tail) + torch.logsumexp(softcap * torch.tanh(x / softcap) + log_weights, dim=1)
+
+
+class TailGradient:
+    """Mean-field weight (and bias) gradient of the ghost logits, accumulated over chunks.
+
+    With ``mu = mean`` and ``var = mean (w - mu)^2`` over the ``n`` tail rows of a chunk,
+    ``d mu / d w_v = 1/n`` and ``d var / d w_v = 2 (w_v - mu) / n`` for every tail row ``v``. So
+    the chunk adds ``(d_mu + 2 d_var * (w_v - mu)) / n`` to every row outside its candidates.
+    This is kept as two ``H`` vectors for all rows (``const + scale * w_v``) plus a correction
+    scattered onto the chunk's candidate rows, and applied in one pass at the end: no ``V x H``
+    work per chunk.
+    """
+
+    def __init__(self, hidden_size: int, dtype, device):
+        self.const = torch.zeros(hidden_size, dtype=dtype, device=device)
+        self.scale = torch.zeros(hidden_size, dtype=dtype, device=device)
+        self.bias_const = torch.zeros((), dtype=dtype, device=device)
+        self.bias_scale = torch.zeros((), dtype=dtype, device=device)
+
+    def add_chunk(self, tail: TailStatistics, ghost_grads: dict, cand, rows, cand_bias, grad_weight, grad_bias):
+        """Fold one chunk's ``d loss / d`` (tail mean, var, bias mean, bias var) into the gradients."""
+        n = tail.num_tail
+        if grad_weight is not None and "mean" in ghost_grads:
+            scale = 2.0 * ghost_grads["var"] / n
+            const = ghost_grads["mean"] / n - scale * tail.mean.detach()
+            self.const += const
+            self.scale += scale
+            # Candidates are not in this chunk's tail: take back what const + scale * w gives them.
+            grad_weight.index_put_((cand,), -(const + scale * rows.to(const.dtype)), accumulate=True)
+        if grad_bias is not None and "bias_mean" in ghost_grads:
+            b_scale = 2.0 * ghost_grads["bias_var"] / n
+            b_const = ghost_grads["bias_mean"] / n - b_scale * tail.bias_mean.detach()
+            self.bias_const += b_const
+            self.bias_scale += b_scale
+            grad_bias.index_put_((cand,), -(b_const + b_scale * cand_bias.to(b_const.dtype)), accumulate=True)
+
+    def apply(self, weight, bias, grad_weight, grad_bias, block_rows: int):
+        """Add ``const + scale * w_v`` to every row (one blockwise pass)."""
+        for start in range(0, weight.shape[0] if grad_weight is not None else 0, block_rows):
+            block = slice(start, start + block_rows)
+            grad_weight[block].add_(self.const).addcmul_(weight[block].to(self.scale.dtype), self.scale)
+        if grad_bias is not None and bias is not None:
+            grad_bias.add_(self.bias_const).add_(self.bias_scale * bias.to(self.bias_scale.dtype))
 
 
 def _gauss_hermite(dtype: torch.dtype, device, order: int = 24):
@@ -184,6 +238,7 @@ class _GhostLogitLoss(torch.autograd.Function):
         grad_hidden = torch.empty_like(hidden) if need_hidden else None
         grad_weight = torch.zeros(weight.shape, dtype=stats_dtype, device=weight.device) if need_weight else None
         grad_bias = torch.zeros(vocab, dtype=stats_dtype, device=weight.device) if need_bias else None
+        tail_grad = TailGradient(hidden.shape[1], stats_dtype, hidden.device)
 
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
@@ -197,11 +252,13 @@ class _GhostLogitLoss(torch.autograd.Function):
             cand_bias = bias[cand] if bias is not None else None
             raw = torch.addmm(cand_bias, h_c, rows.t()) if bias is not None else h_c @ rows.t()
             cand_logits, tanh = soft_cap_(raw.to(stats_dtype), softcap, keep_tanh=want_grad)
-            h_leaf = ghost = None
+            h_leaf = ghost = tail = None
             if num_total < vocab:
                 with torch.enable_grad():
-                    h_leaf = h_c.detach().to(stats_dtype).requires_grad_(want_grad and need_hidden)
-                    ghost = tail_log_mass(h_leaf, rows.detach(), cand_bias, stats, vocab - num_total, softcap)
+                    h_leaf = h_c.detach().to(stats_dtype).requires_grad_(need_hidden)
+                    tail = TailStatistics(rows.detach(), cand_bias, stats, vocab - num_total,
+                                          track_weight=need_weight, track_bias=need_bias)
+                    ghost = tail_log_mass(h_leaf, tail, softcap)
                 logits = torch.cat([cand_logits, ghost.detach()[:, None]], dim=1)
             else:
                 logits = cand_logits
@@ -219,12 +276,23 @@ class _GhostLogitLoss(torch.autograd.Function):
             if grad_weight is not None:
                 # index_put_ (candidates are distinct): CPU index_add_ is ~10x slower here.
                 grad_weight.index_put_((cand,), (g.t() @ h_c).to(stats_dtype), accumulate=True)
+            ghost_grads = {}
+            if ghost is not None:
+                leaves = {"h": h_leaf, "mean": tail.mean, "var": tail.var,
+                          "bias_mean": tail.bias_mean, "bias_var": tail.bias_var}
+                leaves = {k: v for k, v in leaves.items() if v is not None and v.requires_grad}
+                if leaves:
+                    ghost_grads = dict(zip(leaves, torch.autograd.grad(ghost, list(leaves.values()),
+                                                                       grad[:, num_total])))
+                tail_grad.add_chunk(tail, ghost_grads, cand, rows, cand_bias, grad_weight, grad_bias)
             if grad_hidden is not None:
                 gh = (g @ rows).to(stats_dtype)
-                if ghost is not None and h_leaf.requires_grad:
-                    gh += torch.autograd.grad(ghost, h_leaf, grad[:, num_total])[0]
+                if "h" in ghost_grads:
+                    gh += ghost_grads["h"]
                 grad_hidden[start:end] = gh
         losses.mul_(valid_f)
+        if need_weight or need_bias:
+            tail_grad.apply(weight, bias, grad_weight, grad_bias, stats_rows)
 
         ctx.grads = [grad_hidden, grad_weight, grad_bias] if want_grad else None
         ctx.weight_dtype = weight.dtype

@@ -86,6 +86,7 @@ class Trainer:
         self.tokenizer = load_tokenizer(cfg)
         self.data = self._load_data()
         self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
+        self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
         self.checkpointing = self._apply_checkpointing()
         self.streamer = None
         if cfg.optimization.offload.params == "on":
