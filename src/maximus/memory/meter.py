@@ -36,6 +36,10 @@ __all__ = ["MemoryMeter", "StorageTracker", "measure_step_peak", "unique_storage
 
 def _storage_of(t: torch.Tensor):
     """The untyped storage behind a dense tensor, or None (meta, sparse, nested, fake)."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(t, DTensor):  # an FSDP2 shard: count this rank's local piece
+        t = t.to_local()
     if t.device.type == "meta" or t.layout != torch.strided:
         return None
     try:

@@ -30,6 +30,7 @@ import random
 import shutil
 import signal
 import time
+from contextlib import nullcontext
 from pathlib import Path
 
 import torch
@@ -233,11 +234,15 @@ class Trainer:
         loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
         sums: dict[str, float] = {}
         scale = self.dist.world_size / max(units, 1)
-        for batch in batches:
+        for i, batch in enumerate(batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            with autocast_for(self.device, self.dtype):
-                loss_sum, metric_sums = self.step_module(batch)
-            (loss_sum * scale).backward()
+            # DDP: gradients are all-reduced once per optimizer step, on the last micro-batch.
+            sync = nullcontext() if i == len(batches) - 1 or not hasattr(self.step_module, "no_sync") \
+                else self.step_module.no_sync()
+            with sync:
+                with autocast_for(self.device, self.dtype):
+                    loss_sum, metric_sums = self.step_module(batch)
+                (loss_sum * scale).backward()
             loss_total += loss_sum.detach().double()
             for k, v in metric_sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
@@ -337,7 +342,8 @@ class Trainer:
             out.message(f"resuming from {ckpt.path} (step {start_step}/{self.total_steps})")
         out.start = start_step
         self._print_header(out)
-        metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step)
+        # Rank 0 alone owns metrics.jsonl (another rank re-creating it would cut rank 0's file).
+        metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step) if self.dist.is_main else None
 
         if start_step == 0 and cfg.eval.enabled and cfg.eval.before:
             state["eval_before"] = self.evaluate()
@@ -372,21 +378,21 @@ class Trainer:
                     row["skipped"] = True
                     out.message(f"warning: step {step} had a non-finite loss or gradient; skipped (no update)")
                     if bad_in_row >= cfg.training.max_bad_steps:
-                        if self.dist.is_main:
+                        if metrics is not None:
                             metrics.write(row)
                         raise TrainingError(f"{bad_in_row} consecutive steps had a non-finite loss or gradient (last: step {step})",
                                             "lower training.learning_rate or check the data; the last good checkpoint is kept")
                 else:
                     bad_in_row = 0
-                if self.dist.is_main:
+                if metrics is not None:
                     metrics.write(row)
                 out.update(row)
                 state.update(bad_in_row=bad_in_row, skipped_steps=skipped, peak_memory_bytes=peak)
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < self.total_steps:
                     ev = self.evaluate()
-                    if ev and self.dist.is_main:
+                    if ev and metrics is not None:
                         metrics.write({"step": step, "eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]})
-                stop = self._stop_signal is not None
+                stop = self.dist.any(self._stop_signal is not None)  # every rank stops at the same step
                 if step < self.total_steps and ((cfg.training.save_every and step % cfg.training.save_every == 0) or stop):
                     self._save(ckpt_root, step, state)
                 if stop:
@@ -396,7 +402,8 @@ class Trainer:
             self._save(ckpt_root, step, state)
         finally:
             self._restore_signal_handlers(previous)
-            metrics.close()
+            if metrics is not None:
+                metrics.close()
             out.close()
         eval_after = self.evaluate() if cfg.eval.enabled else {}
         if self.dist.is_main:
