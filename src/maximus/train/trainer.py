@@ -103,7 +103,6 @@ class Trainer:
         from maximus.memory.meter import MemoryMeter
 
         self.objective = build_objective(cfg, self.plan, self.tokenizer.pad_token_id)
-        self.objective.prepare(self)
         # What the loop calls each micro-batch; under torchrun, wrapped for DDP / FSDP2.
         self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.plan, self.optimizer)
         self.meter = MemoryMeter(self.device)
@@ -320,6 +319,7 @@ class Trainer:
             if not self.dist.all_ok(error is None):
                 raise error or MaximusError("rank 0 could not start this run", "see rank 0's error")
             with self.dist.session():
+                self.objective.prepare(self)  # may write into output_dir (DPO reference cache): after the lock
                 return self._train(started)
         finally:
             if lock:
@@ -391,7 +391,7 @@ class Trainer:
                 if cfg.eval.every and step % cfg.eval.every == 0 and step < self.total_steps:
                     ev = self.evaluate()
                     if ev and metrics is not None:
-                        metrics.write({"step": step, "eval_loss": ev["loss"], "eval_perplexity": ev["perplexity"]})
+                        metrics.write({"step": step, "eval_loss": ev.get("loss"), "eval_perplexity": ev.get("perplexity")})
                 stop = self.dist.any(self._stop_signal is not None)  # every rank stops at the same step
                 if step < self.total_steps and ((cfg.training.save_every and step % cfg.training.save_every == 0) or stop):
                     self._save(ckpt_root, step, state)
@@ -481,11 +481,12 @@ class Trainer:
                 out.message("  " + line)
 
     def _print_summary(self, before: dict, after: dict, out: ProgressDisplay) -> None:
-        lines = [f"{'':<22}{'base (before)':>16}{'tuned (after)':>16}"]
-        for key, fmt in (("loss", "{:.4f}"), ("perplexity", "{:.2f}"), ("exact_match", "{:.1%}")):
+        lines = [f"{'':<26}{'base (before)':>16}{'tuned (after)':>16}"]
+        for key, fmt in (("loss", "{:.4f}"), ("perplexity", "{:.2f}"), ("exact_match", "{:.1%}"),
+                         ("rewards/accuracy", "{:.1%}"), ("rewards/margin", "{:.3f}")):
             if key in after and after[key] is not None:
                 b = before.get(key)
-                lines.append(f"{'held-out ' + key:<22}{fmt.format(b) if b is not None else '-':>16}{fmt.format(after[key]):>16}")
+                lines.append(f"{'held-out ' + key:<26}{fmt.format(b) if b is not None else '-':>16}{fmt.format(after[key]):>16}")
         for i, prompt in enumerate(self.cfg.eval.prompts):
             lines.append(f"prompt: {prompt!r}")
             if before.get("generations"):
