@@ -5,8 +5,12 @@
 * :func:`naive_cross_entropy`: full-logits reference (``optimization.loss: naive``).
 * :func:`ghost_logit_loss`: sampled softmax over hard candidates plus a "ghost" tail logit
   (``optimization.use_ghost_logit: true``); training only, evaluation stays exact.
+* :func:`matryoshka_loss_sum`: nested-prefix auxiliary loss (``optimization.matryoshka``).
+* :func:`dpo_loss`: DPO / IPO / hinge / SimPO / ORPO on sequence log-probs (``objective: dpo``).
 """
 from maximus.losses.ghost_logit import ghost_logit_loss
+from maximus.losses.matryoshka import matryoshka_loss_sum
+from maximus.losses.preference import dpo_loss
 from maximus.losses.linear_cross_entropy import (
     chunk_size_for_budget,
     linear_cross_entropy,
@@ -16,6 +20,8 @@ from maximus.losses.linear_cross_entropy import (
 
 __all__ = [
     "chunk_size_for_budget",
+    "dpo_loss",
+    "matryoshka_loss_sum",
     "ghost_logit_loss",
     "linear_cross_entropy",
     "naive_cross_entropy",

@@ -91,7 +91,9 @@ def token_loss_sum(hidden: torch.Tensor, head: OutputHead, target: torch.Tensor,
     if mode == "ghost":
         from maximus.losses.ghost_logit import ghost_logit_loss
 
-        return ghost_logit_loss(hidden, weight, target, chunk_size=chunk_size, **(ghost or {}), **kwargs)
+        # The ghost's chunk is how many tokens share one candidate set, not the exact loss's
+        # memory chunk: only a chunk size the user set explicitly is passed on (inside `ghost`).
+        return ghost_logit_loss(hidden, weight, target, **(ghost or {}), **kwargs)
     return linear_cross_entropy(hidden, weight, target, chunk_size=chunk_size, **kwargs)
 
 
@@ -129,7 +131,9 @@ class SFTObjective:
         self.plan = plan
         self.pad_token_id = pad_token_id
         g = cfg.optimization.ghost_logit
-        self.ghost = {"num_candidates": g.candidates, "prefix_dims": g.prefix_dims}
+        user_chunk = cfg.optimization.loss_chunk_size
+        self.ghost = {"num_candidates": g.candidates, "prefix_dims": g.prefix_dims,
+                      "chunk_size": user_chunk if isinstance(user_chunk, int) else None}
 
     def prepare(self, trainer) -> None:
         pass
