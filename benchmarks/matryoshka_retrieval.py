@@ -85,14 +85,21 @@ def function_pairs(source: str, max_doc_chars: int) -> list[Pair]:
     return pairs
 
 
-def load_corpus(max_doc_chars: int) -> tuple[list[str], list[Pair], list[str]]:
-    """(training file texts, held-out retrieval pairs (unique queries and documents), held-out texts)."""
+def load_corpus(max_doc_chars: int, train_docs: str = "raw") -> tuple[list[str], list[Pair], list[str]]:
+    """(training texts, held-out retrieval pairs (unique queries and documents), held-out texts).
+
+    train_docs="raw": the training files' source as is. "paired": one training text per function
+    of the training files, "<docstring first paragraph>\n<source without docstring>", i.e. the
+    same pairing as the retrieval set, so the LM sees docstring and code side by side (held-out
+    files still give the evaluated pairs)."""
     train_texts, heldout_texts, pairs = [], [], []
     for path in sorted(glob.glob(os.path.join(STDLIB, "*.py"))):
         text = Path(path).read_text(encoding="utf-8", errors="replace")
         if is_heldout(path):
             heldout_texts.append(text)
             pairs.extend(function_pairs(text, max_doc_chars))
+        elif train_docs == "paired":
+            train_texts.extend(f"{p.query}\n{p.document}" for p in function_pairs(text, max_doc_chars))
         else:
             train_texts.append(text)
     seen_q, seen_d, unique = set(), set(), []
@@ -281,20 +288,25 @@ def main(argv=None) -> int:
     parser.add_argument("--cost-reps", type=int, default=7, help="alternating timed steps per variant")
     parser.add_argument("--search-reps", type=int, default=3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--train-docs", choices=["raw", "paired"], default="raw",
+                        help="LM data: raw training-file source, or docstring + function source texts")
+    parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
     args = parser.parse_args(argv)
+    if args.threads:
+        torch.set_num_threads(args.threads)
     if args.quick:
         args.steps, args.pairs, args.vocab, args.doc_tokens = 6, 150, 1024, 64
         args.cost_reps, args.search_reps = 3, 1
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     t0 = time.perf_counter()
 
-    train_texts, pairs, heldout_texts = load_corpus(max_doc_chars=args.doc_tokens * 6)
+    train_texts, pairs, heldout_texts = load_corpus(max_doc_chars=args.doc_tokens * 6, train_docs=args.train_docs)
     pairs = [pairs[i] for i in torch.randperm(len(pairs), generator=torch.Generator().manual_seed(args.seed))[:args.pairs]]
     tokenizer = build_tiny_tokenizer(train_texts, vocab_size=args.vocab)
     windows = token_windows(tokenizer, train_texts, args.seq_len)
     windows = windows[torch.randperm(windows.shape[0], generator=torch.Generator().manual_seed(args.seed))]
     heldout = token_windows(tokenizer, heldout_texts, args.seq_len)[:32]
-    print(f"corpus: {len(train_texts)} training files, {windows.numel():,} training tokens "
+    print(f"corpus: {len(train_texts)} training texts ({args.train_docs}), {windows.numel():,} training tokens "
           f"(steps use {args.steps * args.batch * args.seq_len:,}), {len(pairs)} held-out pairs, "
           f"vocab {len(tokenizer)} ({time.perf_counter() - t0:.0f} s)", flush=True)
 
@@ -308,6 +320,7 @@ def main(argv=None) -> int:
         info = train(model, windows, args, aux)
         results[name] = {"train": info, "retrieval": retrieval(model, tokenizer, pairs, args),
                          "ce": heldout_ce(model, heldout, [64, None])}
+        print(f"  {name}: recall@10 {results[name]['retrieval']}, held-out CE {results[name]['ce']}", flush=True)
         if aux:
             cost_model = model
     print(f"measuring costs ({time.perf_counter() - t0:.0f} s)", flush=True)
