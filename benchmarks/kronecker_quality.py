@@ -11,7 +11,7 @@ Two experiments, each run twice from the same random init, on the same batches i
    predict the value. Loss on the final prediction only; reports held-out accuracy.
 
 Usage:
-    python benchmarks/kronecker_quality.py --quick        # ~15 min single-thread CPU
+    python benchmarks/kronecker_quality.py --quick        # ~10 min single-thread CPU (400 LM + 250 needle steps)
     python benchmarks/kronecker_quality.py --lm-steps 600 --needle-steps 600
 
 Prints a markdown table (ratios: sketch / exact). CPU, fp32, one thread by default.
@@ -172,7 +172,7 @@ def needle_accuracy(model, batches):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="the default sizes below (~15 min, 1 thread)")
+    p.add_argument("--quick", action="store_true", help="the default sizes below (~10 min, 1 thread)")
     p.add_argument("--threads", type=int, default=1)
     p.add_argument("--hidden", type=int, default=128)
     p.add_argument("--layers", type=int, default=2)
