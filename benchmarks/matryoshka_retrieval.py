@@ -17,7 +17,8 @@ timing only), and the auxiliary loss's cost in step time and peak memory (side b
 batch, alternating).
 
     python benchmarks/matryoshka_retrieval.py --quick     # smoke run, < 3 min on 2 CPU cores
-    python benchmarks/matryoshka_retrieval.py             # the numbers in docs/benchmarks/matryoshka.md
+    python benchmarks/matryoshka_retrieval.py --train-docs paired --steps 1500 --threads 1 --cost-reps 5
+        # the numbers in docs/benchmarks/matryoshka.md (~21 min on 1 CPU thread)
 """
 from __future__ import annotations
 
