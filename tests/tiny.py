@@ -8,6 +8,7 @@ import random
 from pathlib import Path
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 ARCHS = ("llama", "mistral", "qwen2")
 _WORDS = "red green blue gold stone river cloud tiger eagle maple north south".split()
@@ -66,3 +67,20 @@ def tiny_config(model_dir: Path, data: Path, out: Path, **sections) -> dict:
         else:
             cfg[key] = value
     return cfg
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every aten op called and the largest tensor (in elements) any op produced."""
+
+    def __init__(self):
+        super().__init__()
+        self.ops = set()
+        self.largest = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        self.ops.add(str(func))
+        for t in out if isinstance(out, (tuple, list)) else (out,):
+            if isinstance(t, torch.Tensor):
+                self.largest = max(self.largest, t.numel())
+        return out

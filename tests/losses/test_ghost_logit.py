@@ -4,28 +4,13 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from maximus.errors import ConfigError
+from tiny import OpRecorder
+
 from maximus.losses import ghost_logit_loss, naive_cross_entropy
 from maximus.losses.ghost_logit import VocabularyStatistics, select_candidates
 
-
-class OpRecorder(TorchDispatchMode):
-    """Records every aten op called and the largest tensor (in elements) any op produced."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = set()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops.add(str(func))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def make_case(n=96, h=16, v=300, std=0.3, seed=0, sample_labels=False):

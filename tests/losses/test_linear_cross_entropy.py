@@ -2,9 +2,10 @@
 import pytest
 import torch
 import torch.nn.functional as F
-from torch.utils._python_dispatch import TorchDispatchMode
 
 from maximus.errors import ConfigError
+from tiny import OpRecorder
+
 from maximus.losses import (
     chunk_size_for_budget,
     linear_cross_entropy,
@@ -13,22 +14,6 @@ from maximus.losses import (
 )
 from maximus.losses.linear_cross_entropy import DEFAULT_CHUNK_LOGITS_BYTES, default_chunk_size
 
-
-class OpRecorder(TorchDispatchMode):
-    """Records every aten op called and the largest tensor (in elements) any op produced."""
-
-    def __init__(self):
-        super().__init__()
-        self.ops = set()
-        self.largest = 0
-
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        out = func(*args, **(kwargs or {}))
-        self.ops.add(str(func))
-        for t in out if isinstance(out, (tuple, list)) else (out,):
-            if isinstance(t, torch.Tensor):
-                self.largest = max(self.largest, t.numel())
-        return out
 
 
 def make_case(n=2, t=23, h=12, v=37, dtype=torch.float64, seed=0, ignore=True):
