@@ -109,7 +109,7 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
     kwargs: dict = dict(trust_remote_code=cfg.trust_remote_code, use_safetensors=None if cfg.allow_pickle else True)
     if method == "full":
         # Master weights in fp32 when training in reduced precision: bf16 updates lose small steps.
-        kwargs["dtype"] = torch.float32 if dtype != torch.float16 else torch.float32
+        kwargs["dtype"] = torch.float32
     elif method == "qlora":
         kwargs["dtype"] = dtype
         kwargs["quantization_config"] = _quantization_config(dtype)

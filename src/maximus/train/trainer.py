@@ -160,8 +160,9 @@ class Trainer:
         from maximus.memory.checkpointing import apply_checkpointing
 
         policy = self.plan["gradient_checkpointing"]
-        report = apply_checkpointing(self.model, policy, budget_bytes=self.plan.get("activation_budget_bytes"),
-                                     micro_batch=self.plan["micro_batch_size"], seq_len=self.cfg.training.seq_len,
+        # With a budget the planner already chose per layer; `auto` alone minimises memory at <= 25 % extra time.
+        report = apply_checkpointing(self.model, policy, micro_batch=self.plan["micro_batch_size"],
+                                     seq_len=self.cfg.training.seq_len,
                                      offload_activations=bool(self.plan.get("offload_activations")))
         return report
 
