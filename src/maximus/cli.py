@@ -77,15 +77,13 @@ def _eval(argv: list[str]) -> int:
     _quiet_libraries()
     import torch
 
-    from maximus.data import build_datasets
+    from maximus.data import build_run_datasets
     from maximus.evaluate import heldout_loss
     from maximus.export import load_tuned, run_config
 
     cfg = run_config(Path(args.run_dir))
     model, tokenizer = load_tuned(Path(args.run_dir), dtype=torch.float32)
-    data = build_datasets(cfg.datasets, tokenizer, seq_len=cfg.training.seq_len, packing=cfg.training.packing,
-                          train_on_inputs=cfg.training.train_on_inputs, seed=cfg.training.seed,
-                          eval_split=cfg.eval.split, objective="sft")
+    data = build_run_datasets(cfg, tokenizer, eval_split=cfg.eval.split, objective="sft")
     kwargs = dict(pad_token_id=tokenizer.pad_token_id, device=torch.device("cpu"), dtype=torch.float32,
                   max_batches=cfg.eval.max_batches)
     after = heldout_loss(model, data.eval, **kwargs)

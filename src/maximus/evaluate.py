@@ -13,7 +13,7 @@ from contextlib import nullcontext
 
 import torch
 
-from maximus.train.objective import IGNORE_INDEX, hidden_states, output_head, shift_labels
+from maximus.train.objective import IGNORE_INDEX, sft_loss_sum
 
 
 def autocast_for(device: torch.device, dtype: torch.dtype):
@@ -28,7 +28,6 @@ def heldout_loss(model, rows: list[dict], *, pad_token_id: int, device: torch.de
                  batch_size: int = 4, max_batches: int | None = None, chunk_size: int | None = None) -> dict:
     """{"loss", "perplexity", "tokens"} over `rows` with the exact loss (sum / token count)."""
     from maximus.data import collate
-    from maximus.losses.linear_cross_entropy import linear_cross_entropy
 
     was_training = model.training
     model.eval()
@@ -40,14 +39,9 @@ def heldout_loss(model, rows: list[dict], *, pad_token_id: int, device: torch.de
                 break
             batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_token_id).items()}
             with autocast_for(device, dtype):
-                hidden = hidden_states(model, batch["input_ids"], batch.get("position_ids"))
-                head = output_head(model)
-                target = shift_labels(batch["labels"], batch.get("position_ids"))
-                weight = head.weight.to(hidden.dtype)
-                loss_sum = linear_cross_entropy(hidden, weight, target, ignore_index=IGNORE_INDEX, reduction="sum",
-                                                bias=head.bias, softcap=head.softcap, chunk_size=chunk_size)
+                loss_sum, n_target = sft_loss_sum(model, batch, mode="exact", chunk_size=chunk_size)
             total += loss_sum.double()
-            count += int((target != IGNORE_INDEX).sum())
+            count += int(n_target)
     finally:
         model.train(was_training)
     loss = float(total / max(count, 1))

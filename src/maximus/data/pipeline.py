@@ -201,3 +201,14 @@ def _pair_rows(pairs: list[PreferencePair], seq_len: int) -> tuple[list[dict], R
         stats.tokens += len(fitted.chosen.input_ids) + len(fitted.rejected.input_ids)
         stats.loss_tokens += sum(l != -100 for d in (fitted.chosen, fitted.rejected) for l in d.labels)
     return rows, stats
+
+
+def build_run_datasets(cfg, tokenizer, *, eval_split: float | None = None, objective: str | None = None) -> DataSplits:
+    """`build_datasets` with every setting taken from a run's `maximus.config.Config`: the one place
+    that maps config keys to the pipeline, for training and for `maximus eval` alike.
+    `eval_split` defaults to `eval.split` (0 when evaluation is off); `objective` to `cfg.objective`."""
+    if eval_split is None:
+        eval_split = cfg.eval.split if cfg.eval.enabled else 0.0
+    return build_datasets(cfg.datasets, tokenizer, seq_len=cfg.training.seq_len, packing=cfg.training.packing,
+                          train_on_inputs=cfg.training.train_on_inputs, seed=cfg.training.seed,
+                          eval_split=eval_split, objective=objective or cfg.objective)

@@ -149,12 +149,9 @@ class Trainer:
         return plan
 
     def _load_data(self):
-        from maximus.data import build_datasets
+        from maximus.data import build_run_datasets
 
-        cfg = self.cfg
-        return build_datasets(cfg.datasets, self.tokenizer, seq_len=cfg.training.seq_len, packing=cfg.training.packing,
-                              train_on_inputs=cfg.training.train_on_inputs, seed=cfg.training.seed,
-                              eval_split=cfg.eval.split if cfg.eval.enabled else 0.0, objective=cfg.objective)
+        return build_run_datasets(self.cfg, self.tokenizer)
 
     def _apply_checkpointing(self):
         from maximus.memory.checkpointing import apply_checkpointing
