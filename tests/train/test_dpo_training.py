@@ -179,7 +179,7 @@ def test_dpo_on_top_of_an_sft_adapter(tiny, tmp_path):
     """init_adapter: `precomputed` references the SFT model itself (first loss log 2); `adapter_off`
     references the base without it (first loss differs)."""
     maximus.Trainer(config(tiny, tmp_path / "sft", objective="sft", eval={"enabled": False},
-                           **{"training.max_steps": 2})).train()
+                           **{"training.max_steps": 8})).train()
     adapter = str(tmp_path / "sft" / "adapter")
     first = {}
     for reference in ("precomputed", "adapter_off"):
