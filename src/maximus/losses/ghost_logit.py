@@ -50,6 +50,7 @@ import torch
 
 from maximus.errors import ConfigError
 from maximus.losses.linear_cross_entropy import (
+    cast_for_matmul,
     _flatten,
     _stats_dtype,
     soft_cap_,
@@ -343,11 +344,9 @@ def ghost_logit_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.T
     if softcap is not None and softcap <= 0:
         raise ConfigError(f"softcap must be positive, got {softcap}", hint="use e.g. 30.0 (Gemma 2) or None")
     flat_hidden, flat_labels = _flatten(hidden, weight, labels, bias)
-    if weight.dtype != flat_hidden.dtype:
-        weight = weight.to(flat_hidden.dtype)
-    if bias is not None and bias.dtype != flat_hidden.dtype:
-        bias = bias.to(flat_hidden.dtype)
+    flat_hidden, weight, bias = cast_for_matmul(flat_hidden, weight, bias)
     chunk = max(1, int(chunk_size or DEFAULT_GHOST_CHUNK_TOKENS))
-    return _GhostLogitLoss.apply(flat_hidden, weight, bias, flat_labels, ignore_index, chunk,
-                                 int(num_candidates), min(int(prefix_dims), weight.shape[1]),
-                                 float(z_loss), softcap, reduction)
+    with torch.autocast(flat_hidden.device.type, enabled=False):
+        return _GhostLogitLoss.apply(flat_hidden, weight, bias, flat_labels, ignore_index, chunk,
+                                     int(num_candidates), min(int(prefix_dims), weight.shape[1]),
+                                     float(z_loss), softcap, reduction)

@@ -93,6 +93,28 @@ def _chunk_logits(h_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | 
     return raw.to(_stats_dtype(raw.dtype))
 
 
+def matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
+    """The dtype the output-layer matmuls should run in: the autocast dtype when autocast is on
+    for ``hidden``'s device and ``hidden`` is float32 (a QLoRA residual stream kept in float32 by
+    ``prepare_model_for_kbit_training``), else ``hidden``'s own dtype.
+
+    Why not let autocast do it: autocast casts the *weight* inside every chunk's matmul (one
+    ``V x H`` copy per chunk: 16 copies of a 128k-row head per 2,048 tokens) and leaves
+    ``mm(..., out=...)`` in float32 (4x slower than bf16 on a CPU with AMX/avx512_bf16). Casting
+    once here and running the chunks with autocast off does each conversion once."""
+    device_type = hidden.device.type
+    if hidden.dtype == torch.float32 and torch.is_autocast_enabled(device_type):
+        return torch.get_autocast_dtype(device_type)
+    return hidden.dtype
+
+
+def cast_for_matmul(hidden: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None):
+    """``hidden``, ``weight`` and ``bias`` in :func:`matmul_dtype` (differentiable casts; no copy
+    for a tensor already in it)."""
+    dtype = matmul_dtype(hidden)
+    return (hidden.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+
+
 def _stats_dtype(dtype: torch.dtype) -> torch.dtype:
     """Softmax statistics are accumulated in float32 (float64 when the input is float64)."""
     return torch.promote_types(dtype, torch.float32)
@@ -314,16 +336,14 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     num_tokens = flat_hidden.shape[0]
     if chunk_size is None:
         trainable_head = weight.requires_grad and torch.is_grad_enabled()
-        chunk_size = default_chunk_size(num_tokens, weight.shape[0], flat_hidden.element_size(), trainable_head)
+        chunk_size = default_chunk_size(num_tokens, weight.shape[0], matmul_dtype(flat_hidden).itemsize, trainable_head)
     chunk_size = max(1, int(chunk_size))
     if softcap is not None and softcap <= 0:
         raise ConfigError(f"softcap must be positive, got {softcap}", hint="use e.g. 30.0 (Gemma 2) or None")
-    if weight.dtype != flat_hidden.dtype:
-        weight = weight.to(flat_hidden.dtype)
-    if bias is not None and bias.dtype != flat_hidden.dtype:
-        bias = bias.to(flat_hidden.dtype)
-    out = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, ignore_index,
-                                           chunk_size, float(z_loss), softcap, reduction)
+    flat_hidden, weight, bias = cast_for_matmul(flat_hidden, weight, bias)
+    with torch.autocast(flat_hidden.device.type, enabled=False):
+        out = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, ignore_index,
+                                               chunk_size, float(z_loss), softcap, reduction)
     return out.reshape(labels.shape) if reduction == "none" else out
 
 

@@ -315,7 +315,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   offload_activations: bool = False, offload_optimizer: bool = False, loss_mode: LossMode = "exact",
                   optimizer: str = "adamw", lora_r: int = 16, lora_targets: str | Sequence[str] = "all-linear",
                   world_size: int = 1, loss_chunk_tokens: int | None = None, grad_accum: int = 1,
-                  ghost_candidates: int = 1024, device: str = "cuda") -> Estimate:
+                  ghost_candidates: int = 1024, device: str = "cuda", sharded: bool | None = None) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -332,7 +332,15 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             cross-entropy), ``ghost`` (sampled vocabulary).
         optimizer: ``adamw``, ``adamw_8bit`` or ``paged_adamw_8bit``.
         lora_r, lora_targets: adapter rank and targeted linear layers.
-        world_size: data-parallel ranks; full fine-tuning is sharded (FSDP) across them.
+        world_size: data-parallel ranks; the estimate is per rank.
+        sharded: whether FSDP2 shards the model over the ranks (`training.distributed: fsdp`).
+            Default: yes for full and LoRA when world_size > 1 (what `auto` picks when one
+            device cannot hold the run). QLoRA is never sharded (Maximus runs it under DDP:
+            `fully_shard` cannot split NF4 weights). Sharded: weights, adapters, gradients and
+            optimizer state are 1/world_size per rank, except a head tied to the embedding
+            (kept whole); plus what FSDP2 gathers at once (two decoder layers, the embedding
+            for the whole step, the head while the loss runs). Unsharded (DDP): every rank
+            holds what one process would.
         loss_chunk_tokens: tokens per chunk of the exact / ghost loss (default: the loss's own).
         grad_accum: micro-steps per optimizer step (>1 keeps gradients alive during backward).
         device: ``cuda`` or ``cpu``: decides workspace and optimizer temporaries.
@@ -368,23 +376,32 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         weights = int(linear * (0.5 + 1 / 64 + 4 / (64 * 256))) + non_linear * b
     else:
         weights = (linear + non_linear) * b
-    shard = world_size if (method == "full" and world_size > 1) else 1
-    weights_dev = weights // shard
-    if shard > 1:  # FSDP gathers one layer at a time (two with prefetch)
-        weights_dev += 2 * (shape.layer_linear_params + shape.layer_other_params) * b
+    if sharded is None:
+        sharded = world_size > 1
+    shard = world_size if (sharded and world_size > 1 and method != "qlora") else 1
+    # A head tied to the embedding stays whole on every rank (maximus.train.distributed).
+    whole = shape.embedding_params if (shard > 1 and shape.tied_embeddings) else 0
+    weights_dev = (weights - whole * b) // shard + whole * b
+    if shard > 1:
+        # Gathered at once: two decoder layers (the running one, the prefetched one), the root
+        # unit (embedding, final norm) for the whole step, the head while the loss runs.
+        weights_dev += (2 * (shape.layer_linear_params + shape.layer_other_params)
+                        + (shape.embedding_params + shape.head_params if not whole else 0)) * b
 
     n_adapter = L * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets)
-    adapters = 4 * n_adapter  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
+    adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
     trainable = n_adapter if adapter else shape.num_params
     p_bytes = 4 if adapter else b
-    grads = trainable * p_bytes // shard
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
-        states = 2 * trainable
+        state_bytes = 2  # per trainable parameter
     elif optimizer == "adamw":
-        states = 2 * trainable * p_bytes
+        state_bytes = 2 * p_bytes
     else:
         raise ConfigError(f"unknown optimizer {optimizer!r}", "use adamw, adamw_8bit or paged_adamw_8bit")
-    states //= shard
+    replicated = 0 if adapter else whole  # a trainable tied embedding: whole gradient and moments
+    per_rank_trainable = (trainable - replicated) / shard + replicated
+    grads = int(per_rank_trainable * p_bytes)
+    states = int(per_rank_trainable * state_bytes)
     opt_dev = 0 if offload_optimizer else states
 
     # -- activations ----------------------------------------------------------------------------
@@ -488,7 +505,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                     checkpointing=checkpointing if isinstance(checkpointing, (str, int)) else list(checkpointing),
                     offload_activations=offload_activations, offload_optimizer=offload_optimizer,
                     loss_mode=loss_mode, loss_chunk_tokens=loss_chunk_tokens if loss_mode != "naive" else None,
-                    optimizer=optimizer, lora_r=lora_r if adapter else None, world_size=world_size, device=device_type)
+                    optimizer=optimizer, lora_r=lora_r if adapter else None, world_size=world_size, sharded=shard > 1,
+                    device=device_type)
     return Estimate(peak_bytes=int(peak), breakdown={k: int(v) for k, v in breakdown.items()},
                     flops_per_token=flops, tokens_per_s_guess=tps, phase=phase, settings=settings)
 

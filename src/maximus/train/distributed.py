@@ -11,10 +11,11 @@ forever. The rest is what the trainer asks of the world:
 - model (`prepare_model`, before the optimizer is built): `training.distributed` = ``ddp``,
   ``fsdp`` or ``auto`` (FSDP2 when the model does not fit one device, else DDP). FSDP2 shards
   parameters, gradients and optimizer state with `torch.distributed.fsdp.fully_shard`: each
-  decoder layer, then the decoder stack (embeddings, final norm) as the root. The output head
-  stays whole on every rank, because the lean loss reads its weight directly (no forward call
-  FSDP could hook); trainable parameters outside FSDP (a fully trained head, a tied embedding,
-  PEFT copies of the head) have their gradients averaged across ranks by a hook. bitsandbytes
+  decoder layer, the output head, then the decoder stack (embeddings, final norm) as the root.
+  The lean loss reads the head's weight without a logits forward, so the head gets a forward
+  method FSDP2 hooks (`objective.through_head`). A head tied to the embedding, and the head of a
+  non-SFT objective, stay whole on every rank; trainable parameters outside FSDP (such a head, a
+  tied embedding) have their gradients averaged across ranks by a hook. bitsandbytes
   4-bit weights cannot be sharded by `fully_shard`, so QLoRA runs under DDP (one-line notice);
 - the training forward (`wrap`): DistributedDataParallel under DDP, unchanged under FSDP2 (its
   hooks live on the decoder modules);
@@ -136,7 +137,10 @@ class DistEnv:
         if notice:
             self.say(notice)
         if strategy == "fsdp":
-            self._hooks = shard_with_fsdp2(model, self.device, dtype, self.world_size)
+            # Only the SFT loss runs through `objective.through_head`; other objectives read the
+            # head directly, so it stays whole for them.
+            self._hooks = shard_with_fsdp2(model, self.device, dtype, self.world_size,
+                                           shard_head=getattr(cfg, "objective", "sft") == "sft")
         self.strategy = strategy
         return strategy
 
@@ -279,14 +283,20 @@ def device_capacity_bytes(device: torch.device | None, budget_bytes: int | None 
 
 
 # ---------------------------------------------------------------------------------- FSDP2
-def shard_with_fsdp2(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, world_size: int) -> list:
-    """`fully_shard` each decoder layer, then the decoder stack as the root, in place.
+def shard_with_fsdp2(model: torch.nn.Module, device: torch.device, dtype: torch.dtype, world_size: int, *,
+                     shard_head: bool = True) -> list:
+    """`fully_shard` each decoder layer, the output head, then the decoder stack as the root, in place.
 
-    The output head (and the embedding when tied to it) stays whole on every rank: the lean loss
-    uses `head.weight` directly, outside any forward FSDP could hook. Trainable parameters left
-    outside FSDP get a gradient hook that averages them across ranks, as FSDP's reduce-scatter
-    does for the rest. Mixed precision: parameters are gathered in the compute dtype, gradients
-    reduced in fp32. Returns the hook handles."""
+    The lean loss reads `head.weight` outside any logits forward, so the head gets a second
+    forward method (`objective.HEAD_FORWARD_METHOD`, registered with FSDP2) that the loss runs
+    through (`objective.through_head`): the whole head exists only while the loss runs (and again
+    in its backward), its gradient is reduce-scattered like the layers'. `shard_head=False` (an
+    objective that reads the head without `through_head`) and a head tied to the embedding keep
+    it whole on every rank (one weight cannot be in two FSDP units; the embedding's unit, the
+    root, is gathered before the loss and its forward never reaches the head). Trainable
+    parameters left outside FSDP get a gradient hook that averages them across ranks, as FSDP's
+    reduce-scatter does for the rest. Mixed precision: parameters are gathered in the compute
+    dtype, gradients reduced in fp32. Returns the hook handles."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
@@ -302,12 +312,35 @@ def shard_with_fsdp2(model: torch.nn.Module, device: torch.device, dtype: torch.
     ignored = {p for p in stack.parameters() if id(p) in head_ids}
     for layer in layers:
         fully_shard(layer, mesh=mesh, mp_policy=mp)
+    if head is not None and shard_head and not ignored:
+        _shard_head(head, mesh, mp)
     fully_shard(stack, mesh=mesh, mp_policy=mp, ignored_params=ignored or None)
     hooks = []
     for p in model.parameters():
         if p.requires_grad and not isinstance(p, DTensor):
             hooks.append(p.register_hook(_average_across_ranks))
     return hooks
+
+
+def _shard_head(head: torch.nn.Module, mesh, mp) -> None:
+    """The output head as its own FSDP2 unit, gathered around each loss call. Resharded after
+    each call (it is not needed again until the loss's backward), hence its own root: the loss
+    calls it outside the decoder stack's forward."""
+    import types
+
+    from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
+
+    from maximus.train.objective import HEAD_FORWARD_METHOD
+
+    fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
+    setattr(head, HEAD_FORWARD_METHOD, types.MethodType(_run_on_gathered_head, head))
+    register_fsdp_forward_method(head, HEAD_FORWARD_METHOD)
+
+
+def _run_on_gathered_head(head: torch.nn.Module, hidden: torch.Tensor, compute):
+    """`compute(hidden)`; FSDP2's hooks around it gather the head's weight first and register the
+    backward all-gather and reduce-scatter on `hidden` and the result."""
+    return compute(hidden)
 
 
 def _average_across_ranks(grad: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,20 @@ def _effective_weight(head) -> torch.Tensor:
     return head.weight
 
 
+#: Name of the method a distributed wrapper may give the output head module: ``method(hidden,
+#: compute)`` returns ``compute(hidden)``, run as one of the head's forwards. FSDP2 registers it
+#: (`torch.distributed.fsdp.register_fsdp_forward_method`) on a sharded head, so the head's weight
+#: is gathered for the loss and its gradient reduce-scattered, although no logits forward runs.
+HEAD_FORWARD_METHOD = "maximus_head_forward"
+
+
+def through_head(model, hidden: torch.Tensor, compute):
+    """`compute(hidden)`, for a loss that reads the output head's weight (`output_head`): run
+    through the head's `HEAD_FORWARD_METHOD` when it has one (a sharded head), else directly."""
+    method = getattr(causal_lm_of(model).get_output_embeddings(), HEAD_FORWARD_METHOD, None)
+    return compute(hidden) if method is None else method(hidden, compute)
+
+
 def hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
                   attention_mask: torch.Tensor | None = None) -> torch.Tensor:
     """Final hidden states [B, T, H] of the decoder (after the final norm), never the logits."""
@@ -83,9 +97,7 @@ def token_loss_sum(hidden: torch.Tensor, head: OutputHead, target: torch.Tensor,
     from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy
 
     kwargs = dict(ignore_index=IGNORE_INDEX, reduction="sum", bias=head.bias, softcap=head.softcap)
-    weight = head.weight
-    if weight.dtype != hidden.dtype:
-        weight = weight.to(hidden.dtype)
+    weight = head.weight  # each loss casts hidden and weight to the matmul dtype once (matmul_dtype)
     if mode == "naive":
         return naive_cross_entropy(hidden, weight, target, **kwargs)
     if mode == "ghost":
@@ -103,14 +115,18 @@ def sft_loss_sum(model, batch: dict, *, mode: str = "exact", chunk_size: int | N
     position_ids = batch.get("position_ids")
     hidden = hidden_states(model, batch["input_ids"], position_ids)
     target = shift_labels(batch["labels"], position_ids)
-    head = output_head(model)
-    loss = token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
-    if matryoshka is not None:
-        from maximus.losses.matryoshka import matryoshka_loss_sum
 
-        loss = loss + matryoshka_loss_sum(hidden, head.weight, target, dims=matryoshka.dims,
-                                          weight=matryoshka.weight, chunk_size=chunk_size)
-    return loss, (target != IGNORE_INDEX).sum()
+    def loss_of(hidden: torch.Tensor) -> torch.Tensor:
+        head = output_head(model)  # read inside: a sharded head is gathered only here
+        loss = token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
+        if matryoshka is not None:
+            from maximus.losses.matryoshka import matryoshka_loss_sum
+
+            loss = loss + matryoshka_loss_sum(hidden, head.weight, target, dims=matryoshka.dims,
+                                              weight=matryoshka.weight, chunk_size=chunk_size)
+        return loss
+
+    return through_head(model, hidden, loss_of), (target != IGNORE_INDEX).sum()
 
 
 class SFTObjective:
@@ -180,9 +196,13 @@ class ObjectiveModule(torch.nn.Module):
 
 
 def build_objective(cfg, plan: dict, pad_token_id: int):
-    """The objective the config asks for (`objective: sft | dpo`)."""
+    """The objective the config asks for (`objective: sft | dpo | contrastive`)."""
     if cfg.objective == "dpo":
         from maximus.train.preference import PreferenceObjective
 
         return PreferenceObjective(cfg, plan, pad_token_id)
+    if cfg.objective == "contrastive":
+        from maximus.train.contrastive import ContrastiveObjective
+
+        return ContrastiveObjective(cfg, plan, pad_token_id)
     return SFTObjective(cfg, plan, pad_token_id)

@@ -41,7 +41,7 @@ import torch
 from maximus.errors import ConfigError
 from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
 from maximus.losses.preference import dpo_loss, needs_reference
-from maximus.train.objective import IGNORE_INDEX, hidden_states, output_head, shift_labels
+from maximus.train.objective import IGNORE_INDEX, hidden_states, output_head, shift_labels, through_head
 
 CACHE_FILE = "reference_logps.safetensors"
 _CACHE_VERSION = "1"
@@ -54,16 +54,20 @@ def sequence_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor | 
 
     mode: ``exact`` (chunked, no full logits) or ``naive`` (full logits: the reference path)."""
     hidden = hidden_states(model, input_ids, position_ids)
-    head = output_head(model)
     target = shift_labels(labels, position_ids)
-    if mode == "naive":
-        per_token = -naive_cross_entropy(hidden, head.weight, target, IGNORE_INDEX, softcap=head.softcap,
-                                         reduction="none", bias=head.bias)
-    elif head.softcap is None:
-        per_token = token_log_probs(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size, bias=head.bias)
-    else:  # Gemma-style soft-capped logits: same chunked kernel, with the cap
-        per_token = -linear_cross_entropy(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size,
-                                          softcap=head.softcap, reduction="none", bias=head.bias)
+
+    def logps_of(hidden: torch.Tensor) -> torch.Tensor:
+        head = output_head(model)  # read inside: under FSDP2 the sharded head is gathered only for this call
+        if mode == "naive":
+            return -naive_cross_entropy(hidden, head.weight, target, IGNORE_INDEX, softcap=head.softcap,
+                                        reduction="none", bias=head.bias)
+        if head.softcap is None:
+            return token_log_probs(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size, bias=head.bias)
+        # Gemma-style soft-capped logits: same chunked kernel, with the cap
+        return -linear_cross_entropy(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size,
+                                     softcap=head.softcap, reduction="none", bias=head.bias)
+
+    per_token = through_head(model, hidden, logps_of)
     return per_token.sum(dim=-1), (target != IGNORE_INDEX).sum(dim=-1)
 
 

@@ -23,6 +23,7 @@ Nothing in `output_dir` is touched until the config, data and model have loaded.
 """
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
@@ -38,6 +39,7 @@ import torch
 from maximus.config import Config
 from maximus.errors import MaximusError
 from maximus.evaluate import autocast_for
+from maximus.kernels import apply_kernels
 from maximus.models import check_model_source, count_parameters, load_model, load_tokenizer, resolve_device, resolve_dtype
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
@@ -89,6 +91,10 @@ class Trainer:
         self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
         self.checkpointing = self._apply_checkpointing()
+        # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
+        self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device)
+        for notice in self.kernels.notices:
+            self.dist.say(notice)
         self.streamer = None
         if cfg.optimization.offload.params == "on":
             from maximus.memory.offload import FrozenWeightStreamer
@@ -134,13 +140,20 @@ class Trainer:
         # With a budget and no explicit method, the planner may pick LoRA, QLoRA or full.
         method = cfg.method if "method" in cfg.model_fields_set else "auto"
         dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
-        chosen = plan_for_budget(model_config, budget, method=method, batch_size=per_rank,
+        # Per rank: under FSDP2 (fsdp; auto when one device cannot hold the run) the estimate
+        # divides sharded state by the ranks; under DDP a rank holds what one process over its
+        # share of the batch would.
+        ranks = 1 if cfg.training.distributed == "ddp" else self.dist.world_size
+        chosen = plan_for_budget(model_config, budget, method=method,
+                                 batch_size=cfg.training.batch_size if ranks > 1 else per_rank,
                                  seq_len=cfg.training.seq_len, dtype=dtype_name, optimizer=cfg.training.optimizer,
                                  lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
-                                 world_size=self.dist.world_size, micro_batch_size=cfg.training.micro_batch_size,
+                                 world_size=ranks, micro_batch_size=cfg.training.micro_batch_size,
                                  gradient_checkpointing=opt.gradient_checkpointing, loss_mode=plan["loss_mode"],
                                  loss_chunk_size=opt.loss_chunk_size, offload_activations=opt.offload.activations,
                                  offload_optimizer=opt.offload.optimizer, device=self.device.type)
+        if ranks != self.dist.world_size:
+            chosen = dataclasses.replace(chosen, world_size=self.dist.world_size)
         plan.update(chosen.to_dict())
         if isinstance(plan["gradient_checkpointing"], list):  # per layer: recompute it fully or keep it
             plan["gradient_checkpointing"] = ["full" if on else "none" for on in plan["gradient_checkpointing"]]
@@ -438,6 +451,7 @@ class Trainer:
             "data": self.data.stats,
             "eval": {"before": state.get("eval_before", {}), "after": eval_after},
             "distributed": self.dist.describe(),
+            "kernels": self.kernels.to_dict(),
         }
         write_json(run_dir / "run.json", summary)
         try:
