@@ -16,7 +16,16 @@ full-width rerank). Also measured: search time and index memory over >= 100k vec
 timing only), and the auxiliary loss's cost in step time and peak memory (side by side, same
 batch, alternating).
 
+Contrastive mode (``--mode contrastive``): the models are trained as embedding models with
+``objective: contrastive`` (``maximus.train.contrastive.ContrastiveObjective``: in-batch InfoNCE on
+mean- or last-pooled final hidden states) on the docstring -> function pairs of the *training*
+files; one without and one (or more) with the Matryoshka prefixes (``optimization.matryoshka``);
+same init, same batches in the same order. Evaluated on the same held-out pairs as above. The
+LM auxiliary loss's cost is also measured on the ANCHORS reference model shape
+(``--reference-cost``: vocab 128,256, hidden 512, 8 layers, LoRA r=16, batch 1 x 512 tokens).
+
     python benchmarks/matryoshka_retrieval.py --quick     # smoke run, < 3 min on 2 CPU cores
+    python benchmarks/matryoshka_retrieval.py --mode contrastive --quick
     python benchmarks/matryoshka_retrieval.py --train-docs paired --steps 1500 --threads 1 --cost-reps 5
         # the numbers in docs/benchmarks/matryoshka.md (~21 min on 1 CPU thread)
 """
@@ -43,6 +52,8 @@ from maximus.embed import exact_search, nested_prefix, pooled_hidden_states, sea
 from maximus.losses.linear_cross_entropy import linear_cross_entropy
 from maximus.losses.matryoshka import matryoshka_loss_sum
 from maximus.memory.meter import MemoryMeter
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 STDLIB = os.path.dirname(os.__file__)
 DIMS = [64, 128, 256]
@@ -103,13 +114,27 @@ def load_corpus(max_doc_chars: int, train_docs: str = "raw") -> tuple[list[str],
             train_texts.extend(f"{p.query}\n{p.document}" for p in function_pairs(text, max_doc_chars))
         else:
             train_texts.append(text)
+    return train_texts, unique_pairs(pairs), heldout_texts
+
+
+def training_pairs(max_doc_chars: int) -> list[Pair]:
+    """Unique docstring -> function pairs of the training files (never a held-out file)."""
+    pairs = []
+    for path in sorted(glob.glob(os.path.join(STDLIB, "*.py"))):
+        if not is_heldout(path):
+            pairs.extend(function_pairs(Path(path).read_text(encoding="utf-8", errors="replace"), max_doc_chars))
+    return unique_pairs(pairs)
+
+
+def unique_pairs(pairs: list[Pair]) -> list[Pair]:
+    """Pairs in order, skipping any whose query or document was seen before."""
     seen_q, seen_d, unique = set(), set(), []
     for p in pairs:
         if p.query not in seen_q and p.document not in seen_d:
             seen_q.add(p.query)
             seen_d.add(p.document)
             unique.append(p)
-    return train_texts, unique, heldout_texts
+    return unique
 
 
 def token_windows(tokenizer, texts: list[str], seq_len: int) -> torch.Tensor:
@@ -192,8 +217,8 @@ def recall_at_k(query_vecs, doc_vecs, k=10, **search_kwargs) -> float:
     return (idx == truth).any(dim=1).float().mean().item()
 
 
-def retrieval(model, tokenizer, pairs: list[Pair], args) -> dict:
-    kw = dict(pooling="mean", batch_size=16, max_length=args.doc_tokens)
+def retrieval(model, tokenizer, pairs: list[Pair], args, pooling: str = "mean") -> dict:
+    kw = dict(pooling=pooling, batch_size=16, max_length=args.doc_tokens)
     q = pooled_hidden_states(model, tokenizer, [p.query for p in pairs], **kw)
     d = pooled_hidden_states(model, tokenizer, [p.document for p in pairs], **kw)
     out = {}
@@ -272,6 +297,190 @@ def search_cost(num_vectors: int, width: int, num_queries: int, reps: int) -> di
             "bytes": {"full": index.numel() * 4, "64": prefix.numel() * 4}}
 
 
+# ------------------------------------------------------------------------------------- contrastive mode
+def contrastive_objective(args, weight: float | None):
+    """The trainer's ContrastiveObjective, built from a real Config (weight None = no Matryoshka)."""
+    from maximus.config import Config
+    from maximus.train.contrastive import ContrastiveObjective
+
+    opt = {"matryoshka": {"dims": DIMS, "weight": weight}} if weight is not None else {}
+    cfg = Config.from_dict({"model": "benchmark", "dataset": "stdlib", "objective": "contrastive",
+                            "optimization": opt,
+                            "contrastive": {"temperature": args.temperature, "pooling": args.pooling}})
+    return ContrastiveObjective(cfg, {"micro_batch_size": args.batch}, pad_token_id=0)
+
+
+def contrastive_rows(tokenizer, pairs: list[Pair], max_tokens: int) -> list[dict]:
+    """Rows as `build_datasets(objective="contrastive")` makes them (maximus.data.pairs)."""
+    from maximus.data.formats import PairExample
+    from maximus.data.pairs import encode_pair, fit_pair_row
+
+    rows = []
+    for p in pairs:
+        row = encode_pair(tokenizer, PairExample(p.query, p.document, "stdlib"))
+        if row is not None:
+            rows.append(fit_pair_row(row, max_tokens)[0])
+    return rows
+
+
+def train_contrastive(model, rows: list[dict], args, objective) -> dict:
+    """AdamW + warmup/cosine; step = one micro-batch of `args.batch` pairs (in-batch negatives),
+    loss = objective.loss_sum / pairs, as the trainer computes it. Batch order: per-epoch
+    permutations from `args.seed`, identical for every model."""
+    from maximus.data import collate
+
+    opt = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=0.01, betas=(0.9, 0.95))
+    warmup = max(1, args.steps // 10)
+    sched = torch.optim.lr_scheduler.LambdaLR(
+        opt, lambda s: min(1.0, (s + 1) / warmup) * 0.5 * (1 + math.cos(math.pi * min(s, args.steps) / args.steps)))
+    per_epoch = len(rows) // args.batch
+    orders: dict[int, torch.Tensor] = {}
+    model.train()
+    start, last, times = time.perf_counter(), [], []
+    for step in range(args.steps):
+        epoch, pos = divmod(step, per_epoch)
+        if epoch not in orders:
+            orders[epoch] = torch.randperm(len(rows), generator=torch.Generator().manual_seed(args.seed * 1000 + epoch))
+        idx = orders[epoch][pos * args.batch:(pos + 1) * args.batch]
+        batch = collate([rows[int(i)] for i in idx], pad_token_id=0)
+        t = time.perf_counter()
+        loss_sum, metrics = objective.loss_sum(model, batch)
+        (loss_sum / len(idx)).backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        sched.step()
+        opt.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - t)
+        last.append(loss_sum.item() / len(idx))
+        if (step + 1) % max(1, args.steps // 5) == 0:
+            print(f"  step {step + 1}/{args.steps} loss {statistics.mean(last[-10:]):.3f} "
+                  f"({time.perf_counter() - start:.0f} s)", flush=True)
+    model.eval()
+    return {"seconds": time.perf_counter() - start, "final_loss": statistics.mean(last[-10:]),
+            "median_step_s": statistics.median(times)}
+
+
+def contrastive_step_cost(model, rows: list[dict], args, reps: int) -> dict:
+    """Median step time (fwd + bwd + AdamW) of the same batch without / with the Matryoshka
+    prefixes, alternating."""
+    from maximus.data import collate
+
+    batch = collate(rows[:args.batch], pad_token_id=0)
+    objectives = {False: contrastive_objective(args, None), True: contrastive_objective(args, args.weights[0])}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
+    times = {False: [], True: []}
+    for rep in range(reps + 1):
+        for aux, obj in objectives.items():
+            t = time.perf_counter()
+            loss, _ = obj.loss_sum(model, batch)
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if rep:  # rep 0 warms up
+                times[aux].append(time.perf_counter() - t)
+    return {a: statistics.median(v) for a, v in times.items()}
+
+
+def reference_aux_cost(seq_len: int, reps: int) -> dict:
+    """The LM auxiliary loss on the ANCHORS reference model shape (vocab 128,256, hidden 512, 8
+    layers), LoRA r=16 on all linear layers (frozen head), bf16 weights, batch 1 x seq_len random
+    tokens: median step time (fwd + bwd + AdamW) of the trainer's `sft_loss_sum` without / with
+    `optimization.matryoshka` (dims 64/128/256, weight 0.2), alternating; plus the head-only share."""
+    from peft import LoraConfig, get_peft_model
+
+    from _reference_model import build_reference_model
+    from maximus.config import MatryoshkaConfig
+    from maximus.train.objective import hidden_states, output_head, shift_labels, sft_loss_sum
+
+    model = get_peft_model(build_reference_model(torch.bfloat16),
+                           LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
+    model.train()
+    params = [p for p in model.parameters() if p.requires_grad]
+    opt = torch.optim.AdamW(params, lr=1e-6)
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 128256, (1, seq_len), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    mat = MatryoshkaConfig(dims=DIMS, weight=WEIGHT)
+
+    def step(aux: bool) -> float:
+        t = time.perf_counter()
+        loss, n = sft_loss_sum(model, batch, matryoshka=mat if aux else None)
+        (loss / n).backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        return time.perf_counter() - t
+
+    def aux_only() -> float:  # forward + backward of the auxiliary term alone on detached-in hidden states
+        with torch.no_grad():
+            hidden = hidden_states(model, ids)
+        hidden = hidden.detach().requires_grad_()
+        t = time.perf_counter()
+        matryoshka_loss_sum(hidden, output_head(model).weight, shift_labels(ids), dims=DIMS, weight=WEIGHT).backward()
+        return time.perf_counter() - t
+
+    step(True)
+    times = {False: [], True: [], "aux_only": []}
+    for _ in range(reps):
+        for aux in (False, True):
+            times[aux].append(step(aux))
+        times["aux_only"].append(aux_only())
+    return {k: statistics.median(v) for k, v in times.items()}
+
+
+def contrastive_main(args) -> int:
+    t0 = time.perf_counter()
+    train_texts, heldout, _ = load_corpus(max_doc_chars=args.doc_tokens * 6, train_docs="paired")
+    heldout = [heldout[i] for i in torch.randperm(len(heldout), generator=torch.Generator().manual_seed(args.seed))[:args.pairs]]
+    train_pairs = training_pairs(args.doc_tokens * 6)
+    tokenizer = build_tiny_tokenizer(train_texts, vocab_size=args.vocab)
+    rows = contrastive_rows(tokenizer, train_pairs, args.doc_tokens)
+    epochs = args.steps * args.batch / len(rows)
+    print(f"corpus: {len(rows)} training pairs (training files), {len(heldout)} held-out pairs, vocab {len(tokenizer)}, "
+          f"{args.steps} steps x {args.batch} pairs = {epochs:.1f} epochs, pooling {args.pooling}, "
+          f"temperature {args.temperature} ({time.perf_counter() - t0:.0f} s)", flush=True)
+
+    results = {"untrained": {"retrieval": retrieval(build_model(len(tokenizer), args, args.seed).eval(), tokenizer,
+                                                    heldout, args, args.pooling)}}
+    variants = [("contrastive", None)] + [(f"contrastive + Matryoshka (weight {w:g})", w) for w in args.weights]
+    for name, weight in variants:
+        print(f"training {name}", flush=True)
+        model = build_model(len(tokenizer), args, args.seed)
+        info = train_contrastive(model, rows, args, contrastive_objective(args, weight))
+        results[name] = {"train": info, "retrieval": retrieval(model, tokenizer, heldout, args, args.pooling)}
+        print(f"  {name}: recall@10 {results[name]['retrieval']} ({time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"measuring costs ({time.perf_counter() - t0:.0f} s)", flush=True)
+    step_cost = contrastive_step_cost(model, rows, args, args.cost_reps)
+    ref = reference_aux_cost(args.reference_seq, args.cost_reps) if args.reference_cost else None
+
+    print(f"\n## Contrastive retrieval: recall@10, {len(heldout)} docstring -> function pairs (held-out stdlib files)\n")
+    print(f"{args.pooling} pooling, temperature {args.temperature}, dims {DIMS} (those < {args.hidden}), "
+          f"{args.steps} steps x {args.batch} pairs (in-batch negatives), lr {args.lr}\n")
+    print("| model | 64-d | 128-d | full (%d-d) | 64-d / full | 64-d shortlist -> full rerank | final train loss | median step s |" % args.hidden)
+    print("|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        rec, tr = r["retrieval"], r.get("train", {})
+        ratio = rec[64] / rec["full"] if rec["full"] else float("nan")
+        loss = f"{tr['final_loss']:.3f}" if tr else "-"
+        med = f"{tr['median_step_s']:.3f}" if tr else "-"
+        print(f"| {name} | {rec[64]:.3f} | {rec[128]:.3f} | {rec['full']:.3f} | {ratio:.0%} | {rec['64->full']:.3f} | {loss} | {med} |")
+    print(f"\n(chance = {10 / len(heldout):.3f})")
+    print(f"\n## Cost of the Matryoshka prefixes in contrastive training (same batch, alternating, median of {args.cost_reps})\n")
+    print("| what | without | with | ratio |")
+    print("|---|---|---|---|")
+    print(f"| contrastive step, {args.batch} pairs, s | {step_cost[False]:.3f} | {step_cost[True]:.3f} | {step_cost[True] / step_cost[False]:.3f} |")
+    if ref is not None:
+        print(f"\n## Cost of the LM auxiliary loss on the reference model shape (median of {args.cost_reps})\n")
+        print("| what | without | with | ratio |")
+        print("|---|---|---|---|")
+        print(f"| LoRA training step, vocab 128,256, hidden 512, 8 layers, 1 x {args.reference_seq} tokens, s "
+              f"| {ref[False]:.3f} | {ref[True]:.3f} | {ref[True] / ref[False]:.3f} |")
+        print(f"| auxiliary term alone (fwd + bwd to the hidden states), s | - | {ref['aux_only']:.3f} | "
+              f"{ref['aux_only'] / ref[False]:.1%} of a step |")
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"argv: {' '.join(sys.argv[1:])}")
+    return 0
+
+
 # ------------------------------------------------------------------------------------- main
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
@@ -292,13 +501,24 @@ def main(argv=None) -> int:
     parser.add_argument("--train-docs", choices=["raw", "paired"], default="raw",
                         help="LM data: raw training-file source, or docstring + function source texts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
+    parser.add_argument("--mode", choices=["lm", "contrastive"], default="lm",
+                        help="train next-token LMs (+ LM auxiliary loss) or contrastive embedding models")
+    parser.add_argument("--pooling", choices=["mean", "last"], default="mean", help="contrastive mode: pooling")
+    parser.add_argument("--temperature", type=float, default=0.05, help="contrastive mode: InfoNCE temperature")
+    parser.add_argument("--weights", type=lambda s: [float(x) for x in s.split(",")], default=[1.0],
+                        help="contrastive mode: Matryoshka weights, one model each (comma-separated)")
+    parser.add_argument("--reference-cost", action="store_true",
+                        help="contrastive mode: also time the LM auxiliary loss on the ANCHORS reference model")
+    parser.add_argument("--reference-seq", type=int, default=512, help="tokens of the reference-model step")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.steps, args.pairs, args.vocab, args.doc_tokens = 6, 150, 1024, 64
-        args.cost_reps, args.search_reps = 3, 1
+        args.cost_reps, args.search_reps, args.reference_seq = 3, 1, 128
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    if args.mode == "contrastive":
+        return contrastive_main(args)
     t0 = time.perf_counter()
 
     train_texts, pairs, heldout_texts = load_corpus(max_doc_chars=args.doc_tokens * 6, train_docs=args.train_docs)

@@ -10,7 +10,7 @@ import os
 import sys
 from pathlib import Path
 
-from maximus.errors import MaximusError
+from maximus.errors import ConfigError, MaximusError
 
 USER_ERROR_EXIT = 2
 
@@ -82,6 +82,9 @@ def _eval(argv: list[str]) -> int:
     from maximus.export import load_tuned, run_config
 
     cfg = run_config(Path(args.run_dir))
+    if cfg.objective == "contrastive":
+        raise ConfigError(f"maximus eval reports next-token loss, and {args.run_dir} trained a contrastive embedding model",
+                          "its held-out recall before/after is in run.json under eval; embed texts with maximus embed")
     model, tokenizer = load_tuned(Path(args.run_dir), dtype=torch.float32)
     data = build_run_datasets(cfg, tokenizer, eval_split=cfg.eval.split, objective="sft")
     kwargs = dict(pad_token_id=tokenizer.pad_token_id, device=torch.device("cpu"), dtype=torch.float32,

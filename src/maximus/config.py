@@ -101,7 +101,7 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "chat", "prompt_completion", "preference"]
+DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "chat", "prompt_completion", "preference", "pairs"]
 
 
 class DatasetSpec(_Section):
@@ -117,6 +117,8 @@ class DatasetSpec(_Section):
     messages_field: str | None = Field(None, description="Field holding a chat (`messages` for chat, `conversations` for sharegpt); default by format.")
     chosen_field: str = Field("chosen", description="Preferred answer field for `preference` records (DPO).")
     rejected_field: str = Field("rejected", description="Rejected answer field for `preference` records (DPO).")
+    query_field: str = Field("query", description="Query field for `pairs` records (objective contrastive).")
+    positive_field: str = Field("positive", description="Matching document field for `pairs` records (objective contrastive).")
     max_samples: int | None = Field(None, ge=1, description="Read at most this many records (after shuffling); null = all.")
     on_error: Literal["error", "skip"] = Field("error", description="A record that fails to parse: stop with file and line (`error`) or skip and count it (`skip`).")
 
@@ -157,10 +159,10 @@ class KroneckerConfig(_Section):
 
 
 class MatryoshkaConfig(_Section):
-    """Nested-dimension auxiliary loss."""
+    """Nested-dimension (Matryoshka) loss: an auxiliary next-token loss for `sft`; for `contrastive`, the InfoNCE loss repeated on each prefix."""
 
-    dims: list[int] = Field(default_factory=lambda: [64, 128, 256], description="Prefix sizes of the final hidden state that must predict the next token on their own.")
-    weight: float = Field(0.2, ge=0.0, description="Weight of the auxiliary loss (summed over dims, then averaged).")
+    dims: list[int] = Field(default_factory=lambda: [64, 128, 256], description="Prefix sizes of the final hidden state that must work on their own (predict the next token for sft; retrieve for contrastive); sizes >= the hidden size are skipped.")
+    weight: float = Field(0.2, ge=0.0, description="Weight of the mean over dims of the prefix losses, added to the full loss.")
 
 
 class OptimizationConfig(_Section):
@@ -174,7 +176,7 @@ class OptimizationConfig(_Section):
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Smart Memory offload settings.")
     loss: Literal["exact", "naive"] = Field("exact", description="`exact`: chunked cross-entropy that never holds tokens x vocabulary logits; `naive`: full logits (reference).")
     loss_chunk_size: Union[Literal["auto"], int] = Field("auto", description="Tokens per chunk in the lean loss; `auto` chooses from the budget.")
-    kernels: Literal["auto", "triton", "compile", "eager"] = Field("auto", description="Fused kernels / compiled step; `eager` is plain PyTorch.")
+    kernels: Literal["auto", "triton", "compile", "eager"] = Field("auto", description="How the step runs: `triton` = fused Triton kernels (RMSNorm, RoPE, SwiGLU, QLoRA projection with NF4 dequantisation; CUDA only), `compile` = torch.compile of each decoder layer, `eager` = plain PyTorch, `auto` = triton on CUDA when available, else eager. Unavailable choices fall back to eager with a notice. Every mode uses padding-free attention over packed documents.")
     matryoshka: MatryoshkaConfig | None = Field(None, description="Matryoshka auxiliary loss; null = off.")
 
     @field_validator("target_vram", mode="before")
@@ -257,6 +259,14 @@ class DpoConfig(_Section):
     orpo_alpha: float = Field(1.0, description="ORPO weight of the odds-ratio term.")
 
 
+class ContrastiveConfig(_Section):
+    """Embedding training (used when `objective: contrastive`): InfoNCE with in-batch negatives on
+    pooled final hidden states; with `optimization.matryoshka`, also on each nested prefix."""
+
+    temperature: float = Field(0.05, gt=0, description="Softmax temperature of the cosine similarities (InfoNCE).")
+    pooling: Literal["mean", "last"] = Field("mean", description="Text embedding: mean of the final hidden states over the text's tokens, or the last token's state (as in `maximus.embed`).")
+
+
 class LoggingConfig(_Section):
     """Where progress goes besides the terminal and metrics.jsonl."""
 
@@ -271,7 +281,7 @@ class Config(_Section):
     model: str = Field(description="Hugging Face hub id or local model directory.")
     dataset: Union[str, DatasetSpec, list[Union[str, DatasetSpec]]] = Field(description="A path, a hub name, a mapping ({path:, format:, split:, ...}) or a list of those.")
     method: Literal["full", "lora", "qlora", "auto"] = Field("lora", description="Full fine-tune, LoRA, QLoRA (4-bit NF4 base), or `auto` (the planner picks from target_vram).")
-    objective: Literal["sft", "dpo"] = Field("sft", description="Supervised fine-tuning, or preference tuning on (prompt, chosen, rejected).")
+    objective: Literal["sft", "dpo", "contrastive"] = Field("sft", description="Supervised fine-tuning, preference tuning on (prompt, chosen, rejected), or embedding training on (query, positive) pairs.")
     output_dir: str | None = Field(None, description="Run directory; default runs/<model name>.")
     tokenizer: str | None = Field(None, description="Tokenizer id or directory; default: the model's.")
     init_adapter: str | None = Field(None, description="Start from an existing PEFT adapter directory (e.g. DPO on top of an SFT run).")
@@ -283,6 +293,7 @@ class Config(_Section):
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="The optimisation loop.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation against the base model.")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Preference tuning settings.")
+    contrastive: ContrastiveConfig = Field(default_factory=ContrastiveConfig, description="Embedding training settings.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Extra logging sinks.")
 
     @model_validator(mode="after")
@@ -469,7 +480,7 @@ def _apply_override(data: dict, item: str) -> None:
 
 _SECTIONS.update({m.__name__: m for m in (DatasetSpec, LoraConfig, OffloadConfig, GhostLogitConfig, KroneckerConfig,
                                           MatryoshkaConfig, OptimizationConfig, TrainingConfig, EvalConfig,
-                                          DpoConfig, LoggingConfig, Config)})
+                                          DpoConfig, ContrastiveConfig, LoggingConfig, Config)})
 
 # --------------------------------------------------------------------------------------------
 # Documentation

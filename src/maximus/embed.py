@@ -6,6 +6,10 @@ L2-normalises them. Because truncation happens before normalisation, the ``dim``
 exactly ``normalise(full_unnormalised[:, :dim])``: a model trained with the Matryoshka loss
 (``optimization.matryoshka``) makes that short prefix useful on its own.
 
+Training an embedding model (``objective: contrastive``, :mod:`maximus.train.contrastive`) uses
+the same tokenization (:func:`maximus.data.pairs.embedding_ids`), the same pooling
+(:func:`pool`) and the same prefix normalisation (:func:`nested_prefix`) as this module.
+
 ``search`` is coarse-to-fine retrieval: score the whole index with the 64-d prefix, keep a
 shortlist, rerank the shortlist with the full vectors.
 
@@ -60,14 +64,13 @@ def embed(model, tokenizer, texts: Sequence[str], dim: int | None = None, poolin
 
 def nested_prefix(vectors: "torch.Tensor", dim: int | None) -> "torch.Tensor":
     """``vectors[:, :dim]`` L2-normalised per row (the full width when ``dim`` is None)."""
-    import torch.nn.functional as F
+    from maximus.losses.matryoshka import normalized_prefix
 
     width = vectors.shape[-1]
     if dim is not None and not 1 <= dim <= width:
         raise ConfigError(f"embedding dim {dim} is outside 1..{width} (the model's hidden size)",
                           hint=f"use a prefix size such as 64, or omit dim for all {width}")
-    prefix = vectors if dim is None else vectors[..., :dim]
-    return F.normalize(prefix.float(), dim=-1)
+    return normalized_prefix(vectors, dim)
 
 
 def pooled_hidden_states(model, tokenizer, texts: Sequence[str], pooling: Pooling = "mean",
@@ -75,17 +78,16 @@ def pooled_hidden_states(model, tokenizer, texts: Sequence[str], pooling: Poolin
     """Unnormalised pooled final hidden states ``[len(texts), hidden_size]`` (float32, CPU)."""
     import torch
 
+    from maximus.data.pairs import embedding_ids
     from maximus.models import causal_lm_of
 
-    if pooling not in ("mean", "last"):
-        raise ConfigError(f"unknown pooling {pooling!r}", hint="use 'mean' or 'last'")
+    check_pooling(pooling)
     if isinstance(texts, str):
         texts = [texts]
     lm = causal_lm_of(model)
     decoder = lm.get_decoder()
     device = next(lm.parameters()).device
-    token_lists = tokenizer(list(texts), add_special_tokens=True, truncation=True,
-                            max_length=max_length)["input_ids"]
+    token_lists = embedding_ids(tokenizer, texts, max_length)
     for i, ids in enumerate(token_lists):
         if not ids:
             raise DataError(f"text {i} is empty after tokenization", hint="remove empty texts before embedding")
@@ -115,12 +117,29 @@ def _pool_batch(decoder, token_lists: list[list[int]], pad_id: int, pooling: str
         input_ids[row, :len(ids)] = torch.tensor(ids)
     mask = torch.arange(width)[None, :] < lengths[:, None]
     out = decoder(input_ids=input_ids.to(device), attention_mask=mask.long().to(device), use_cache=False)
-    hidden = (out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]).float()
-    mask = mask.to(device)
+    hidden = out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+    return pool(hidden, lengths.to(device), pooling)
+
+
+def check_pooling(pooling: str) -> None:
+    """Raises ConfigError for a pooling other than ``mean`` / ``last``."""
+    if pooling not in ("mean", "last"):
+        raise ConfigError(f"unknown pooling {pooling!r}", hint="use 'mean' or 'last'")
+
+
+def pool(hidden: "torch.Tensor", lengths: "torch.Tensor", pooling: Pooling = "mean") -> "torch.Tensor":
+    """One vector per right-padded row, float32 ``[B, H]``, of final hidden states ``[B, T, H]``.
+
+    ``lengths`` ``[B]``: real tokens per row (the rest is padding, never pooled). ``mean``: the
+    average over the real tokens; ``last``: the state of the last real token. Differentiable
+    (training pools with this too)."""
+    import torch
+
+    hidden = hidden.float()
     if pooling == "last":
-        return hidden[torch.arange(len(token_lists), device=device), (lengths - 1).to(device)]
-    summed = (hidden * mask[..., None]).sum(dim=1)
-    return summed / lengths.to(device)[:, None]
+        return hidden[torch.arange(hidden.shape[0], device=hidden.device), lengths - 1]
+    mask = torch.arange(hidden.shape[1], device=hidden.device)[None, :] < lengths[:, None]
+    return (hidden * mask[..., None]).sum(dim=1) / lengths[:, None].to(hidden.dtype)
 
 
 def exact_search(query_vecs: "torch.Tensor", index_vecs: "torch.Tensor", k: int = 10) -> tuple["torch.Tensor", "torch.Tensor"]:

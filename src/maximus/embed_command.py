@@ -5,6 +5,9 @@ The source is a finished run directory (``run.json`` + ``adapter/`` or ``model/`
 its adapter by :func:`maximus.export.load_tuned`) or a local Hugging Face model directory
 (safetensors weights only).
 
+Pooling defaults to the run's own (`contrastive.pooling` of a run trained with
+`objective: contrastive`), else `mean`; `--pooling` overrides it.
+
 Input formats: ``.txt`` = one text per line (a blank line is an error, so row ``i`` of the output
 is always line ``i + 1``); ``.jsonl`` = one JSON object per line, the text under ``--field``.
 """
@@ -71,6 +74,19 @@ def load_model_and_tokenizer(source: Path):
     return model.eval(), tokenizer
 
 
+def default_pooling(source: Path) -> str:
+    """The pooling a run was trained with (`objective: contrastive`), else ``mean``."""
+    if not (source / "run.json").is_file():
+        return "mean"
+    try:
+        config = json.loads((source / "run.json").read_text(encoding="utf-8")).get("config", {})
+    except (OSError, json.JSONDecodeError):
+        return "mean"
+    if config.get("objective") == "contrastive":
+        return config.get("contrastive", {}).get("pooling", "mean")
+    return "mean"
+
+
 def embed_main(argv: list[str]) -> int:
     """Entry point of ``maximus embed``; returns the exit code (user errors raise MaximusError)."""
     parser = argparse.ArgumentParser(prog="maximus embed",
@@ -80,23 +96,25 @@ def embed_main(argv: list[str]) -> int:
     parser.add_argument("--field", default="text", help="text field of each .jsonl object (default: text)")
     parser.add_argument("--out", required=True, help="output .npy file: float32 [texts, dim], rows L2-normalised")
     parser.add_argument("--dim", type=int, default=None, help="keep the first DIM hidden dimensions (default: all)")
-    parser.add_argument("--pooling", default="mean", choices=["mean", "last"])
+    parser.add_argument("--pooling", default=None, choices=["mean", "last"],
+                        help="default: the run's contrastive.pooling, else mean")
     parser.add_argument("--batch-size", type=int, default=16)
     parser.add_argument("--max-length", type=int, default=512, help="tokens per text (longer texts are truncated)")
     args = parser.parse_args(argv)
 
     texts = read_texts(Path(args.input), args.field)
     model, tokenizer = load_model_and_tokenizer(Path(args.source))
+    pooling = args.pooling or default_pooling(Path(args.source))
     import numpy as np
 
     from maximus.embed import embed
 
-    vectors = embed(model, tokenizer, texts, dim=args.dim, pooling=args.pooling,
+    vectors = embed(model, tokenizer, texts, dim=args.dim, pooling=pooling,
                     batch_size=args.batch_size, max_length=args.max_length)
     out = Path(args.out)
     if out.suffix != ".npy":
         out = out.with_name(out.name + ".npy")  # what np.save would do anyway; say it
     out.parent.mkdir(parents=True, exist_ok=True)
     np.save(out, vectors.numpy())
-    print(f"wrote {out}: {vectors.shape[0]} x {vectors.shape[1]} float32 ({args.pooling} pooling, L2-normalised)")
+    print(f"wrote {out}: {vectors.shape[0]} x {vectors.shape[1]} float32 ({pooling} pooling, L2-normalised)")
     return 0

@@ -16,6 +16,7 @@ import torch
 from maximus.data.encoding import IGNORE_INDEX
 
 PREFERENCE_SIDES = ("chosen", "rejected")
+PAIR_SIDES = ("query", "positive")  # contrastive rows (maximus.data.pairs): ids only, no labels
 
 
 def collate(rows: list[dict], pad_token_id: int | None = 0, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
@@ -25,7 +26,9 @@ def collate(rows: list[dict], pad_token_id: int | None = 0, pad_to_multiple_of: 
     each of shape (batch, length). Preference rows (`chosen_input_ids`, `chosen_labels`,
     `rejected_input_ids`, `rejected_labels`) give `chosen_input_ids`, `chosen_labels`,
     `chosen_position_ids` and the same three for `rejected`, all padded to one common length so
-    the trainer may concatenate chosen and rejected into one forward pass.
+    the trainer may concatenate chosen and rejected into one forward pass. Contrastive rows
+    (`query_input_ids`, `positive_input_ids`) give `query_input_ids`, `query_position_ids` and the
+    same two for `positive` (no labels), padded to one common length the same way.
 
     Args:
         rows: the rows from `build_datasets` (all of one kind).
@@ -36,14 +39,18 @@ def collate(rows: list[dict], pad_token_id: int | None = 0, pad_to_multiple_of: 
     if not rows:
         raise ValueError("collate() needs at least one row")
     pad = 0 if pad_token_id is None else int(pad_token_id)
-    if "chosen_input_ids" in rows[0]:
-        keys = [f"{side}_input_ids" for side in PREFERENCE_SIDES]
+    sides = PREFERENCE_SIDES if "chosen_input_ids" in rows[0] else PAIR_SIDES if "query_input_ids" in rows[0] else None
+    if sides is not None:
+        keys = [f"{side}_input_ids" for side in sides]
         length = _padded_length(max(len(row[k]) for row in rows for k in keys), pad_to_multiple_of)
         batch: dict[str, torch.Tensor] = {}
-        for side in PREFERENCE_SIDES:
-            side_rows = [{"input_ids": row[f"{side}_input_ids"], "labels": row[f"{side}_labels"]} for row in rows]
+        for side in sides:
+            side_rows = [{"input_ids": row[f"{side}_input_ids"],
+                          "labels": row.get(f"{side}_labels", [IGNORE_INDEX] * len(row[f"{side}_input_ids"]))}
+                         for row in rows]
             for name, tensor in _pad(side_rows, pad, length).items():
-                batch[f"{side}_{name}"] = tensor
+                if name != "labels" or sides is PREFERENCE_SIDES:
+                    batch[f"{side}_{name}"] = tensor
         return batch
     length = _padded_length(max(len(row["input_ids"]) for row in rows), pad_to_multiple_of)
     return _pad(rows, pad, length)

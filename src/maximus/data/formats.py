@@ -8,9 +8,10 @@
 | `chat`              | `messages`: [{role, content}]                     | `ChatExample`       |
 | `sharegpt`          | `conversations`: [{from, value}]                  | `ChatExample`       |
 | `preference`        | `prompt` (optional in chat form), `chosen`, `rejected` | `PreferenceExample` |
+| `pairs`             | `query`, `positive`                               | `PairExample`       |
 
 `auto` detection looks at the fields of the first record of each source, in this order:
-chosen+rejected -> preference, messages / conversations -> chat, or sharegpt when the first
+chosen+rejected -> preference, query+positive -> pairs, messages / conversations -> chat, or sharegpt when the first
 message has `from` (instead of `role`),
 instruction+output -> alpaca, prompt+completion -> prompt_completion, text -> text.
 """
@@ -23,7 +24,7 @@ from maximus.errors import DataError
 
 from maximus.data.templates import alpaca_prompt
 
-FORMATS = ("text", "alpaca", "sharegpt", "chat", "prompt_completion", "preference")
+FORMATS = ("text", "alpaca", "sharegpt", "chat", "prompt_completion", "preference", "pairs")
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function_call": "assistant", "observation": "tool"}
@@ -66,7 +67,16 @@ class PreferenceExample:
     where: str
 
 
-Example = Union[TextExample, PromptCompletion, ChatExample, PreferenceExample]
+@dataclass
+class PairExample:
+    """A query and the document that answers it (contrastive embedding training)."""
+
+    query: str
+    positive: str
+    where: str
+
+
+Example = Union[TextExample, PromptCompletion, ChatExample, PreferenceExample, PairExample]
 
 
 def messages_field(spec, fmt: str) -> str:
@@ -81,6 +91,8 @@ def detect_format(fields: dict, spec, source: str) -> str:
     keys = set(fields)
     if {spec.chosen_field, spec.rejected_field} <= keys:
         return "preference"
+    if {spec.query_field, spec.positive_field} <= keys:
+        return "pairs"
     conversation = next((k for k in (spec.messages_field, "messages", "conversations") if k and k in keys), None)
     if conversation is not None:
         first = fields[conversation][0] if isinstance(fields[conversation], list) and fields[conversation] else {}
@@ -93,7 +105,7 @@ def detect_format(fields: dict, spec, source: str) -> str:
         return "text"
     raise DataError(f"cannot detect the format of {source}: fields {sorted(keys)}; set format: in the dataset entry",
                     f"format: one of {', '.join(FORMATS)}; rename fields with text_field, prompt_field, "
-                    "completion_field, messages_field, chosen_field, rejected_field")
+                    "completion_field, messages_field, chosen_field, rejected_field, query_field, positive_field")
 
 
 def to_example(fields: dict, fmt: str, spec, where: str) -> Example:
@@ -114,6 +126,9 @@ def to_example(fields: dict, fmt: str, spec, where: str) -> Example:
         return ChatExample(_messages(fields, messages_field(spec, fmt), fmt, where, sharegpt=True), where)
     if fmt == "preference":
         return _preference(fields, spec, where)
+    if fmt == "pairs":
+        return PairExample(_text(fields, spec.query_field, fmt, where), _text(fields, spec.positive_field, fmt, where),
+                           where)
     raise DataError(f"unknown dataset format '{fmt}'", f"use one of {', '.join(FORMATS)}")
 
 

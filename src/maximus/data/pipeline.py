@@ -18,13 +18,14 @@ from jinja2 import TemplateError
 from maximus.errors import DataError
 
 from maximus.data.encoding import Document, Encoder
-from maximus.data.formats import ChatExample, PreferenceExample, PromptCompletion, detect_format, to_example
+from maximus.data.formats import ChatExample, PairExample, PreferenceExample, PromptCompletion, detect_format, to_example
 from maximus.data.packing import RowStats, pack_documents, truncate_documents
+from maximus.data.pairs import encode_pair, fit_pair_row
 from maximus.data.preference import PreferencePair, chat_prompt_and_answers, encode_preference, fit_pair
 from maximus.data.sources import read_source
 from maximus.data.templates import ensure_chat_template
 
-OBJECTIVES = ("sft", "dpo")
+OBJECTIVES = ("sft", "dpo", "contrastive")
 
 
 @dataclass
@@ -57,7 +58,8 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
         train_on_inputs: SFT loss on prompt / user tokens too.
         seed: shuffling seed.
         eval_split: fraction of documents held out, in [0, 1).
-        objective: "sft" (rows of input_ids / labels / position_ids) or "dpo" (preference rows).
+        objective: "sft" (rows of input_ids / labels / position_ids), "dpo" (preference rows) or
+            "contrastive" (query / positive rows, see `maximus.data.pairs`; no packing).
 
     Raises DataError for missing or malformed data, and for a dataset empty after filtering.
     """
@@ -88,6 +90,9 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
     if objective == "dpo":
         train, train_stats = _pair_rows(train_docs, seq_len)
         evaluation, eval_stats = _pair_rows(eval_docs, seq_len)
+    elif objective == "contrastive":
+        train, train_stats = _contrastive_rows(train_docs, seq_len)
+        evaluation, eval_stats = _contrastive_rows(eval_docs, seq_len)
     else:
         if packing:
             train, train_stats = pack_documents(train_docs, seq_len, seed)
@@ -129,6 +134,12 @@ def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -
     if objective == "dpo" and fmt != "preference":
         raise DataError(f"objective dpo needs preference records (prompt, chosen, rejected); {spec.path} has format {fmt}",
                         "use a dataset with chosen/rejected fields, or set `format: preference` and the field names")
+    if (objective == "contrastive") != (fmt == "pairs"):
+        if objective == "contrastive":
+            raise DataError(f"objective contrastive needs pairs records (query, positive); {spec.path} has format {fmt}",
+                            "use a dataset with query/positive fields, or set `format: pairs`, query_field and positive_field")
+        raise DataError(f"format pairs (query, positive) is for objective contrastive; {spec.path} is used with "
+                        f"objective {objective}", "set `objective: contrastive` to train an embedding model")
     # Seeded per source (not per list position) so that adding or reordering sources does not
     # reshuffle, and resample, the others.
     order = list(range(len(records)))
@@ -165,7 +176,9 @@ def _is_chat_pair(example: PreferenceExample) -> bool:
 
 
 def _encode(example, encoder: Encoder, where: str):
-    """A Document, a PreferencePair, or None when there is nothing to learn."""
+    """A Document, a PreferencePair, a pair row, or None when there is nothing to learn."""
+    if isinstance(example, PairExample):  # cut to seq_len by _contrastive_rows
+        return encode_pair(encoder.tokenizer, example)
     try:
         if isinstance(example, PreferenceExample):
             pair = encode_preference(encoder, example)
@@ -200,6 +213,20 @@ def _pair_rows(pairs: list[PreferencePair], seq_len: int) -> tuple[list[dict], R
         stats.rows += 1
         stats.tokens += len(fitted.chosen.input_ids) + len(fitted.rejected.input_ids)
         stats.loss_tokens += sum(l != -100 for d in (fitted.chosen, fitted.rejected) for l in d.labels)
+    return rows, stats
+
+
+def _contrastive_rows(pairs: list[dict], seq_len: int) -> tuple[list[dict], RowStats]:
+    """Each (query, positive) pair as one row, each side cut to seq_len tokens (as `maximus.embed`
+    cuts at max_length); `truncated` counts the pairs cut."""
+    stats = RowStats()
+    rows = []
+    for pair in pairs:
+        row, truncated = fit_pair_row(pair, seq_len)
+        stats.truncated += truncated
+        rows.append(row)
+        stats.rows += 1
+        stats.tokens += sum(len(v) for v in row.values())
     return rows, stats
 
 

@@ -60,9 +60,13 @@ def apply_kernels(model, mode: str, device: torch.device) -> KernelReport:
         if problem is not None:
             report.notices.append(f"notice: optimization.kernels=triton is not available here ({problem}); running eager PyTorch")
             return report
-        from maximus.kernels.triton import install_triton_kernels
+        from maximus.kernels.triton import TritonKernelsUnavailable, install_triton_kernels
 
-        report.patched = install_triton_kernels(model)
+        try:
+            report.patched = install_triton_kernels(model)
+        except TritonKernelsUnavailable as exc:
+            report.notices.append(f"notice: optimization.kernels=triton is not available here ({exc.message}); running eager PyTorch")
+            return report
         report.used = "triton"
     elif mode == "compile":
         problem = _compile_problem(device)

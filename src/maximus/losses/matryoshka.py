@@ -1,5 +1,14 @@
-"""Matryoshka auxiliary loss: the first ``d`` dimensions of the final hidden state must predict the
-next token on their own (Kusupati et al., 2022, "Matryoshka Representation Learning").
+"""Matryoshka losses (Kusupati et al., 2022, "Matryoshka Representation Learning"), two kinds:
+
+- :func:`matryoshka_loss_sum`, the SFT auxiliary loss: the first ``d`` dimensions of the final
+  hidden state must predict the next token on their own;
+- :func:`matryoshka_info_nce`, the embedding loss of ``objective: contrastive``: in-batch InfoNCE
+  (:func:`info_nce`) on the full pooled vector plus ``weight`` x the mean of the same loss on each
+  nested prefix, normalised after truncation (:func:`normalized_prefix`, what
+  ``maximus.embed(..., dim=d)`` returns). This is the retrieval form of the idea
+  (sentence-transformers' MatryoshkaLoss around MultipleNegativesRankingLoss).
+
+The rest of this note is about the SFT auxiliary loss.
 
 For each prefix size ``d`` the logits are ``hidden[..., :d] @ head_weight[:, :d].T``: the nested
 prefix of the hidden state against the same prefix of the output embedding. Training this makes
@@ -75,3 +84,58 @@ def matryoshka_loss_sum(hidden: torch.Tensor, head_weight: torch.Tensor, target:
                                     chunk_size=chunk_size, reduction="sum")
         total = term if total is None else total + term
     return total * (float(weight) / len(used))
+
+
+# ------------------------------------------------------------------------------ contrastive
+def normalized_prefix(vectors: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+    """``vectors[..., :dim]`` L2-normalised per row, float32 (the full width when ``dim`` is None).
+
+    Truncate first, then normalise: the nested embedding ``maximus.embed(..., dim=d)`` returns,
+    and the one :func:`matryoshka_info_nce` trains."""
+    prefix = vectors if dim is None else vectors[..., :dim]
+    return torch.nn.functional.normalize(prefix.float(), dim=-1)
+
+
+def info_nce(query: torch.Tensor, doc: torch.Tensor, temperature: float = 0.05,
+             reduction: str = "sum") -> torch.Tensor:
+    """InfoNCE with in-batch negatives: ``CE(cos(q_i, d_j) / temperature over j, target i)``.
+
+    Row ``i`` of ``doc`` is the positive of row ``i`` of ``query``; every other row of ``doc`` is
+    a negative (sentence-transformers' MultipleNegativesRankingLoss with ``scale = 1 /
+    temperature``). Inputs are L2-normalised here, so pass them unnormalised or normalised alike.
+
+    Args:
+        query, doc: ``[N, D]`` embeddings (any float dtype; computed in float32).
+        temperature: divides the cosine similarities (0.05 = scale 20).
+        reduction: ``sum`` over queries (the trainer divides by the step's pair count), ``mean``
+            or ``none`` (``[N]``).
+    """
+    logits = normalized_prefix(query) @ normalized_prefix(doc).T / temperature
+    target = torch.arange(query.shape[0], device=query.device)
+    return torch.nn.functional.cross_entropy(logits, target, reduction=reduction)
+
+
+def matryoshka_info_nce(query: torch.Tensor, doc: torch.Tensor, dims: Sequence[int] = (), weight: float = 1.0,
+                        temperature: float = 0.05, reduction: str = "sum") -> torch.Tensor:
+    """``info_nce(full) + weight * mean_d info_nce(prefix d)``: the same in-batch InfoNCE on each
+    nested prefix ``[:, :d]``, L2-normalised after truncation (exactly ``embed(dim=d)``).
+
+    Args:
+        query, doc: ``[N, H]`` pooled, unnormalised embeddings.
+        dims: prefix sizes; sizes ``>= H`` are skipped (see :func:`active_dims`); empty = plain
+            InfoNCE.
+        weight: factor on the mean over prefixes (``0``: plain InfoNCE, no prefix computed).
+            ``weight = len(dims)`` is sentence-transformers' MatryoshkaLoss with unit weights
+            (a plain sum over the full width and every prefix).
+        temperature: see :func:`info_nce`.
+        reduction: ``sum`` / ``mean`` over queries, or ``none``.
+
+    Raises:
+        ConfigError: a size is not a positive integer.
+    """
+    total = info_nce(query, doc, temperature, reduction)
+    used = active_dims(dims, query.shape[-1])
+    if not used or weight == 0:
+        return total
+    nested = sum(info_nce(query[..., :d], doc[..., :d], temperature, reduction) for d in used)
+    return total + nested * (float(weight) / len(used))

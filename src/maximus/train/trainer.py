@@ -494,8 +494,10 @@ class Trainer:
 
     def _print_summary(self, before: dict, after: dict, out: ProgressDisplay) -> None:
         lines = [f"{'':<26}{'base (before)':>16}{'tuned (after)':>16}"]
+        recall = sorted((k for k in after if k.startswith("recall@")), key=lambda k: (len(k), k))
         for key, fmt in (("loss", "{:.4f}"), ("perplexity", "{:.2f}"), ("exact_match", "{:.1%}"),
-                         ("rewards/accuracy", "{:.1%}"), ("rewards/margin", "{:.3f}")):
+                         ("rewards/accuracy", "{:.1%}"), ("rewards/margin", "{:.3f}"),
+                         *((k, "{:.1%}") for k in recall)):
             if key in after and after[key] is not None:
                 b = before.get(key)
                 lines.append(f"{'held-out ' + key:<26}{fmt.format(b) if b is not None else '-':>16}{fmt.format(after[key]):>16}")

@@ -1,0 +1,227 @@
+"""Training speed of one QLoRA / LoRA step on the reference model: Maximus vs Transformers + PEFT
+(+ bitsandbytes), side by side, with model-FLOPs utilisation (issue 9).
+
+Model: the ANCHORS.md reference Llama (`_reference_model.py`: vocab 128,256, hidden 512, 8 layers),
+LoRA r=16 on every linear layer, batch 1, seq 2048, bf16 autocast, AdamW; the exact loss on our side
+(`optimization.loss: exact`, gradient checkpointing off on both sides). The two recipes are
+`finetune_vs_peft.build_maximus` / `build_peft`, each run in its own subprocess, alternating
+peer / ours `--repeats` times so that load on the shared machine hits both alike.
+
+Rows are either one 2,048-token document per row (`--doc-len 0`, the ANCHORS protocol) or packed
+documents of `--doc-len` tokens (positions restart per document on both sides; the peer gets the
+labels Transformers' `DataCollatorWithFlattening` would give: -100 at each document start).
+
+MFU = model FLOPs per step / (median step wall time x the bf16 matmul rate measured in the same
+run, same thread count, on a 2048^3 matmul). Model FLOPs per token, for a frozen base (QLoRA/LoRA):
+``4 x matmul params`` (forward + input gradient; no weight gradient for frozen weights)
+``+ 6 x LoRA params + 3 x attention forward`` where the attention forward is
+``4 x (average causal context) x num_heads x head_dim x layers`` and the average context is half the
+document length (only the FLOPs a document needs are counted, whatever the kernel does).
+
+    python benchmarks/speed.py                       # 2 threads, seq 2048, one document per row + 256-token documents
+    python benchmarks/speed.py --quick               # one repeat, one-document rows only
+    python benchmarks/speed.py --method lora --doc-len 0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def matmul_rate(threads: int, n: int = 2048, repeats: int = 5) -> float:
+    """Best-of-`repeats` bf16 matmul rate in FLOP/s at `threads` threads (n x n x n)."""
+    import torch
+
+    torch.set_num_threads(threads)
+    a = torch.randn(n, n, dtype=torch.bfloat16)
+    b = torch.randn(n, n, dtype=torch.bfloat16)
+    a @ b
+    best = float("inf")
+    for _ in range(repeats):
+        t = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
+
+
+def model_flops_per_token(config: dict, seq: int, doc_len: int, lora_r: int) -> float:
+    """Useful FLOPs per trained token of a frozen-base LoRA step (see the module docstring)."""
+    h, i, layers = config["hidden_size"], config["intermediate_size"], config["num_hidden_layers"]
+    heads, kv = config["num_attention_heads"], config["num_key_value_heads"]
+    d = h // heads
+    per_layer = h * heads * d + 2 * h * kv * d + heads * d * h + 3 * h * i
+    matmul = layers * per_layer + config["vocab_size"] * h  # + the output head
+    lora_in_out = [(h, heads * d), (h, kv * d), (h, kv * d), (heads * d, h), (h, i), (h, i), (i, h)]
+    lora = layers * sum(lora_r * (a + b) for a, b in lora_in_out)
+    doc = doc_len or seq
+    attention_fwd = 4 * (doc / 2) * heads * d * layers
+    return 4 * matmul + 6 * lora + 3 * attention_fwd
+
+
+def synthetic_rows(n_rows: int, seq: int, vocab: int, doc_len: int):
+    """(input_ids [n, seq], position_ids [n, seq]) the same for both sides."""
+    import torch
+
+    from finetune_vs_peft import synthetic_ids
+
+    ids = synthetic_ids(n_rows, seq, vocab)
+    doc = doc_len or seq
+    pos = (torch.arange(seq) % doc).expand(n_rows, -1).contiguous()
+    return ids, pos
+
+
+def worker(args) -> dict:
+    import torch
+
+    import finetune_vs_peft as fvp
+    from _reference_model import REFERENCE_CONFIG, reference_model_dir
+
+    torch.set_num_threads(args.threads)
+    model_dir = reference_model_dir(args.model_dir)
+    n_rows = args.warmup + args.steps
+    ids, pos = synthetic_rows(n_rows, args.seq, REFERENCE_CONFIG["vocab_size"], args.doc_len)
+    with tempfile.TemporaryDirectory() as tmp:
+        if args.impl == "maximus":
+            step, model, optimizer, set_rows, _ = fvp.build_maximus(model_dir, args.method, args.seq, "off", n_rows,
+                                                                    Path(tmp), train_mode=True)
+            trainer_rows = [{"input_ids": r.tolist(), "labels": r.tolist(), "position_ids": p.tolist()}
+                            for r, p in zip(ids, pos)]
+            set_rows(ids)
+            # Same rows, with their document positions (set_rows wrote 0..seq-1).
+            _trainer_of(step).data.train = trainer_rows
+            kernels = _trainer_of(step).kernels.to_dict()
+        else:
+            model, optimizer, kernels = _peft(model_dir, args.method)
+            step = _peft_step(model, optimizer, ids, pos)
+        losses, times, cpu = [], [], []
+        for i in range(1, n_rows + 1):
+            t0, c0 = time.perf_counter(), time.process_time()
+            losses.append(step(i))
+            if i > args.warmup:
+                times.append(time.perf_counter() - t0)
+                cpu.append(time.process_time() - c0)
+    return {"impl": args.impl, "step_s": times, "cpu_s": cpu, "losses": losses, "kernels": kernels,
+            "threads": torch.get_num_threads()}
+
+
+def _trainer_of(step):
+    """The Trainer captured by build_maximus's `step` closure."""
+    for cell in step.__closure__ or ():
+        if type(cell.cell_contents).__name__ == "Trainer":
+            return cell.cell_contents
+    raise RuntimeError("build_maximus's step no longer closes over its Trainer")
+
+
+def _peft(model_dir: Path, method: str):
+    import finetune_vs_peft as fvp
+
+    _, model, optimizer, _, _ = fvp.build_peft(model_dir, method)
+    return model, optimizer, {"attention": model.config._attn_implementation}
+
+
+def _peft_step(model, optimizer, ids, pos):
+    import torch
+
+    def step(i: int) -> float:
+        row, p = ids[i - 1:i], pos[i - 1:i]
+        labels = row.clone()
+        labels[p == 0] = -100  # DataCollatorWithFlattening: no target across a document start
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=row, position_ids=p, labels=labels, use_cache=False).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return float(loss.detach())
+
+    return step
+
+
+def run_worker(impl: str, doc_len: int, args) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--method", args.method,
+           "--seq", str(args.seq), "--doc-len", str(doc_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
+           "--threads", str(args.threads)]
+    if args.model_dir:
+        cmd += ["--model-dir", str(args.model_dir)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
+        raise RuntimeError(f"worker {impl} doc {doc_len} failed (exit {proc.returncode}):\n{tail}")
+    result = json.loads(lines[-1][len("RESULT "):])
+    print(f"  {impl:<8} doc {doc_len or args.seq:>5}: steps {[round(t, 2) for t in result['step_s']]} s, "
+          f"loss {result['losses'][0]:.4f}", file=sys.stderr, flush=True)
+    return result
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--quick", action="store_true", help="one repeat, one-document rows only, 1 warm-up + 2 steps")
+    p.add_argument("--method", choices=("qlora", "lora"), default="qlora")
+    p.add_argument("--seq", type=int, default=2048)
+    p.add_argument("--doc-lens", type=int, nargs="+", default=[0, 256], help="0 = one document per row")
+    p.add_argument("--repeats", type=int, default=2, help="alternating peer/ours runs per setting")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--warmup", type=int, default=1)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--json", type=Path, default=None)
+    p.add_argument("--worker-timeout", type=int, default=1200)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--impl", choices=("maximus", "peft"), help=argparse.SUPPRESS)
+    p.add_argument("--doc-len", type=int, default=0, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+    if args.worker:
+        print("RESULT " + json.dumps(worker(args)), flush=True)
+        return 0
+    if args.quick:
+        args.repeats, args.doc_lens, args.steps = 1, [0], 2
+
+    from _reference_model import REFERENCE_CONFIG, reference_model_dir
+
+    reference_model_dir(args.model_dir)
+    rate = matmul_rate(args.threads)
+    print(f"bf16 matmul rate, {args.threads} threads: {rate / 1e9:.0f} GFLOP/s", file=sys.stderr)
+    rows = []
+    for doc_len in args.doc_lens:
+        runs = {"peft": [], "maximus": []}
+        for _ in range(args.repeats):
+            for impl in ("peft", "maximus"):
+                runs[impl].append(run_worker(impl, doc_len, args))
+        flops = model_flops_per_token(REFERENCE_CONFIG, args.seq, doc_len, 16) * args.seq
+        summary = {}
+        for impl, results in runs.items():
+            steps = [t for r in results for t in r["step_s"]]
+            cpu = [t for r in results for t in r["cpu_s"]]
+            med = statistics.median(steps)
+            summary[impl] = {"tokens_per_s": args.seq / med, "tokens_per_cpu_s": args.seq / statistics.median(cpu),
+                             "mfu": flops / med / rate, "loss": results[0]["losses"][0], "step_s": med,
+                             "kernels": results[0]["kernels"]}
+        rows.append((doc_len, summary))
+    print(f"\nbf16 matmul rate {rate / 1e9:.0f} GFLOP/s at {args.threads} threads; {args.method}, seq {args.seq}, "
+          f"{args.repeats} x ({args.warmup} warm-up + {args.steps} steps) per side\n")
+    print("| documents per row | implementation | step s (median) | tokens/s | ratio | tokens/CPU-s | ratio | MFU | step-1 loss |")
+    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
+    for doc_len, summary in rows:
+        peer = summary["peft"]
+        docs = "1 x 2048" if not doc_len else f"{args.seq // doc_len} x {doc_len}"
+        for impl in ("peft", "maximus"):
+            s = summary[impl]
+            name = "Transformers + PEFT" + (" + bnb" if args.method == "qlora" else "") if impl == "peft" else "Maximus"
+            print(f"| {docs} | {name} | {s['step_s']:.2f} | {s['tokens_per_s']:,.0f} | {s['tokens_per_s'] / peer['tokens_per_s']:.2f}x | "
+                  f"{s['tokens_per_cpu_s']:,.0f} | {s['tokens_per_cpu_s'] / peer['tokens_per_cpu_s']:.2f}x | {s['mfu']:.1%} | {s['loss']:.4f} |")
+    if args.json:
+        args.json.write_text(json.dumps({"rate": rate, "rows": rows}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
