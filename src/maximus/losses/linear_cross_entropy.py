@@ -86,11 +86,43 @@ def default_chunk_size(num_tokens: int, vocab_size: int, dtype_bytes: int, train
     return int(max(1, min(num_tokens, chunk)))
 
 
-def _chunk_logits(h_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+class ChunkScratch:
+    """The two ``C x V`` buffers of a chunk (matmul output in the input dtype, statistics in
+    float32), allocated once per loss call and reused by every chunk. A fresh ``C x V`` output per
+    chunk costs page faults on every chunk: measured on this CPU (bf16, 1 thread, C = 256,
+    V = 128,256, H = 512) a matmul into a reused buffer ran at 202 GFLOP/s, into a new one at 170."""
+
+    def __init__(self):
+        self.raw: torch.Tensor | None = None
+        self.stats: torch.Tensor | None = None
+
+    def take(self, name: str, rows: int, like: torch.Tensor, cols: int, dtype: torch.dtype) -> torch.Tensor:
+        """A ``rows x cols`` view of buffer ``name`` (grown or re-made when it does not fit)."""
+        buf = getattr(self, name)
+        if buf is None or buf.shape[0] < rows or buf.shape[1] != cols or buf.dtype != dtype or buf.device != like.device:
+            buf = torch.empty(rows, cols, dtype=dtype, device=like.device)
+            setattr(self, name, buf)
+        return buf[:rows]
+
+
+def _chunk_logits(h_c: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                  scratch: ChunkScratch | None = None) -> torch.Tensor:
     """``h_c @ weight.T (+ bias)`` in the input dtype, returned in the statistics dtype (float32,
-    or float64 for float64 inputs; no copy when they agree)."""
-    raw = torch.addmm(bias, h_c, weight.t()) if bias is not None else h_c @ weight.t()
-    return raw.to(_stats_dtype(raw.dtype))
+    or float64 for float64 inputs; no copy when they agree). With ``scratch`` both live in its
+    reused buffers (the result is overwritten by the next chunk)."""
+    stats_dtype = _stats_dtype(h_c.dtype)
+    if scratch is None:
+        raw = torch.addmm(bias, h_c, weight.t()) if bias is not None else h_c @ weight.t()
+        return raw.to(stats_dtype)
+    rows, vocab = h_c.shape[0], weight.shape[0]
+    raw = scratch.take("raw", rows, h_c, vocab, h_c.dtype)
+    if bias is not None:
+        torch.addmm(bias, h_c, weight.t(), out=raw)
+    else:
+        torch.mm(h_c, weight.t(), out=raw)
+    if stats_dtype == h_c.dtype:
+        return raw
+    return scratch.take("stats", rows, h_c, vocab, stats_dtype).copy_(raw)
 
 
 def matmul_dtype(hidden: torch.Tensor) -> torch.dtype:
@@ -169,10 +201,11 @@ def soft_cap_backward_(grad: torch.Tensor, tanh: torch.Tensor | None) -> torch.T
     return grad
 
 
-def _chunk_loss_and_grad(h_c, weight, bias, labels_c, token_weight_c, softcap, z_loss, want_grad):
+def _chunk_loss_and_grad(h_c, weight, bias, labels_c, token_weight_c, softcap, z_loss, want_grad, scratch=None):
     """Per-token loss of one chunk over the whole vocabulary and, if ``want_grad``, the gradient of
-    ``sum_i token_weight_i * loss_i`` w.r.t. the raw logits (``C x V``, statistics dtype)."""
-    logits, tanh = soft_cap_(_chunk_logits(h_c, weight, bias), softcap, keep_tanh=want_grad)
+    ``sum_i token_weight_i * loss_i`` w.r.t. the raw logits (``C x V``, statistics dtype; in
+    ``scratch``'s buffer when given)."""
+    logits, tanh = soft_cap_(_chunk_logits(h_c, weight, bias, scratch), softcap, keep_tanh=want_grad)
     loss, lse, grad = softmax_cross_entropy_(logits, labels_c, token_weight_c, z_loss, want_grad)
     if grad is not None:
         grad = soft_cap_backward_(grad, tanh)
@@ -210,15 +243,17 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = (torch.zeros(weight.shape[0], dtype=valid_f.dtype, device=weight.device)
                      if grads_now and need_bias else None)
 
+        scratch = ChunkScratch()
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
             h_c = hidden[start:end]
             loss_c, _, grad = _chunk_loss_and_grad(h_c, weight, bias, safe_labels[start:end],
-                                                   token_weight[start:end], softcap, z_loss, grads_now)
+                                                   token_weight[start:end], softcap, z_loss, grads_now, scratch)
             losses[start:end] = loss_c
             if grad is not None:
-                _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias)
+                _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias, scratch)
             del grad
+        del scratch
         losses.mul_(valid_f)
 
         ctx.weight_dtype = weight.dtype
@@ -258,13 +293,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
                            if need_weight else None)
             grad_bias = (torch.zeros(weight.shape[0], dtype=valid_f.dtype, device=weight.device)
                          if need_bias else None)
+            scratch = ChunkScratch()
             for start in range(0, hidden.shape[0], chunk_size):
                 end = min(start + chunk_size, hidden.shape[0])
                 h_c = hidden[start:end]
                 _, _, grad = _chunk_loss_and_grad(h_c, weight, bias, safe_labels[start:end],
-                                                  token_weight[start:end], softcap, z_loss, True)
-                _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias)
+                                                  token_weight[start:end], softcap, z_loss, True, scratch)
+                _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias, scratch)
                 del grad
+            del scratch
         if grad_weight is not None:
             grad_weight = grad_weight.to(ctx.weight_dtype)
         if grad_bias is not None:
@@ -272,11 +309,16 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
 
-def _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias):
+def _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias, scratch=None):
     """Turn one chunk's logit gradient (float32 ``C x V``) into hidden / weight / bias gradients."""
     if grad_bias is not None:
         grad_bias.add_(grad.sum(dim=0))
-    g = grad.to(h_c.dtype)  # no copy for float32
+    if grad.dtype == h_c.dtype:
+        g = grad  # float32 / float64 inputs: no copy
+    elif scratch is not None:  # the chunk's raw-logits buffer is free again: cast into it
+        g = scratch.take("raw", grad.shape[0], h_c, grad.shape[1], h_c.dtype).copy_(grad)
+    else:
+        g = grad.to(h_c.dtype)
     if grad_hidden is not None:
         torch.mm(g, weight, out=grad_hidden[start:end])
     if grad_weight is not None:
