@@ -33,6 +33,7 @@ import argparse
 import ctypes
 import gc
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -249,7 +250,9 @@ def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:
     if args.profile and method == "qlora" and seq == max(s for _, s in args.settings) and policy == "off":
         cmd.append("--profile")
     t0 = time.perf_counter()
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+    # Both sides get exactly --threads (the trainer would otherwise pick by the machine's load).
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])

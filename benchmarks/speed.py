@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -152,7 +153,9 @@ def run_worker(impl: str, doc_len: int, args) -> dict:
            "--threads", str(args.threads)]
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout)
+    # Both sides get exactly --threads (the trainer would otherwise pick by the machine's load).
+    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout, env=env)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
     if proc.returncode != 0 or not lines:
         tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])

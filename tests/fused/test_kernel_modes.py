@@ -65,3 +65,27 @@ def test_run_json_records_the_kernels(model_dir, tmp_path):
     kernels = json.loads((tmp_path / "run" / "run.json").read_text())["kernels"]
     assert kernels["requested"] == "triton" and kernels["used"] == "eager"
     assert kernels["attention"] == "padding-free (per-document SDPA)"
+
+
+@pytest.fixture
+def restore_threads():
+    before = torch.get_num_threads()
+    yield
+    torch.set_num_threads(before)
+
+
+def test_cpu_threads_leave_busy_cores_alone(monkeypatch, restore_threads):
+    from maximus.kernels import busy_cores, cpu_threads
+
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.delenv("MKL_NUM_THREADS", raising=False)
+    cpu = torch.device("cpu")
+    assert cpu_threads(cpu, busy=0, cores=8) == 8 and torch.get_num_threads() == 8
+    assert cpu_threads(cpu, busy=3, cores=8) == 5
+    assert cpu_threads(cpu, 4, busy=0, cores=8) == 2  # four processes on this node share the cores
+    assert cpu_threads(cpu, busy=7, cores=2) == 1  # never fewer than one
+    assert cpu_threads(torch.device("meta"), busy=0, cores=8) is None
+    assert busy_cores() >= 0
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    torch.set_num_threads(3)
+    assert cpu_threads(cpu, busy=0, cores=8) == 3  # an explicit setting wins

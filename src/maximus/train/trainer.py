@@ -39,7 +39,7 @@ import torch
 from maximus.config import Config
 from maximus.errors import MaximusError
 from maximus.evaluate import autocast_for
-from maximus.kernels import apply_kernels
+from maximus.kernels import apply_kernels, cpu_threads
 from maximus.models import check_model_source, count_parameters, load_model, load_tokenizer, resolve_device, resolve_dtype
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
@@ -81,6 +81,8 @@ class Trainer:
         self.dist = dist_env.init()
         self.device = resolve_device(cfg.device) if not self.dist.enabled else self.dist.device
         self.dtype = resolve_dtype(cfg.training.dtype, self.device)
+        # CPU: as many threads as cores are free for this process (see maximus.kernels.cpu_threads).
+        self.threads = cpu_threads(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         _seed_everything(cfg.training.seed)
         check_model_source(cfg)
         self.plan = self._plan()
@@ -93,6 +95,7 @@ class Trainer:
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
         self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device)
+        self.kernels.threads = self.threads
         for notice in self.kernels.notices:
             self.dist.say(notice)
         self.streamer = None
