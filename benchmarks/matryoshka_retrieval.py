@@ -8,8 +8,9 @@ function was seen in training.
 
 Two Llama-architecture models, same random init, same tokenizer, same batches in the same order,
 are trained as plain next-token LMs on the training files: main loss = exact chunked CE
-(``linear_cross_entropy``), and for one of them + ``matryoshka_loss_sum`` (dims 64/128/256,
-weight 0.2: the config defaults; 256 is skipped when it is the full width). Then queries and
+(``linear_cross_entropy``), and for the others main + prefix losses through
+``cross_entropy_with_matryoshka`` (dims 64/128/256, weight 0.2; 256 is skipped when it is the full
+width), one model per ``--token-fractions`` value. Then queries and
 documents are embedded with ``maximus.embed`` (mean pooling) and recall@10 is measured with the
 64-d prefix, the 128-d prefix, the full vector, and coarse-to-fine (64-d shortlist of 100,
 full-width rerank). Also measured: search time and index memory over >= 100k vectors (synthetic,
@@ -26,6 +27,8 @@ LM auxiliary loss's cost is also measured on the ANCHORS reference model shape
 
     python benchmarks/matryoshka_retrieval.py --quick     # smoke run, < 3 min on 2 CPU cores
     python benchmarks/matryoshka_retrieval.py --mode contrastive --quick
+    python benchmarks/matryoshka_retrieval.py --mode cost --cost-seqs 512,2048 --token-fractions 1,0.125,0.0625 --threads 1
+        # only the LM auxiliary loss's step cost on the reference model (without / separate / shared)
     python benchmarks/matryoshka_retrieval.py --train-docs paired --steps 1500 --threads 1 --cost-reps 5
         # the numbers in docs/benchmarks/matryoshka.md (~21 min on 1 CPU thread)
 """
@@ -50,7 +53,7 @@ import torch
 from maximus.data.tiny_tokenizer import build_tiny_tokenizer
 from maximus.embed import exact_search, nested_prefix, pooled_hidden_states, search
 from maximus.losses.linear_cross_entropy import linear_cross_entropy
-from maximus.losses.matryoshka import matryoshka_loss_sum
+from maximus.losses.matryoshka import cross_entropy_with_matryoshka, separate_matryoshka_loss_sum
 from maximus.memory.meter import MemoryMeter
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -159,18 +162,21 @@ def build_model(vocab_size: int, args, seed: int):
     return LlamaForCausalLM(cfg)
 
 
-def step_loss(model, ids: torch.Tensor, matryoshka: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """(loss to backprop, main CE mean), the trainer's recipe: sums divided by the token count."""
+def step_loss(model, ids: torch.Tensor, matryoshka: float | None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(loss to backprop, main CE mean), the trainer's recipe: sums divided by the token count.
+    ``matryoshka``: None = main loss only, else the auxiliary loss's token fraction."""
     hidden = model.model(input_ids=ids).last_hidden_state
     target = torch.full_like(ids, -100)
     target[:, :-1] = ids[:, 1:]
     weight = model.lm_head.weight
-    main = linear_cross_entropy(hidden, weight, target, reduction="sum")
-    total = main
-    if matryoshka:
-        total = total + matryoshka_loss_sum(hidden, weight, target, dims=DIMS, weight=WEIGHT)
     count = (target != -100).sum()
-    return total / count, main.detach() / count
+    if matryoshka is None:
+        main = linear_cross_entropy(hidden, weight, target, reduction="sum")
+        return main / count, main.detach() / count
+    total = cross_entropy_with_matryoshka(hidden, weight, target, dims=DIMS, weight=WEIGHT, token_fraction=matryoshka)
+    with torch.no_grad():
+        main = linear_cross_entropy(hidden, weight, target, reduction="sum")
+    return total / count, main / count
 
 
 def train(model, windows: torch.Tensor, args, matryoshka: bool) -> dict:
@@ -241,23 +247,24 @@ def aux_cost(model, windows: torch.Tensor, args) -> dict:
         opt.step()
         opt.zero_grad(set_to_none=True)
 
-    one_step(True)  # warm-up: optimizer state, allocator, lazy inits
+    variants = {False: None, True: args.token_fractions[0]}
+    one_step(variants[True])  # warm-up: optimizer state, allocator, lazy inits
     times = {False: [], True: []}
     for _ in range(args.cost_reps):
-        for aux in (False, True):
+        for aux, fraction in variants.items():
             t = time.perf_counter()
-            one_step(aux)
+            one_step(fraction)
             times[aux].append(time.perf_counter() - t)
     peaks = {}
-    for aux in (False, True):
+    for aux, fraction in variants.items():
         meter = MemoryMeter("cpu")
         with meter.track(model, opt):
-            one_step(aux)
+            one_step(fraction)
         peaks[aux] = meter.peak_bytes()
     return {"time": {a: statistics.median(t) for a, t in times.items()}, "peak": peaks}
 
 
-def loss_only_cost(num_tokens: int, hidden: int, vocab: int, reps: int) -> dict:
+def loss_only_cost(num_tokens: int, hidden: int, vocab: int, reps: int, fraction: float = 1.0) -> dict:
     """Forward + backward of the main chunked CE alone vs. main + Matryoshka, at a real model's
     head shape (the aux loss only touches the head, so this is its cost next to the main loss)."""
     g = torch.Generator().manual_seed(0)
@@ -268,9 +275,10 @@ def loss_only_cost(num_tokens: int, hidden: int, vocab: int, reps: int) -> dict:
     for _ in range(reps):
         for aux in (False, True):
             start = time.perf_counter()
-            loss = linear_cross_entropy(h, w, t, reduction="sum")
             if aux:
-                loss = loss + matryoshka_loss_sum(h, w, t, dims=DIMS, weight=WEIGHT)
+                loss = cross_entropy_with_matryoshka(h, w, t, dims=DIMS, weight=WEIGHT, token_fraction=fraction)
+            else:
+                loss = linear_cross_entropy(h, w, t, reduction="sum")
             loss.backward()
             h.grad = w.grad = None
             times[aux].append(time.perf_counter() - start)
@@ -381,16 +389,19 @@ def contrastive_step_cost(model, rows: list[dict], args, reps: int) -> dict:
     return {a: statistics.median(v) for a, v in times.items()}
 
 
-def reference_aux_cost(seq_len: int, reps: int) -> dict:
+def reference_aux_cost(seq_len: int, reps: int, fractions: list[float] = (1.0,), separate: bool = True,
+                       memory: bool = False) -> dict:
     """The LM auxiliary loss on the ANCHORS reference model shape (vocab 128,256, hidden 512, 8
     layers), LoRA r=16 on all linear layers (frozen head), bf16 weights, batch 1 x seq_len random
     tokens: median step time (fwd + bwd + AdamW) of the trainer's `sft_loss_sum` without / with
-    `optimization.matryoshka` (dims 64/128/256, weight 0.2), alternating; plus the head-only share."""
+    `optimization.matryoshka` (dims 64/128/256, weight 0.2) at each token fraction, and (with
+    ``separate``) the previous implementation (one chunked CE per prefix added to the main loss),
+    all alternating in one loop. With ``memory``, also the peak tensor memory of one step each."""
     from peft import LoraConfig, get_peft_model
 
     from _reference_model import build_reference_model
     from maximus.config import MatryoshkaConfig
-    from maximus.train.objective import hidden_states, output_head, shift_labels, sft_loss_sum
+    from maximus.train.objective import hidden_states, output_head, shift_labels, sft_loss_sum, token_loss_sum
 
     model = get_peft_model(build_reference_model(torch.bfloat16),
                            LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))
@@ -400,31 +411,69 @@ def reference_aux_cost(seq_len: int, reps: int) -> dict:
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(0, 128256, (1, seq_len), generator=g)
     batch = {"input_ids": ids, "labels": ids.clone()}
-    mat = MatryoshkaConfig(dims=DIMS, weight=WEIGHT)
 
-    def step(aux: bool) -> float:
+    def loss_of(variant):
+        if variant == "separate":  # the implementation before the shared pass, for comparison
+            hidden = hidden_states(model, ids)
+            target = shift_labels(ids)
+            head = output_head(model)
+            loss = token_loss_sum(hidden, head, target) + separate_matryoshka_loss_sum(
+                hidden, head.weight, target, dims=DIMS, weight=WEIGHT)
+            return loss, (target != -100).sum()
+        mat = None if variant == "without" else MatryoshkaConfig(dims=DIMS, weight=WEIGHT, token_fraction=variant)
+        return sft_loss_sum(model, batch, matryoshka=mat)
+
+    def step(variant) -> float:
         t = time.perf_counter()
-        loss, n = sft_loss_sum(model, batch, matryoshka=mat if aux else None)
+        loss, n = loss_of(variant)
         (loss / n).backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
         return time.perf_counter() - t
 
-    def aux_only() -> float:  # forward + backward of the auxiliary term alone on detached-in hidden states
-        with torch.no_grad():
-            hidden = hidden_states(model, ids)
-        hidden = hidden.detach().requires_grad_()
-        t = time.perf_counter()
-        matryoshka_loss_sum(hidden, output_head(model).weight, shift_labels(ids), dims=DIMS, weight=WEIGHT).backward()
-        return time.perf_counter() - t
-
-    step(True)
-    times = {False: [], True: [], "aux_only": []}
+    variants = ["without"] + (["separate"] if separate else []) + list(fractions)
+    for v in variants:  # warm-up
+        step(v)
+    times = {v: [] for v in variants}
     for _ in range(reps):
-        for aux in (False, True):
-            times[aux].append(step(aux))
-        times["aux_only"].append(aux_only())
-    return {k: statistics.median(v) for k, v in times.items()}
+        for v in variants:
+            times[v].append(step(v))
+    out = {"time": {v: statistics.median(t) for v, t in times.items()}}
+    if memory:
+        out["peak"] = {}
+        for v in variants:
+            meter = MemoryMeter("cpu")
+            with meter.track(model, opt):
+                step(v)
+            out["peak"][v] = meter.peak_bytes()
+    return out
+
+
+def print_reference_cost(ref: dict, seq_len: int, reps: int) -> None:
+    t, peak = ref["time"], ref.get("peak")
+    base = t["without"]
+    print(f"\n## Cost of the LM auxiliary loss on the reference model shape, 1 x {seq_len} tokens (median of {reps})\n")
+    print("LoRA training step (fwd + bwd + AdamW), vocab 128,256, hidden 512, 8 layers; dims 64/128/256, weight 0.2\n")
+    print("| variant | step s | ratio to without | cost |" + (" peak MiB | peak ratio |" if peak else ""))
+    print("|---|---|---|---|" + ("---|---|" if peak else ""))
+    for v, sec in t.items():
+        name = {"without": "without", "separate": "separate passes (before)"}.get(v) or f"shared, token_fraction {v:g}"
+        row = f"| {name} | {sec:.3f} | {sec / base:.3f} | {sec / base - 1:+.1%} |"
+        if peak:
+            row += f" {peak[v] / 2**20:.0f} | {peak[v] / peak['without']:.3f} |"
+        print(row)
+
+
+def cost_main(args) -> int:
+    """``--mode cost``: only the reference-shape step cost, at each ``--cost-seqs`` length."""
+    t0 = time.perf_counter()
+    for seq_len in args.cost_seqs:
+        ref = reference_aux_cost(seq_len, args.cost_reps, args.token_fractions, memory=args.memory)
+        print_reference_cost(ref, seq_len, args.cost_reps)
+        print(f"({time.perf_counter() - t0:.0f} s so far)", flush=True)
+    print(f"\ntotal {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, {torch.get_num_threads()} threads; "
+          f"argv: {' '.join(sys.argv[1:])}")
+    return 0
 
 
 def contrastive_main(args) -> int:
@@ -450,7 +499,8 @@ def contrastive_main(args) -> int:
         print(f"  {name}: recall@10 {results[name]['retrieval']} ({time.perf_counter() - t0:.0f} s)", flush=True)
     print(f"measuring costs ({time.perf_counter() - t0:.0f} s)", flush=True)
     step_cost = contrastive_step_cost(model, rows, args, args.cost_reps)
-    ref = reference_aux_cost(args.reference_seq, args.cost_reps) if args.reference_cost else None
+    ref = (reference_aux_cost(args.reference_seq, args.cost_reps, args.token_fractions)
+           if args.reference_cost else None)
 
     print(f"\n## Contrastive retrieval: recall@10, {len(heldout)} docstring -> function pairs (held-out stdlib files)\n")
     print(f"{args.pooling} pooling, temperature {args.temperature}, dims {DIMS} (those < {args.hidden}), "
@@ -469,16 +519,23 @@ def contrastive_main(args) -> int:
     print("|---|---|---|---|")
     print(f"| contrastive step, {args.batch} pairs, s | {step_cost[False]:.3f} | {step_cost[True]:.3f} | {step_cost[True] / step_cost[False]:.3f} |")
     if ref is not None:
-        print(f"\n## Cost of the LM auxiliary loss on the reference model shape (median of {args.cost_reps})\n")
-        print("| what | without | with | ratio |")
-        print("|---|---|---|---|")
-        print(f"| LoRA training step, vocab 128,256, hidden 512, 8 layers, 1 x {args.reference_seq} tokens, s "
-              f"| {ref[False]:.3f} | {ref[True]:.3f} | {ref[True] / ref[False]:.3f} |")
-        print(f"| auxiliary term alone (fwd + bwd to the hidden states), s | - | {ref['aux_only']:.3f} | "
-              f"{ref['aux_only'] / ref[False]:.1%} of a step |")
+        print_reference_cost(ref, args.reference_seq, args.cost_reps)
     print(f"\ntotal {time.perf_counter() - t0:.0f} s; torch {torch.__version__}, {torch.get_num_threads()} threads; "
           f"argv: {' '.join(sys.argv[1:])}")
     return 0
+
+
+def print_retrieval(results: dict, pairs: list[Pair], heldout: torch.Tensor, args) -> None:
+    print(f"\n## Retrieval: recall@10, {len(pairs)} docstring -> function pairs (held-out stdlib files)\n")
+    print("| model | 64-d | 128-d | full (%d-d) | 64-d / full | 64-d shortlist -> full rerank | held-out CE full | CE with 64-d prefix | train s |" % args.hidden)
+    print("|---|---|---|---|---|---|---|---|---|")
+    for name, r in results.items():
+        rec, ce = r["retrieval"], r["ce"]
+        ratio = rec[64] / rec["full"] if rec["full"] else float("nan")
+        secs = f"{r['train']['seconds']:.0f}" if "train" in r else "-"
+        print(f"| {name} | {rec[64]:.3f} | {rec[128]:.3f} | {rec['full']:.3f} | {ratio:.0%} | {rec['64->full']:.3f} "
+              f"| {ce[None]:.3f} | {ce[64]:.3f} | {secs} |")
+    print(f"\n(chance = {10 / len(pairs):.3f}; CE in nats/token on {heldout.numel():,} held-out tokens)")
 
 
 # ------------------------------------------------------------------------------------- main
@@ -501,8 +558,9 @@ def main(argv=None) -> int:
     parser.add_argument("--train-docs", choices=["raw", "paired"], default="raw",
                         help="LM data: raw training-file source, or docstring + function source texts")
     parser.add_argument("--threads", type=int, default=0, help="torch threads (0 = torch default)")
-    parser.add_argument("--mode", choices=["lm", "contrastive"], default="lm",
-                        help="train next-token LMs (+ LM auxiliary loss) or contrastive embedding models")
+    parser.add_argument("--mode", choices=["lm", "contrastive", "cost"], default="lm",
+                        help="train next-token LMs (+ LM auxiliary loss) or contrastive embedding models, or "
+                             "only time the LM auxiliary loss on the reference model (cost)")
     parser.add_argument("--pooling", choices=["mean", "last"], default="mean", help="contrastive mode: pooling")
     parser.add_argument("--temperature", type=float, default=0.05, help="contrastive mode: InfoNCE temperature")
     parser.add_argument("--weights", type=lambda s: [float(x) for x in s.split(",")], default=[1.0],
@@ -510,6 +568,13 @@ def main(argv=None) -> int:
     parser.add_argument("--reference-cost", action="store_true",
                         help="contrastive mode: also time the LM auxiliary loss on the ANCHORS reference model")
     parser.add_argument("--reference-seq", type=int, default=512, help="tokens of the reference-model step")
+    parser.add_argument("--token-fractions", type=lambda s: [float(x) for x in s.split(",")], default=[1.0],
+                        help="LM auxiliary loss token fractions: one LM each (lm mode; the first is timed), "
+                             "one timed variant each (cost, --reference-cost)")
+    parser.add_argument("--cost-seqs", type=lambda s: [int(x) for x in s.split(",")], default=[512, 2048],
+                        help="cost mode: sequence lengths of the reference-model step")
+    parser.add_argument("--memory", action="store_true", help="cost mode: also the peak tensor memory per variant")
+    parser.add_argument("--no-costs", action="store_true", help="lm mode: skip the cost and search sections")
     args = parser.parse_args(argv)
     if args.threads:
         torch.set_num_threads(args.threads)
@@ -519,6 +584,10 @@ def main(argv=None) -> int:
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     if args.mode == "contrastive":
         return contrastive_main(args)
+    if args.mode == "cost":
+        if args.quick:
+            args.cost_seqs = [128]
+        return cost_main(args)
     t0 = time.perf_counter()
 
     train_texts, pairs, heldout_texts = load_corpus(max_doc_chars=args.doc_tokens * 6, train_docs=args.train_docs)
@@ -535,30 +604,27 @@ def main(argv=None) -> int:
     untrained = build_model(len(tokenizer), args, args.seed).eval()
     results["untrained"] = {"retrieval": retrieval(untrained, tokenizer, pairs, args),
                             "ce": heldout_ce(untrained, heldout, [64, None])}
-    for name, aux in (("plain LM", False), ("LM + Matryoshka", True)):
+    variants = [("plain LM", None)] + [(f"LM + Matryoshka (token_fraction {f:g})", f) for f in args.token_fractions]
+    for name, aux in variants:
         print(f"training {name}", flush=True)
         model = build_model(len(tokenizer), args, args.seed)
         info = train(model, windows, args, aux)
         results[name] = {"train": info, "retrieval": retrieval(model, tokenizer, pairs, args),
                          "ce": heldout_ce(model, heldout, [64, None])}
-        print(f"  {name}: recall@10 {results[name]['retrieval']}, held-out CE {results[name]['ce']}", flush=True)
-        if aux:
+        print(f"  {name}: recall@10 {results[name]['retrieval']}, held-out CE {results[name]['ce']}, "
+              f"{info['seconds']:.0f} s", flush=True)
+        if aux is not None and aux == args.token_fractions[0]:
             cost_model = model
+    if args.no_costs:
+        print_retrieval(results, pairs, heldout, args)
+        return 0
     print(f"measuring costs ({time.perf_counter() - t0:.0f} s)", flush=True)
     cost = aux_cost(cost_model, windows, args)
     head_shape = (512, 1024, 16000) if args.quick else (1024, 2048, 32000)  # tokens, hidden, vocab
-    head_cost = loss_only_cost(*head_shape, reps=2 if args.quick else 3)
+    head_cost = loss_only_cost(*head_shape, reps=2 if args.quick else 3, fraction=args.token_fractions[0])
     timing = {w: search_cost(args.index_size, w, 64, args.search_reps) for w in (args.hidden, 4096)}
 
-    print(f"\n## Retrieval: recall@10, {len(pairs)} docstring -> function pairs (held-out stdlib files)\n")
-    print("| model | 64-d | 128-d | full (%d-d) | 64-d / full | 64-d shortlist -> full rerank | held-out CE full | CE with 64-d prefix |" % args.hidden)
-    print("|---|---|---|---|---|---|---|---|")
-    for name, r in results.items():
-        rec, ce = r["retrieval"], r["ce"]
-        ratio = rec[64] / rec["full"] if rec["full"] else float("nan")
-        print(f"| {name} | {rec[64]:.3f} | {rec[128]:.3f} | {rec['full']:.3f} | {ratio:.0%} | {rec['64->full']:.3f} "
-              f"| {ce[None]:.3f} | {ce[64]:.3f} |")
-    print(f"\n(chance = {10 / len(pairs):.3f}; CE in nats/token on {heldout.numel():,} held-out tokens)")
+    print_retrieval(results, pairs, heldout, args)
 
     t, p = cost["time"], cost["peak"]
     print(f"\n## Cost of the auxiliary loss (dims {DIMS}, weight {WEIGHT}), side by side\n")
@@ -568,7 +634,7 @@ def main(argv=None) -> int:
     print(f"| peak tensor memory of a step, MiB | {p[False] / 2**20:.1f} | {p[True] / 2**20:.1f} | {p[True] / p[False]:.3f} |")
     print(f"| head only: CE fwd+bwd, {head_shape[0]} tokens, H={head_shape[1]}, V={head_shape[2]}, median s | {head_cost[False]:.3f} | {head_cost[True]:.3f} | {head_cost[True] / head_cost[False]:.3f} |")
     flop = lambda v, h, params: 6 * v * sum(d for d in DIMS if d < h) / (6 * params)
-    print(f"\nAux matmul FLOPs as a share of a training step's 6*params FLOPs per token: benchmark model "
+    print(f"\nAux matmul FLOPs of the separate passes (before the shared pass) as a share of a training step's 6*params FLOPs per token: benchmark model "
           f"{flop(len(tokenizer), args.hidden, sum(x.numel() for x in cost_model.parameters())):.1%}, "
           f"Llama-3-8B (V=128256, H=4096, 8.03e9 params) {flop(128256, 4096, 8.03e9):.2%}.")
 

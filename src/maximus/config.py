@@ -162,7 +162,16 @@ class MatryoshkaConfig(_Section):
     """Nested-dimension (Matryoshka) loss: an auxiliary next-token loss for `sft`; for `contrastive`, the InfoNCE loss repeated on each prefix."""
 
     dims: list[int] = Field(default_factory=lambda: [64, 128, 256], description="Prefix sizes of the final hidden state that must work on their own (predict the next token for sft; retrieve for contrastive); sizes >= the hidden size are skipped.")
-    weight: float = Field(0.2, ge=0.0, description="Weight of the mean over dims of the prefix losses, added to the full loss.")
+    weight: float | None = Field(None, ge=0.0, description="Weight of the mean over dims of the prefix losses, added to the full loss; null = 0.2 for `objective: sft` (an auxiliary next-token loss that should not pull the full-width loss) and 1.0 for `objective: contrastive` (the nested embeddings are the point).")
+    token_fraction: float = Field(0.0625, gt=0.0, le=1.0, description="sft: share of the target tokens the prefix losses see, a seeded uniform sample of each group of 64 tokens, scaled by 1/fraction so the loss stays unbiased; 1 = every token. The prefix softmaxes are the auxiliary loss's cost (docs/benchmarks/matryoshka.md).")
+
+    def weight_for(self, objective: str) -> float:
+        """`weight`, or the objective's default when it is null (`MATRYOSHKA_DEFAULT_WEIGHTS`)."""
+        return float(self.weight) if self.weight is not None else MATRYOSHKA_DEFAULT_WEIGHTS[objective]
+
+
+#: `optimization.matryoshka.weight` when it is null, per objective.
+MATRYOSHKA_DEFAULT_WEIGHTS = {"sft": 0.2, "contrastive": 1.0}
 
 
 class OptimizationConfig(_Section):

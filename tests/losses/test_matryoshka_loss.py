@@ -1,5 +1,7 @@
 """Matryoshka auxiliary loss: parity with the naive float64 formula (value and gradients), the
-rule that skips prefixes as wide as the hidden state, and its use inside the SFT objective."""
+rule that skips prefixes as wide as the hidden state, its use inside the SFT objective, and the
+config's weight default per objective. (The shared pass against the separate one:
+test_matryoshka_shared.py.)"""
 from __future__ import annotations
 
 import pytest
@@ -92,7 +94,7 @@ def test_objective_adds_matryoshka_to_the_exact_loss():
     labels = input_ids.clone()
     labels[0, :3] = -100
     batch = {"input_ids": input_ids, "labels": labels}
-    mcfg = MatryoshkaConfig(dims=[8, 16, 64], weight=0.3)
+    mcfg = MatryoshkaConfig(dims=[8, 16, 64], weight=0.3, token_fraction=1.0)
     with torch.no_grad():
         total, count = sft_loss_sum(model, batch, mode="exact", matryoshka=mcfg)
         hidden = model.model(input_ids=input_ids).last_hidden_state
@@ -102,3 +104,49 @@ def test_objective_adds_matryoshka_to_the_exact_loss():
         aux = naive_matryoshka(hidden, model.lm_head.weight, target, [8, 16], 0.3)
     assert count == (target != -100).sum()
     torch.testing.assert_close(total.double(), main.double() + aux, rtol=1e-5, atol=1e-4)
+
+
+def test_objective_samples_tokens_for_the_ghost_and_exact_main_loss():
+    """With token_fraction < 1 the objective adds the sampled prefix loss (oracle: F.cross_entropy on
+    the sampled rows times their factors) to the exact main loss and to the ghost main loss."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from maximus.config import MatryoshkaConfig
+    from maximus.losses.ghost_logit import ghost_logit_loss
+    from maximus.losses.matryoshka import sampled_tokens
+    from maximus.train.objective import sft_loss_sum
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=128)
+    model = LlamaForCausalLM(cfg).eval()
+    input_ids = torch.randint(0, 61, (2, 70))
+    batch = {"input_ids": input_ids, "labels": input_ids.clone()}
+    mcfg = MatryoshkaConfig(dims=[8, 16], weight=0.4, token_fraction=0.25)
+    ghost = {"num_candidates": 8, "prefix_dims": 8}
+    with torch.no_grad():
+        hidden = model.model(input_ids=input_ids).last_hidden_state.reshape(-1, 32)
+        target = torch.full_like(input_ids, -100)
+        target[:, :-1] = input_ids[:, 1:]
+        target = target.reshape(-1)
+        rows, factor = sampled_tokens(target, 0.25)
+        w = model.lm_head.weight
+        aux = 0.4 * sum((F.cross_entropy(hidden[rows, :d] @ w[:, :d].T, target[rows].clamp(min=0), reduction="none")
+                         * factor).sum() for d in (8, 16)) / 2
+        exact, _ = sft_loss_sum(model, batch, mode="exact", matryoshka=mcfg)
+        main = F.cross_entropy(hidden @ w.T, target, reduction="sum")
+        ghost_total, _ = sft_loss_sum(model, batch, mode="ghost", ghost=ghost, matryoshka=mcfg)
+        ghost_main = ghost_logit_loss(hidden, w, target, **ghost, reduction="sum")
+    assert rows.numel() == 16 + 16 + 3  # 140 tokens = groups of 64, 64 and 12: ceil(0.25 x size) each
+    torch.testing.assert_close(exact, main + aux, rtol=1e-5, atol=1e-4)
+    torch.testing.assert_close(ghost_total, ghost_main + aux, rtol=1e-5, atol=1e-4)
+
+
+def test_config_weight_defaults_per_objective():
+    from maximus.config import MatryoshkaConfig
+
+    assert MatryoshkaConfig().weight is None
+    assert MatryoshkaConfig().weight_for("sft") == 0.2
+    assert MatryoshkaConfig().weight_for("contrastive") == 1.0
+    assert MatryoshkaConfig(weight=0.5).weight_for("contrastive") == 0.5
+    assert MatryoshkaConfig(weight=0.0).weight_for("sft") == 0.0

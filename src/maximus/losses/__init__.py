@@ -5,11 +5,13 @@
 * :func:`naive_cross_entropy`: full-logits reference (``optimization.loss: naive``).
 * :func:`ghost_logit_loss`: sampled softmax over hard candidates plus a "ghost" tail logit
   (``optimization.use_ghost_logit: true``); training only, evaluation stays exact.
-* :func:`matryoshka_loss_sum`: nested-prefix auxiliary loss (``optimization.matryoshka``).
+* :func:`matryoshka_loss_sum`: nested-prefix auxiliary loss (``optimization.matryoshka``);
+  :func:`cross_entropy_with_matryoshka`: main loss + auxiliary loss in one shared chunked pass
+  (what training uses); :func:`matryoshka_info_nce`: the nested contrastive loss (``objective: contrastive``).
 * :func:`dpo_loss`: DPO / IPO / hinge / SimPO / ORPO on sequence log-probs (``objective: dpo``).
 """
 from maximus.losses.ghost_logit import ghost_logit_loss
-from maximus.losses.matryoshka import matryoshka_loss_sum
+from maximus.losses.matryoshka import cross_entropy_with_matryoshka, matryoshka_info_nce, matryoshka_loss_sum
 from maximus.losses.preference import dpo_loss
 from maximus.losses.linear_cross_entropy import (
     chunk_size_for_budget,
@@ -20,6 +22,8 @@ from maximus.losses.linear_cross_entropy import (
 
 __all__ = [
     "chunk_size_for_budget",
+    "cross_entropy_with_matryoshka",
+    "matryoshka_info_nce",
     "dpo_loss",
     "matryoshka_loss_sum",
     "ghost_logit_loss",

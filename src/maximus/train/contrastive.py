@@ -81,7 +81,7 @@ class ContrastiveObjective:
         self.pooling = cfg.contrastive.pooling
         m = opt.matryoshka
         self.dims = list(m.dims) if m is not None else []
-        self.weight = float(m.weight) if m is not None else 0.0
+        self.weight = m.weight_for("contrastive") if m is not None else 0.0  # null weight = 1.0
         active_dims(self.dims, 1 << 30)  # a bad size fails at setup, not at the first step
 
     # ------------------------------------------------------------------------------ protocol

@@ -118,13 +118,16 @@ def sft_loss_sum(model, batch: dict, *, mode: str = "exact", chunk_size: int | N
 
     def loss_of(hidden: torch.Tensor) -> torch.Tensor:
         head = output_head(model)  # read inside: a sharded head is gathered only here
-        loss = token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
-        if matryoshka is not None:
-            from maximus.losses.matryoshka import matryoshka_loss_sum
+        if matryoshka is None:
+            return token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
+        from maximus.losses.matryoshka import cross_entropy_with_matryoshka, matryoshka_loss_sum
 
-            loss = loss + matryoshka_loss_sum(hidden, head.weight, target, dims=matryoshka.dims,
-                                              weight=matryoshka.weight, chunk_size=chunk_size)
-        return loss
+        aux = dict(dims=matryoshka.dims, weight=matryoshka.weight_for("sft"), chunk_size=chunk_size,
+                   ignore_index=IGNORE_INDEX, token_fraction=matryoshka.token_fraction)
+        if mode == "exact":  # main and prefix losses share one chunked pass
+            return cross_entropy_with_matryoshka(hidden, head.weight, target, bias=head.bias, softcap=head.softcap, **aux)
+        main = token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
+        return main + matryoshka_loss_sum(hidden, head.weight, target, **aux)
 
     return through_head(model, hidden, loss_of), (target != IGNORE_INDEX).sum()
 
