@@ -271,18 +271,7 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_output):
         if ctx.grads_ready:
-            if ctx.grads is None:
-                raise RuntimeError("linear_cross_entropy: backward ran twice on a graph whose "
-                                   "gradients were computed in forward; retain_graph is not supported")
-            grad_hidden, grad_weight, grad_bias = ctx.grads
-            ctx.grads = None  # in-place scaling below: the buffers belong to this single backward
-            scale = grad_output.to(_stats_dtype(grad_output.dtype))
-            if grad_hidden is not None:
-                grad_hidden.mul_(scale.to(grad_hidden.dtype))
-            if grad_weight is not None:
-                grad_weight.mul_(scale.to(grad_weight.dtype))
-            if grad_bias is not None:
-                grad_bias.mul_(scale)
+            grad_hidden, grad_weight, grad_bias = take_scaled_grads(ctx, grad_output, "linear_cross_entropy")
         else:
             hidden, weight, bias, safe_labels, valid_f = ctx.saved_tensors
             chunk_size, z_loss, softcap = ctx.options
@@ -307,6 +296,22 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         if grad_bias is not None:
             grad_bias = grad_bias.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+
+
+def take_scaled_grads(ctx, grad_output: torch.Tensor, what: str):
+    """The (hidden, weight, bias) gradients a chunked loss formed in forward (``ctx.grads``),
+    multiplied in place by the incoming scalar gradient; each buffer serves a single backward.
+    The weight and bias gradients stay in their float32 accumulators (the caller casts)."""
+    if ctx.grads is None:
+        raise RuntimeError(f"{what}: backward ran twice on a graph whose gradients were computed in forward "
+                           "(or the loss ran under no_grad); retain_graph is not supported")
+    grad_hidden, grad_weight, grad_bias = ctx.grads
+    ctx.grads = None
+    scale = grad_output.to(_stats_dtype(grad_output.dtype))
+    for grad in (grad_hidden, grad_weight, grad_bias):
+        if grad is not None:
+            grad.mul_(scale.to(grad.dtype))
+    return grad_hidden, grad_weight, grad_bias
 
 
 def _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias, scratch=None):

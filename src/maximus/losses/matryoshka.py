@@ -72,6 +72,7 @@ from maximus.losses.linear_cross_entropy import (
     soft_cap_,
     soft_cap_backward_,
     softmax_cross_entropy_,
+    take_scaled_grads,
 )
 
 IGNORE_INDEX = -100
@@ -290,18 +291,11 @@ class _NestedCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_output):
-        if ctx.grads is None:
-            raise RuntimeError("matryoshka loss: backward ran twice, or the loss was computed without "
-                               "gradients (under no_grad); retain_graph is not supported")
-        grad_hidden, grad_weight, grad_bias = ctx.grads
-        ctx.grads = None  # in-place scaling below: the buffers belong to this single backward
-        scale = grad_output.to(_stats_dtype(grad_output.dtype))
-        if grad_hidden is not None:
-            grad_hidden.mul_(scale.to(grad_hidden.dtype))
+        grad_hidden, grad_weight, grad_bias = take_scaled_grads(ctx, grad_output, "matryoshka loss")
         if grad_weight is not None:
-            grad_weight = grad_weight.mul_(scale.to(grad_weight.dtype)).to(ctx.weight_dtype)
+            grad_weight = grad_weight.to(ctx.weight_dtype)
         if grad_bias is not None:
-            grad_bias = grad_bias.mul_(scale).to(ctx.weight_dtype)
+            grad_bias = grad_bias.to(ctx.weight_dtype)
         return grad_hidden, grad_weight, grad_bias, None, None, None, None
 
 
