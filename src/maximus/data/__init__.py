@@ -11,11 +11,11 @@ User documentation: docs/data.md.
 """
 from __future__ import annotations
 
-from maximus.data.collate import collate
+from maximus.data.collate import collate, flatten
 from maximus.data.encoding import IGNORE_INDEX
 from maximus.data.pipeline import DataSplits, build_datasets, build_run_datasets
 from maximus.data.templates import CHATML_TEMPLATE, FALLBACK_CHAT_TEMPLATE, ensure_chat_template
 from maximus.data.tiny_tokenizer import build_tiny_tokenizer
 
 __all__ = ["CHATML_TEMPLATE", "DataSplits", "FALLBACK_CHAT_TEMPLATE", "IGNORE_INDEX", "build_datasets",
-           "build_run_datasets", "build_tiny_tokenizer", "collate", "ensure_chat_template"]
+           "build_run_datasets", "build_tiny_tokenizer", "collate", "ensure_chat_template", "flatten"]

@@ -56,6 +56,27 @@ def collate(rows: list[dict], pad_token_id: int | None = 0, pad_to_multiple_of: 
     return _pad(rows, pad, length)
 
 
+def flatten(rows: list[dict]) -> dict[str, torch.Tensor]:
+    """Padding-free micro-batch: the SFT rows' tokens end to end in one row of shape (1, total).
+
+    Every row starts a document at position 0 (`maximus.data.packing`), so the result is one more
+    packed row: with padding-free attention (`maximus.attention.varlen`) each document still
+    attends only to itself, the first label of every document is already -100, and the loss
+    equals that of the padded batch, while no padding token is embedded, projected or scored.
+    Preference and contrastive rows keep `collate` (their sides are paired row by row)."""
+    if not rows:
+        raise ValueError("flatten() needs at least one row")
+    if "input_ids" not in rows[0]:
+        raise ValueError("flatten() takes SFT rows (input_ids, labels, position_ids)")
+    ids, labels, positions = [], [], []
+    for row in rows:
+        ids.extend(row["input_ids"])
+        labels.extend(row["labels"])
+        positions.extend(row.get("position_ids") or range(len(row["input_ids"])))
+    as_row = lambda values: torch.tensor(values, dtype=torch.long).unsqueeze(0)  # noqa: E731
+    return {"input_ids": as_row(ids), "labels": as_row(labels), "position_ids": as_row(positions)}
+
+
 def _padded_length(longest: int, multiple: int | None) -> int:
     if multiple and multiple > 1:
         return -(-longest // multiple) * multiple

@@ -40,6 +40,12 @@ class KernelReport:
     notices: list[str] = field(default_factory=list)
     threads: int | None = None
 
+    @property
+    def padding_free(self) -> bool:
+        """Attention keeps packed documents apart by their positions alone, so a micro-batch can
+        be one unpadded row (`maximus.data.flatten`)."""
+        return self.attention.startswith("padding-free")
+
     def to_dict(self) -> dict:
         return {"requested": self.requested, "used": self.used, "attention": self.attention,
                 "patched": len(self.patched), "notices": list(self.notices), "cpu_threads": self.threads}

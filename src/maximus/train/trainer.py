@@ -236,11 +236,15 @@ class Trainer:
         """One optimizer step over `batch_size` rows, split into micro-batches. Losses are sums
         divided by the whole step's unit count (tokens, or pairs for DPO) across micro-batches
         and ranks, so accumulation gives the gradient of one big batch."""
-        from maximus.data import collate
+        from maximus.data import collate, flatten
 
         rows = self.rows_for_step(step)
         micro = int(self.plan["micro_batch_size"])
-        batches = [collate(rows[i:i + micro], self.tokenizer.pad_token_id) for i in range(0, len(rows), micro)]
+        if self.kernels.padding_free and self.objective.name == "sft":
+            # One row per micro-batch, no padding: documents stay apart in the attention.
+            batches = [flatten(rows[i:i + micro]) for i in range(0, len(rows), micro)]
+        else:
+            batches = [collate(rows[i:i + micro], self.tokenizer.pad_token_id) for i in range(0, len(rows), micro)]
         obj = self.objective
         units = self.dist.all_reduce_int(sum(obj.count(b) for b in batches))
         tokens = sum(obj.tokens(b) for b in batches)
