@@ -11,6 +11,9 @@ import torch
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# A fixed thread count: the trainer would otherwise pick one from the machine's load
+# (maximus.kernels.cpu_threads), and reduction order, hence the last bits, would vary run to run.
+os.environ.setdefault("OMP_NUM_THREADS", str(torch.get_num_threads()))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from tiny import ARCHS, build_tiny_model_dir, tiny_config, write_prompt_completion  # noqa: E402

@@ -11,6 +11,7 @@ Order of operations (all deterministic given `seed`):
 from __future__ import annotations
 
 import random
+from pathlib import Path
 from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
@@ -141,9 +142,10 @@ def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -
         raise DataError(f"format pairs (query, positive) is for objective contrastive; {spec.path} is used with "
                         f"objective {objective}", "set `objective: contrastive` to train an embedding model")
     # Seeded per source (not per list position) so that adding or reordering sources does not
-    # reshuffle, and resample, the others.
+    # reshuffle, and resample, the others; by the source's file name, not its whole path, so that
+    # moving the data (or a test's temporary folder) does not change the run.
     order = list(range(len(records)))
-    random.Random(f"{seed}:{spec.path}:{spec.name}:{spec.split}").shuffle(order)
+    random.Random(f"{seed}:{Path(str(spec.path)).name}:{spec.name}:{spec.split}").shuffle(order)
 
     documents: list = []
     for i in order:
