@@ -8,6 +8,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from transformers import AutoModelForCausalLM
 
+import maximus.attention.varlen as varlen
 from maximus.attention.varlen import IMPLEMENTATION, document_spans, use_varlen_attention
 from tiny import ARCHS, build_tiny_model_dir
 
@@ -36,11 +37,14 @@ def test_document_spans_follow_position_resets():
     assert document_spans(torch.arange(6)[None]) is None
 
 
-def test_packed_logits_and_grads_equal_sdpa_with_its_mask(pair):
-    sdpa, varlen = pair
+@pytest.mark.parametrize("min_mean", [1, 64], ids=["per-document", "masked"])
+def test_packed_logits_and_grads_equal_sdpa_with_its_mask(pair, min_mean, monkeypatch):
+    monkeypatch.setattr(varlen, "MIN_MEAN_DOCUMENT_TOKENS", min_mean)  # these documents: 5-20 tokens
+    monkeypatch.setattr(varlen, "MAX_SHORT_DOCUMENTS", 0)
+    sdpa, varlen_model = pair
     ids, pos = packed_batch(sdpa.config.vocab_size, [[7, 12, 5, 8], [20, 12]])
     out = {}
-    for name, model in (("sdpa", sdpa), ("varlen", varlen)):
+    for name, model in (("sdpa", sdpa), ("varlen", varlen_model)):
         model.zero_grad(set_to_none=True)
         logits = model(input_ids=ids, position_ids=pos, use_cache=False).logits
         logits.float().logsumexp(-1).sum().backward()
@@ -49,11 +53,12 @@ def test_packed_logits_and_grads_equal_sdpa_with_its_mask(pair):
     torch.testing.assert_close(out["varlen"][1], out["sdpa"][1], rtol=1e-4, atol=1e-5)
 
 
-def test_each_document_equals_the_document_alone(pair):
-    _, varlen = pair
-    ids, pos = packed_batch(varlen.config.vocab_size, [[9, 14, 9]])
-    packed = varlen(input_ids=ids, position_ids=pos, use_cache=False).logits
-    alone = varlen(input_ids=ids[:, 9:23], use_cache=False).logits
+def test_each_document_equals_the_document_alone(pair, monkeypatch):
+    monkeypatch.setattr(varlen, "MIN_MEAN_DOCUMENT_TOKENS", 1)
+    _, model = pair
+    ids, pos = packed_batch(model.config.vocab_size, [[9, 14, 9]])
+    packed = model(input_ids=ids, position_ids=pos, use_cache=False).logits
+    alone = model(input_ids=ids[:, 9:23], use_cache=False).logits
     torch.testing.assert_close(packed[:, 9:23], alone, rtol=1e-5, atol=1e-5)
 
 
@@ -69,15 +74,29 @@ class _OpNames(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def test_no_square_mask_and_per_document_causal_calls(pair):
-    _, varlen = pair
-    ids, pos = packed_batch(varlen.config.vocab_size, [[7, 12, 5, 8]])
+def test_no_square_mask_and_per_document_causal_calls(pair, monkeypatch):
+    monkeypatch.setattr(varlen, "MIN_MEAN_DOCUMENT_TOKENS", 1)
+    _, model = pair
+    ids, pos = packed_batch(model.config.vocab_size, [[7, 12, 5, 8]])
     with torch.no_grad(), _OpNames() as rec:
-        varlen(input_ids=ids, position_ids=pos, use_cache=False)
-    per_layer = len(rec.calls) // varlen.config.num_hidden_layers
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    per_layer = len(rec.calls) // model.config.num_hidden_layers
     assert per_layer == 4  # one SDPA call per document
     assert sorted({c[1][2] for c in rec.calls}) == [5, 7, 8, 12]  # query lengths = document lengths
     assert all(mask is None for _, _, mask in rec.calls)  # causal flag, never a mask tensor
+
+
+def test_short_documents_take_one_masked_call(pair, monkeypatch):
+    monkeypatch.setattr(varlen, "MAX_SHORT_DOCUMENTS", 3)  # 4 documents of 5-12 tokens: masked
+    _, model = pair
+    ids, pos = packed_batch(model.config.vocab_size, [[7, 12, 5, 8]])  # mean 8 tokens < 64
+    with torch.no_grad(), _OpNames() as rec:
+        model(input_ids=ids, position_ids=pos, use_cache=False)
+    assert len(rec.calls) == model.config.num_hidden_layers
+    mask = rec.calls[0][2]
+    assert mask is not None and tuple(mask.shape[-2:]) == (32, 32)
+    allowed = mask if mask.dtype == torch.bool else mask == 0  # SDPA may get it as an additive mask
+    assert not allowed[..., 7, 6].any() and allowed[..., 6, 0].all() and not allowed[..., 0, 1].any()
 
 
 def test_padding_mask_and_generation_fall_back_to_sdpa(pair):

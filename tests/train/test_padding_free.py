@@ -45,7 +45,10 @@ def _step(cfg: dict, padding_free: bool):
     return metrics["loss"], grads, seen
 
 
-def test_padding_free_step_equals_the_padded_step(tiny_llama, pc_data, tmp_path):
+def test_padding_free_step_equals_the_padded_step(tiny_llama, pc_data, tmp_path, monkeypatch):
+    import maximus.attention.varlen as varlen
+
+    monkeypatch.setattr(varlen, "MAX_SHORT_DOCUMENTS", 2)  # the micro-batch size: per-document attention
     cfg = tiny_config(tiny_llama, pc_data, tmp_path / "run", eval={"enabled": False},
                       training={"batch_size": 4, "micro_batch_size": 2, "max_steps": 1, "seq_len": 48,
                                 "packing": False, "dtype": "fp32", "warmup_steps": 0, "max_grad_norm": None})
@@ -57,3 +60,15 @@ def test_padding_free_step_equals_the_padded_step(tiny_llama, pc_data, tmp_path)
     assert grads_a.keys() == grads_b.keys() and grads_a
     for name in grads_a:
         torch.testing.assert_close(grads_a[name], grads_b[name], rtol=1e-4, atol=1e-6)
+
+
+def test_short_rows_stay_padded(tiny_llama, pc_data, tmp_path):
+    cfg = tiny_config(tiny_llama, pc_data, tmp_path / "run", eval={"enabled": False},
+                      training={"batch_size": 4, "micro_batch_size": 2, "max_steps": 1, "seq_len": 48,
+                                "packing": False, "dtype": "fp32", "warmup_steps": 0})
+    trainer = Trainer(Config.from_dict(cfg))
+    trainer.setup()
+    rows = trainer.rows_for_step(1)[:1] * 40  # 40 rows of ~15 tokens: too many short documents
+    assert trainer.kernels.padding_free and not trainer._flatten(rows)
+    assert trainer._flatten(rows[:32])  # few enough for one SDPA call each
+    assert trainer._flatten([{**r, "input_ids": r["input_ids"] * 8} for r in rows])  # long enough

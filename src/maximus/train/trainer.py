@@ -212,6 +212,16 @@ class Trainer:
         return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
 
     # ------------------------------------------------------------------------------ data order
+    def _flatten(self, rows: list[dict]) -> bool:
+        """Whether a micro-batch goes in as one unpadded row (`maximus.data.flatten`): unpacked
+        SFT rows (packed ones are already full) under padding-free attention, when attention will
+        run one SDPA call per row-document (many short rows run faster padded)."""
+        from maximus.attention.varlen import per_document
+
+        if not self.kernels.padding_free or self.objective.name != "sft" or self.cfg.training.packing:
+            return False
+        return per_document(len(rows), sum(len(r["input_ids"]) for r in rows))
+
     def rows_for_step(self, step: int) -> list[dict]:
         """The rows of optimizer step `step` (1-based) for this rank: the global stream is the
         concatenation of per-epoch permutations (seeded), so position = step alone."""
@@ -240,11 +250,8 @@ class Trainer:
 
         rows = self.rows_for_step(step)
         micro = int(self.plan["micro_batch_size"])
-        if self.kernels.padding_free and self.objective.name == "sft":
-            # One row per micro-batch, no padding: documents stay apart in the attention.
-            batches = [flatten(rows[i:i + micro]) for i in range(0, len(rows), micro)]
-        else:
-            batches = [collate(rows[i:i + micro], self.tokenizer.pad_token_id) for i in range(0, len(rows), micro)]
+        chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
+        batches = [flatten(c) if self._flatten(c) else collate(c, self.tokenizer.pad_token_id) for c in chunks]
         obj = self.objective
         units = self.dist.all_reduce_int(sum(obj.count(b) for b in batches))
         tokens = sum(obj.tokens(b) for b in batches)
