@@ -133,3 +133,22 @@ def test_refuses_without_triton(monkeypatch):
         install_triton_kernels(torch.nn.Linear(4, 4))
     assert err.value.message == ("optimization.kernels: Triton is not importable (ModuleNotFoundError: import of triton "
                                  "halted; None in sys.modules)")
+
+
+def test_qlora_under_bf16_autocast_uses_the_fused_projection(tiny_llama):
+    """The trainer's setting: bf16 autocast around a QLoRA model. The fused projection takes over
+    (PEFT's path is not silently kept), adapters get fp32 gradients, and the step stays near the
+    float32 one. (The exact check of the autocast path is test_lora_matmuls_in_the_autocast_dtype:
+    here the interpreter's fp32 -> bf16 rounding toward zero, unlike CUDA's to-nearest, compounds
+    over the whole model, so only a coarse bound holds.)"""
+    reference = _step(_qlora(tiny_llama))  # float32, no autocast
+    model = _qlora(tiny_llama, dtype=torch.bfloat16)
+    install_triton_kernels(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        patched = _step(model)
+    assert "LoRALinear4bitFunctionBackward" in patched[2]
+    assert {g.dtype for g in patched[1].values()} == {torch.float32}
+    rel = (patched[0].float() - reference[0]).norm() / reference[0].norm()
+    assert rel < 5e-2
+    total = sum((patched[1][n] - g).norm() ** 2 for n, g in reference[1].items()) ** 0.5
+    assert total / sum(g.norm() ** 2 for g in reference[1].values()) ** 0.5 < 0.25

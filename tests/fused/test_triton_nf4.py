@@ -93,6 +93,30 @@ def test_lora_linear_4bit_matches_reference(nested):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
 
 
+def test_lora_matmuls_in_the_autocast_dtype():
+    """`lora_dtype=bf16` (what the patched layer passes under bf16 autocast): the LoRA matmuls run
+    in bf16 like PEFT's under autocast, the base stays in its compute dtype, A and B get fp32 grads."""
+    from maximus.kernels.triton.nf4 import dequantize_nf4_reference
+
+    torch.manual_seed(0)
+    packed, state = _quantize((48, 128), torch.float32, True)
+    x, a, b = torch.randn(2, 5, 128), torch.randn(4, 128) * 0.1, torch.randn(48, 4) * 0.1
+    dy = torch.randn(2, 5, 48)
+
+    def oracle(x, packed, state, a, b, scaling):
+        w = dequantize_nf4_reference(packed, state, torch.float32)
+        lora = (x.to(torch.bfloat16) @ a.to(torch.bfloat16).t()) @ b.to(torch.bfloat16).t()
+        return x @ w.t() + (lora * scaling).float()
+
+    ours = _lora_run(lora_linear_4bit, x, packed, state, a, b, 2.0, dy, lora_dtype=torch.bfloat16)
+    ref = _lora_run(oracle, x, packed, state, a, b, 2.0, dy)
+    assert ours[2].dtype == ours[3].dtype == torch.float32
+    for got, want in zip(ours, ref):
+        torch.testing.assert_close(got, want, atol=2e-2, rtol=1e-2)  # bf16 products in both
+    full = _lora_run(lora_linear_4bit, x, packed, state, a, b, 2.0, dy)  # fp32 LoRA: a different number
+    assert not torch.allclose(full[2], ours[2], atol=1e-6, rtol=0)
+
+
 def test_lora_dropout_input_gets_its_own_gradient():
     torch.manual_seed(1)
     packed, state = _quantize((32, 64), torch.float32, True)

@@ -11,7 +11,8 @@ What is patched, per module instance (the classes are untouched, other models ar
   replaced once by a dispatcher that uses the kernel only inside a patched attention's forward
   (a context variable) and calls the original everywhere else.
 - PEFT ``lora.bnb.Linear4bit`` (QLoRA): forward -> :func:`lora_linear_4bit` for the plain case (one
-  active vanilla adapter, not merged, NF4 weight, no autocast); anything else takes PEFT's own forward.
+  active vanilla adapter, not merged, NF4 weight; under autocast its LoRA matmuls run in the autocast
+  dtype, as PEFT's do); anything else takes PEFT's own forward.
 
 Every patched forward re-checks at call time and falls back to the original when the kernel cannot
 run on the tensor's device or the case is not covered. Modules of unknown types are skipped, and so
@@ -103,7 +104,7 @@ def _install_rope_dispatcher(attention: torch.nn.Module) -> bool:
 
 def _lora_fast_adapter(layer, kwargs) -> str | None:
     """The adapter name when PEFT's Linear4bit forward reduces to plain LoRA, else None."""
-    if kwargs or layer.disable_adapters or layer.merged or torch.is_autocast_enabled():
+    if kwargs or layer.disable_adapters or layer.merged:
         return None
     active = [a for a in layer.active_adapters if a in layer.lora_A]
     if len(active) != 1:
@@ -129,8 +130,15 @@ def _lora_4bit_forward(self, x, *args, **kwargs):
     dropout = self.lora_dropout[name]
     lora_input = None if isinstance(dropout, torch.nn.Identity) else dropout(x)
     compute_dtype = getattr(base, "compute_dtype", None) or x.dtype  # bitsandbytes' own default
-    return lora_linear_4bit(x, base.weight, quant_state, self.lora_A[name].weight, self.lora_B[name].weight,
-                            self.scaling[name], bias=base.bias, lora_input=lora_input, compute_dtype=compute_dtype)
+    args = (x, base.weight, quant_state, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name])
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        # What PEFT + bitsandbytes do under autocast: the LoRA matmuls in the autocast dtype, the
+        # 4-bit matmul in its compute dtype; the fused node runs with autocast off and says so.
+        with torch.autocast(device_type, enabled=False):
+            return lora_linear_4bit(*args, bias=base.bias, lora_input=lora_input, compute_dtype=compute_dtype,
+                                    lora_dtype=torch.get_autocast_dtype(device_type))
+    return lora_linear_4bit(*args, bias=base.bias, lora_input=lora_input, compute_dtype=compute_dtype)
 
 
 def _peft_linear4bit_class():

@@ -25,21 +25,23 @@ def _as_rows(t: torch.Tensor) -> torch.Tensor:
 
 
 class LoRALinear4bitFunction(torch.autograd.Function):
-    """Autograd wrapper: inputs (x, lora_x, qweight, quant_state, A, B, scaling, bias, compute_dtype)."""
+    """Autograd wrapper: inputs (x, lora_x, qweight, quant_state, A, B, scaling, bias, compute_dtype,
+    lora_dtype). The LoRA matmuls run in ``lora_dtype`` (the adapters' own dtype, or autocast's)."""
 
     @staticmethod
-    def forward(ctx, x, lora_x, qweight, quant_state, lora_a, lora_b, scaling, bias, compute_dtype):
+    def forward(ctx, x, lora_x, qweight, quant_state, lora_a, lora_b, scaling, bias, compute_dtype, lora_dtype):
         weight = dequantize_nf4(qweight, quant_state, compute_dtype)
         x2 = _as_rows(x)
         base = x2.to(compute_dtype) @ weight.t()
         del weight  # never kept: backward dequantises again
         if bias is not None:
             base = base + bias.to(compute_dtype)
-        lx = _as_rows(lora_x).to(lora_a.dtype)
-        xa = lx @ lora_a.t()
-        out = base.to(x.dtype) + ((xa @ lora_b.t()) * scaling).to(x.dtype)
+        lx = _as_rows(lora_x).to(lora_dtype)
+        xa = lx @ lora_a.to(lora_dtype).t()
+        out = base.to(x.dtype) + ((xa @ lora_b.to(lora_dtype).t()) * scaling).to(x.dtype)
         ctx.save_for_backward(lx, xa, lora_a, lora_b, qweight)
         ctx.quant_state, ctx.scaling, ctx.compute_dtype = quant_state, scaling, compute_dtype
+        ctx.lora_dtype = lora_dtype
         ctx.same_input = lora_x is x
         ctx.shapes = (x.shape, lora_x.shape)
         ctx.dtypes = (x.dtype, lora_x.dtype)
@@ -51,15 +53,16 @@ class LoRALinear4bitFunction(torch.autograd.Function):
         lx, xa, lora_a, lora_b, qweight = ctx.saved_tensors
         s = ctx.scaling
         dy2 = _as_rows(dy)
-        dy_l = dy2.to(lora_a.dtype)
-        dy_b = dy_l @ lora_b  # (tokens, r)
-        grad_a = (dy_b.t() @ lx) * s if ctx.needs_input_grad[4] else None
-        grad_b = (dy_l.t() @ xa) * s if ctx.needs_input_grad[5] else None
+        a, b = lora_a.to(ctx.lora_dtype), lora_b.to(ctx.lora_dtype)
+        dy_l = dy2.to(ctx.lora_dtype)
+        dy_b = dy_l @ b  # (tokens, r)
+        grad_a = ((dy_b.t() @ lx) * s).to(lora_a.dtype) if ctx.needs_input_grad[4] else None
+        grad_b = ((dy_l.t() @ xa) * s).to(lora_b.dtype) if ctx.needs_input_grad[5] else None
         grad_bias = dy2.sum(0) if ctx.bias_grad else None
         x_shape, lx_shape = ctx.shapes
         x_dtype, lx_dtype = ctx.dtypes
         grad_x = grad_lx = None
-        lora_dx = (dy_b @ lora_a) * s
+        lora_dx = (dy_b @ a) * s
         if ctx.needs_input_grad[0]:
             weight = dequantize_nf4(qweight, ctx.quant_state, ctx.compute_dtype)
             grad_x = (dy2.to(ctx.compute_dtype) @ weight).to(x_dtype)
@@ -69,23 +72,26 @@ class LoRALinear4bitFunction(torch.autograd.Function):
             grad_x = grad_x.view(x_shape)
         if not ctx.same_input and ctx.needs_input_grad[1]:
             grad_lx = lora_dx.to(lx_dtype).view(lx_shape)
-        return grad_x, grad_lx, None, None, grad_a, grad_b, None, grad_bias, None
+        return grad_x, grad_lx, None, None, grad_a, grad_b, None, grad_bias, None, None
 
 
 def lora_linear_4bit(x: torch.Tensor, qweight: torch.Tensor, quant_state, lora_a: torch.Tensor,
                      lora_b: torch.Tensor, scaling: float, *, bias: torch.Tensor | None = None,
-                     lora_input: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None) -> torch.Tensor:
+                     lora_input: torch.Tensor | None = None, compute_dtype: torch.dtype | None = None,
+                     lora_dtype: torch.dtype | None = None) -> torch.Tensor:
     """`x @ dequant(qweight).T + bias + scaling * (lora_input @ A.T) @ B.T` with a hand-written backward.
 
     x: (..., in); qweight + quant_state: a bitsandbytes NF4 weight of logical shape (out, in);
     lora_a: (r, in); lora_b: (out, r); lora_input: x after LoRA dropout (default: x itself);
-    compute_dtype: the base matmul dtype (default quant_state.dtype, as bitsandbytes). Returns (..., out)
-    in x.dtype. Gradients flow to x, lora_input, A, B (and bias if it requires grad), never to the weight.
+    compute_dtype: the base matmul dtype (default quant_state.dtype, as bitsandbytes); lora_dtype: the
+    LoRA matmuls' dtype (default A's: PEFT without autocast; under autocast PEFT's LoRA matmuls run in
+    the autocast dtype, which the caller passes). Returns (..., out) in x.dtype. Gradients flow to x,
+    lora_input, A, B (in their own dtypes; and bias if it requires grad), never to the weight.
     """
     compute_dtype = compute_dtype or quant_state.dtype
     lora_x = x if lora_input is None else lora_input
     return LoRALinear4bitFunction.apply(x, lora_x, qweight, quant_state, lora_a, lora_b, float(scaling), bias,
-                                        compute_dtype)
+                                        compute_dtype, lora_dtype or lora_a.dtype)
 
 
 def lora_linear_4bit_reference(x: torch.Tensor, qweight: torch.Tensor, quant_state, lora_a: torch.Tensor,
