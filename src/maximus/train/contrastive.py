@@ -28,9 +28,8 @@ from __future__ import annotations
 
 import torch
 
-from maximus.errors import ConfigError
 from maximus.losses.matryoshka import active_dims, matryoshka_info_nce, normalized_prefix
-from maximus.train.objective import hidden_states
+from maximus.train.objective import Objective, hidden_states
 from maximus.train.preference import row_lengths
 
 SIDES = ("query", "positive")
@@ -64,19 +63,15 @@ def recall_at_k(query: torch.Tensor, index: torch.Tensor, k: int) -> float:
     return float((top == truth).any(dim=1).float().mean())
 
 
-class ContrastiveObjective:
+class ContrastiveObjective(Objective):
     """InfoNCE (+ Matryoshka prefixes) on pooled hidden states; normalised by the pair count."""
 
     name = "contrastive"
 
     def __init__(self, cfg, plan: dict, pad_token_id: int):
-        self.cfg = cfg
-        self.plan = plan
-        self.pad_token_id = pad_token_id
+        super().__init__(cfg, plan, pad_token_id)
         opt = cfg.optimization
-        if opt.use_ghost_logit:
-            raise ConfigError("optimization.use_ghost_logit does not apply to objective contrastive",
-                              "set use_ghost_logit: false; the contrastive loss has no vocabulary softmax")
+        self.refuse_ghost_logit("the contrastive loss has no vocabulary softmax")
         self.temperature = cfg.contrastive.temperature
         self.pooling = cfg.contrastive.pooling
         m = opt.matryoshka

@@ -132,7 +132,27 @@ def sft_loss_sum(model, batch: dict, *, mode: str = "exact", chunk_size: int | N
     return through_head(model, hidden, loss_of), (target != IGNORE_INDEX).sum()
 
 
-class SFTObjective:
+class Objective:
+    """What every objective keeps (the config, the memory plan, the pad id); see `SFTObjective`
+    for the protocol."""
+
+    name = "objective"
+
+    def __init__(self, cfg, plan: dict, pad_token_id: int):
+        self.cfg = cfg
+        self.plan = plan
+        self.pad_token_id = pad_token_id
+
+    def refuse_ghost_logit(self, why: str) -> None:
+        """The Ghost Logit loss replaces a vocabulary softmax; objectives without one refuse it."""
+        if self.cfg.optimization.use_ghost_logit:
+            from maximus.errors import ConfigError
+
+            raise ConfigError(f"optimization.use_ghost_logit does not apply to objective {self.name}",
+                              f"set use_ghost_logit: false; {why}")
+
+
+class SFTObjective(Objective):
     """Next-token cross-entropy on target tokens. The protocol every objective follows:
 
     - `count(batch)`: normalisation units in a micro-batch (target tokens here; pairs for DPO);
@@ -146,9 +166,7 @@ class SFTObjective:
     name = "sft"
 
     def __init__(self, cfg, plan: dict, pad_token_id: int):
-        self.cfg = cfg
-        self.plan = plan
-        self.pad_token_id = pad_token_id
+        super().__init__(cfg, plan, pad_token_id)
         g = cfg.optimization.ghost_logit
         user_chunk = cfg.optimization.loss_chunk_size
         self.ghost = {"num_candidates": g.candidates, "prefix_dims": g.prefix_dims,

@@ -41,7 +41,7 @@ import torch
 from maximus.errors import ConfigError
 from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
 from maximus.losses.preference import dpo_loss, needs_reference
-from maximus.train.objective import IGNORE_INDEX, hidden_states, output_head, shift_labels, through_head
+from maximus.train.objective import IGNORE_INDEX, Objective, hidden_states, output_head, shift_labels, through_head
 
 CACHE_FILE = "reference_logps.safetensors"
 _CACHE_VERSION = "1"
@@ -109,19 +109,15 @@ def _peft_model_of(model):
     return m if hasattr(m, "disable_adapter") and hasattr(m, "peft_config") else None
 
 
-class PreferenceObjective:
+class PreferenceObjective(Objective):
     """DPO-family loss on (chosen, rejected) pairs; the trainer normalises by the pair count."""
 
     name = "dpo"
 
     def __init__(self, cfg, plan: dict, pad_token_id: int):
-        self.cfg = cfg
-        self.plan = plan
-        self.pad_token_id = pad_token_id
+        super().__init__(cfg, plan, pad_token_id)
         opt = cfg.optimization
-        if opt.use_ghost_logit:
-            raise ConfigError("optimization.use_ghost_logit does not apply to objective dpo",
-                              "set use_ghost_logit: false; DPO's exact log-probs already hold no full logits")
+        self.refuse_ghost_logit("DPO's exact log-probs already hold no full logits")
         if opt.matryoshka is not None:
             raise ConfigError("optimization.matryoshka does not apply to objective dpo",
                               "remove optimization.matryoshka (it is an SFT auxiliary loss)")
