@@ -93,6 +93,11 @@ def test_trainer_plans_the_global_batch_over_the_ranks(tmp_path):
     assert ddp["world_size"] == 2 and ddp["effective_batch"] == 8
     # Under DDP a rank needs what one process over its 4 rows needs.
     assert ddp["micro_batch_size"] == one["micro_batch_size"] == 4 and ddp["peak_bytes"] == one["peak_bytes"]
+    # auto: it fits unsharded, so it is planned as DDP will run it (choose_strategy's rule).
+    auto = _trainer_plan(tmp_path, 2, distributed="auto")
+    assert auto["peak_bytes"] == ddp["peak_bytes"] and auto["breakdown"] == ddp["breakdown"]
+    assert auto["notes"][0] == ddp["notes"][0] == ("micro-batch 4 x gradient accumulation 1 x 2 rank(s) keeps the "
+                                                   "effective batch of 8")
 
 
 @pytest.fixture

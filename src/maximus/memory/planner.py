@@ -188,13 +188,14 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                     loss_mode: str = "exact", loss_chunk_size: int | str | None = "auto",
                     micro_batch_size: int | str = "auto", gradient_checkpointing: str = "auto",
                     offload_activations: str | bool = "auto", offload_optimizer: str | bool = "auto",
-                    margin: float = DEFAULT_MARGIN, device: str = "cuda") -> Plan:
+                    margin: float = DEFAULT_MARGIN, device: str = "cuda", sharded: bool | None = None) -> Plan:
     """The fastest plan whose predicted peak is at most ``budget_bytes * (1 - margin)``.
 
     Fixed settings (an int micro-batch, ``gradient_checkpointing: full``, ``offload_*: on/off``,
     an int chunk) are honoured; ``auto`` ones are searched. ``allow`` limits what the planner may
     change (default `DEFAULT_ALLOW`). With ``budget_bytes=None`` the fastest plan is returned
-    (no budget: the estimate is still recorded).
+    (no budget: the estimate is still recorded). ``sharded`` says whether the ``world_size`` ranks
+    shard the model (FSDP2) or each hold all of it (DDP); None = `estimate_peak`'s default.
 
     Raises:
         BudgetError: nothing fits; the message names the smallest budget that would work.
@@ -241,7 +242,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
 
     usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     common = dict(dtype=dtype, seq_len=seq_len, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
-                  device=device)
+                  device=device, sharded=sharded)
 
     def est(kw: dict, mb: int) -> Estimate:
         return estimate_peak(shape, grad_accum=per_rank // mb, **common, **kw)

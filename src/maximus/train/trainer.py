@@ -23,7 +23,6 @@ Nothing in `output_dir` is touched until the config, data and model have loaded.
 """
 from __future__ import annotations
 
-import dataclasses
 import math
 import os
 import platform
@@ -143,20 +142,28 @@ class Trainer:
         # With a budget and no explicit method, the planner may pick LoRA, QLoRA or full.
         method = cfg.method if "method" in cfg.model_fields_set else "auto"
         dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
-        # Per rank: under FSDP2 (fsdp; auto when one device cannot hold the run) the estimate
-        # divides sharded state by the ranks; under DDP a rank holds what one process over its
-        # share of the batch would.
-        ranks = 1 if cfg.training.distributed == "ddp" else self.dist.world_size
-        chosen = plan_for_budget(model_config, budget, method=method,
-                                 batch_size=cfg.training.batch_size if ranks > 1 else per_rank,
-                                 seq_len=cfg.training.seq_len, dtype=dtype_name, optimizer=cfg.training.optimizer,
-                                 lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules,
-                                 world_size=ranks, micro_batch_size=cfg.training.micro_batch_size,
-                                 gradient_checkpointing=opt.gradient_checkpointing, loss_mode=plan["loss_mode"],
-                                 loss_chunk_size=opt.loss_chunk_size, offload_activations=opt.offload.activations,
-                                 offload_optimizer=opt.offload.optimizer, device=self.device.type)
-        if ranks != self.dist.world_size:
-            chosen = dataclasses.replace(chosen, world_size=self.dist.world_size)
+        # Per rank: under DDP a rank holds what one process over its share of the batch would;
+        # under FSDP2 the estimate divides sharded state by the ranks. `auto` plans unsharded
+        # first and shards only when that does not fit, the rule `choose_strategy` applies later.
+        from maximus.errors import BudgetError
+
+        world = self.dist.world_size
+        strategy = cfg.training.distributed
+        kwargs = dict(method=method, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len,
+                      dtype=dtype_name, optimizer=cfg.training.optimizer, lora_r=cfg.lora.r,
+                      lora_targets=cfg.lora.target_modules, world_size=world,
+                      micro_batch_size=cfg.training.micro_batch_size,
+                      gradient_checkpointing=opt.gradient_checkpointing, loss_mode=plan["loss_mode"],
+                      loss_chunk_size=opt.loss_chunk_size, offload_activations=opt.offload.activations,
+                      offload_optimizer=opt.offload.optimizer, device=self.device.type)
+        if world == 1 or strategy != "auto":
+            sharded = None if world == 1 else strategy == "fsdp"
+            chosen = plan_for_budget(model_config, budget, sharded=sharded, **kwargs)
+        else:
+            try:
+                chosen = plan_for_budget(model_config, budget, sharded=False, **kwargs)
+            except BudgetError:
+                chosen = plan_for_budget(model_config, budget, sharded=True, **kwargs)
         plan.update(chosen.to_dict())
         if isinstance(plan["gradient_checkpointing"], list):  # per layer: recompute it fully or keep it
             plan["gradient_checkpointing"] = ["full" if on else "none" for on in plan["gradient_checkpointing"]]
