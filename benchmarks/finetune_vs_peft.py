@@ -110,8 +110,11 @@ def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, to
         # only when `module.training`) save their activations as if checkpointing were off.
         trainer.model.train()
 
-    def set_rows(ids):
-        rows = [{"input_ids": r.tolist(), "labels": r.tolist(), "position_ids": list(range(len(r)))} for r in ids]
+    def set_rows(ids, positions=None):
+        """Rows of token ids, each one document (positions 0..n-1) unless `positions` are given."""
+        if positions is None:
+            positions = [range(len(r)) for r in ids]
+        rows = [{"input_ids": r.tolist(), "labels": r.tolist(), "position_ids": list(p)} for r, p in zip(ids, positions)]
         trainer.data.train = rows
         # rows_for_step picks rows through a seeded permutation; pin row i-1 to step i instead,
         # so both sides see the same rows in the same order.
@@ -121,7 +124,8 @@ def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, to
     def step(i: int) -> float:
         return trainer.train_step(i)["loss"]
 
-    return step, trainer.model, trainer.optimizer, set_rows, {"checkpointing": _checkpointing_summary(trainer)}
+    return step, trainer.model, trainer.optimizer, set_rows, {"checkpointing": _checkpointing_summary(trainer),
+                                                              "kernels": trainer.kernels.to_dict()}
 
 
 def _checkpointing_summary(trainer) -> str:
@@ -237,6 +241,19 @@ def worker(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------- driver
+def launch_worker(cmd: list[str], threads: int, timeout: int, label: str) -> dict:
+    """Run one `--worker` subprocess and return the JSON it prints after ``RESULT ``. Every worker
+    gets exactly ``threads`` OpenMP threads (the trainer would otherwise pick by the machine's
+    load), so both sides of a comparison run alike."""
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    if proc.returncode != 0 or not lines:
+        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
+        raise RuntimeError(f"worker {label} failed (exit {proc.returncode}):\n{tail}")
+    return json.loads(lines[-1][len("RESULT "):])
+
+
 def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:
     train_mode = policy.endswith("+train")
     policy = policy.removesuffix("+train")
@@ -250,14 +267,7 @@ def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:
     if args.profile and method == "qlora" and seq == max(s for _, s in args.settings) and policy == "off":
         cmd.append("--profile")
     t0 = time.perf_counter()
-    # Both sides get exactly --threads (the trainer would otherwise pick by the machine's load).
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
-        raise RuntimeError(f"worker {impl}/{policy} {method} seq {seq} failed (exit {proc.returncode}):\n{tail}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    result = launch_worker(cmd, args.threads, args.worker_timeout, f"{impl}/{policy} {method} seq {seq}")
     result["wall_s"] = time.perf_counter() - t0
     print(f"  {impl:<8} ckpt {policy:<4} {method} seq {seq}: growth {result['rss_growth'] / 2**20:7.0f} MiB RSS, "
           f"{result['live_growth'] / 2**20:7.0f} MiB live, {result['tokens_per_s']:6.0f} tok/s, "

@@ -26,9 +26,7 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -93,14 +91,10 @@ def worker(args) -> dict:
     ids, pos = synthetic_rows(n_rows, args.seq, REFERENCE_CONFIG["vocab_size"], args.doc_len)
     with tempfile.TemporaryDirectory() as tmp:
         if args.impl == "maximus":
-            step, model, optimizer, set_rows, _ = fvp.build_maximus(model_dir, args.method, args.seq, "off", n_rows,
-                                                                    Path(tmp), train_mode=True)
-            trainer_rows = [{"input_ids": r.tolist(), "labels": r.tolist(), "position_ids": p.tolist()}
-                            for r, p in zip(ids, pos)]
-            set_rows(ids)
-            # Same rows, with their document positions (set_rows wrote 0..seq-1).
-            _trainer_of(step).data.train = trainer_rows
-            kernels = _trainer_of(step).kernels.to_dict()
+            step, model, optimizer, set_rows, info = fvp.build_maximus(model_dir, args.method, args.seq, "off", n_rows,
+                                                                       Path(tmp), train_mode=True)
+            set_rows(ids, pos.tolist())
+            kernels = info["kernels"]
         else:
             model, optimizer, kernels = _peft(model_dir, args.method)
             step = _peft_step(model, optimizer, ids, pos)
@@ -113,14 +107,6 @@ def worker(args) -> dict:
                 cpu.append(time.process_time() - c0)
     return {"impl": args.impl, "step_s": times, "cpu_s": cpu, "losses": losses, "kernels": kernels,
             "threads": torch.get_num_threads(), "rate": max(rate, matmul_rate(args.threads))}
-
-
-def _trainer_of(step):
-    """The Trainer captured by build_maximus's `step` closure."""
-    for cell in step.__closure__ or ():
-        if type(cell.cell_contents).__name__ == "Trainer":
-            return cell.cell_contents
-    raise RuntimeError("build_maximus's step no longer closes over its Trainer")
 
 
 def _peft(model_dir: Path, method: str):
@@ -153,14 +139,9 @@ def run_worker(impl: str, doc_len: int, args) -> dict:
            "--threads", str(args.threads)]
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
-    # Both sides get exactly --threads (the trainer would otherwise pick by the machine's load).
-    env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.worker_timeout, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
-        raise RuntimeError(f"worker {impl} doc {doc_len} failed (exit {proc.returncode}):\n{tail}")
-    result = json.loads(lines[-1][len("RESULT "):])
+    from finetune_vs_peft import launch_worker
+
+    result = launch_worker(cmd, args.threads, args.worker_timeout, f"{impl} doc {doc_len}")
     print(f"  {impl:<8} doc {doc_len or args.seq:>5}: steps {[round(t, 2) for t in result['step_s']]} s, "
           f"loss {result['losses'][0]:.4f}", file=sys.stderr, flush=True)
     return result

@@ -380,14 +380,13 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
     """
     _check_reduction(reduction)
     flat_hidden, flat_labels = _flatten(hidden, weight, labels, bias)
-    num_tokens = flat_hidden.shape[0]
-    if chunk_size is None:
-        trainable_head = weight.requires_grad and torch.is_grad_enabled()
-        chunk_size = default_chunk_size(num_tokens, weight.shape[0], matmul_dtype(flat_hidden).itemsize, trainable_head)
-    chunk_size = max(1, int(chunk_size))
     if softcap is not None and softcap <= 0:
         raise ConfigError(f"softcap must be positive, got {softcap}", hint="use e.g. 30.0 (Gemma 2) or None")
     flat_hidden, weight, bias = cast_for_matmul(flat_hidden, weight, bias)
+    if chunk_size is None:
+        trainable_head = weight.requires_grad and torch.is_grad_enabled()
+        chunk_size = default_chunk_size(flat_hidden.shape[0], weight.shape[0], flat_hidden.element_size(), trainable_head)
+    chunk_size = max(1, int(chunk_size))
     with torch.autocast(flat_hidden.device.type, enabled=False):
         out = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, ignore_index,
                                                chunk_size, float(z_loss), softcap, reduction)
