@@ -14,9 +14,10 @@ gradient checkpointing are in place and before DDP / FSDP2 wrap the model:
 - ``eager``: plain PyTorch modules;
 - on CPU, `cpu_threads` picks the intra-op thread count before anything runs (see there);
 - ``auto``: ``triton`` on CUDA when Triton is importable, else eager. Compilation is not the CPU
-  default because it did not pay off there: regional compilation of the reference model's layers
-  (QLoRA, seq 2,048, 1 thread) cost ~100 s once and made a step ~4 % faster, since the step is
-  matmuls, SDPA and the loss, none of which Inductor speeds up (docs/benchmarks/speed.md).
+  default because it pays off only slowly there: regional compilation of the reference model's
+  layers (QLoRA, seq 2,048) cost 38-100 s once and made a step 4-8 % faster, since the step is
+  matmuls, SDPA and the loss, none of which Inductor speeds up (docs/benchmarks/speed.md,
+  `benchmarks/speed_parts.py compile`).
 """
 from __future__ import annotations
 
@@ -60,7 +61,7 @@ def cpu_threads(device: torch.device, processes_per_node: int = 1, *, busy: int 
     are busy on right now (`busy_cores`), at least 1. Why not torch's default (every core): OpenMP
     threads wait for each other at the end of every op, so one thread descheduled by another
     program stalls them all. Measured on this 2-core machine with two other busy processes: the
-    quickstart's step took 25 s with 2 threads and 0.34 s with 1.
+    quickstart's step took 8.05 s with 2 threads and 0.38 s with 1 (`speed_parts.py threads`).
     """
     if device.type != "cpu":
         return None
