@@ -12,7 +12,7 @@ from maximus.losses import (
     naive_cross_entropy,
     token_log_probs,
 )
-from maximus.losses.linear_cross_entropy import DEFAULT_CHUNK_LOGITS_BYTES, default_chunk_size
+from maximus.losses.linear_cross_entropy import DEFAULT_CHUNK_LOGITS_BYTES, DEFAULT_CHUNK_TOKENS, default_chunk_size
 
 
 
@@ -193,8 +193,10 @@ def test_chunk_sizes_from_budget():
     assert chunk_size_for_budget(8192, 128256, 4096, 2, 2**30) == 2**30 // (128256 * 6 + 4096 * 4)
     assert chunk_size_for_budget(100, 32000, 512, 4, 2**40) == 100
     assert chunk_size_for_budget(100, 32000, 512, 4, 1) == 1
-    assert default_chunk_size(8192, 32000, 4) == DEFAULT_CHUNK_LOGITS_BYTES // (32000 * 4)
-    assert default_chunk_size(8192, 262144, 2) == 64  # never below MIN_CHUNK_TOKENS
+    assert default_chunk_size(8192, 32000, 4) == DEFAULT_CHUNK_TOKENS == 256
+    assert default_chunk_size(8192, 128256, 2) == 256  # 197 MB: under the byte cap
+    assert default_chunk_size(8192, 262144, 2) == DEFAULT_CHUNK_LOGITS_BYTES // (262144 * 6) == 128  # byte cap
+    assert default_chunk_size(8192, 1 << 20, 2) == 64  # never below MIN_CHUNK_TOKENS
     assert default_chunk_size(10, 32000, 4) == 10
     assert default_chunk_size(8192, 128256, 2, trainable_head=True) == 512  # amortise the V x H pass
 

@@ -62,6 +62,7 @@ import torch
 from maximus.errors import ConfigError
 from maximus.losses.linear_cross_entropy import (
     DEFAULT_CHUNK_LOGITS_BYTES,
+    DEFAULT_CHUNK_TOKENS,
     MIN_CHUNK_TOKENS,
     MIN_CHUNK_TOKENS_TRAINABLE_HEAD,
     WEIGHT_GRAD_BLOCK_ROWS,
@@ -190,13 +191,14 @@ def default_nested_chunk_size(num_tokens: int, vocab_size: int, dtype_bytes: int
                               trainable_head: bool = False) -> int:
     """Tokens per chunk of the nested pass over ``levels`` levels (prefixes, plus the main loss
     when included): a chunk holds one ``C x V`` accumulator in the matmul dtype, one float32
-    softmax buffer and ``levels - 1`` stored gradients in the matmul dtype; together about
+    softmax buffer and ``levels - 1`` stored gradients in the matmul dtype; the exact loss's
+    :data:`~maximus.losses.linear_cross_entropy.DEFAULT_CHUNK_TOKENS`, fewer when that passes
     :data:`~maximus.losses.linear_cross_entropy.DEFAULT_CHUNK_LOGITS_BYTES`, with the exact loss's
     floors (64 tokens; 512 with a trainable head, whose weight gradient is one ``V x H`` pass per
     chunk)."""
     per_token = vocab_size * (dtype_bytes + max(dtype_bytes, 4) + (levels - 1) * dtype_bytes)
     floor = MIN_CHUNK_TOKENS_TRAINABLE_HEAD if trainable_head else MIN_CHUNK_TOKENS
-    chunk = max(floor, DEFAULT_CHUNK_LOGITS_BYTES // max(per_token, 1))
+    chunk = max(floor, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_LOGITS_BYTES // max(per_token, 1)))
     return int(max(1, min(num_tokens, chunk)))
 
 

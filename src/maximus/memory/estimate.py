@@ -303,10 +303,8 @@ def _targets(shape: ModelShape, lora_targets: str | Sequence[str]) -> list[str]:
 
 def default_loss_chunk(num_tokens: int, vocab_size: int, dtype_bytes: int) -> int:
     """Tokens per chunk the exact loss uses when none is given (the loss module's default)."""
-    try:
-        from maximus.losses.linear_cross_entropy import default_chunk_size
-    except ImportError:  # the loss module is optional for the estimator
-        return max(1, min(num_tokens, max(64, (64 * 2**20) // (vocab_size * (4 + (dtype_bytes if dtype_bytes < 4 else 0))))))
+    from maximus.losses.linear_cross_entropy import default_chunk_size
+
     return default_chunk_size(num_tokens, vocab_size, dtype_bytes)
 
 
