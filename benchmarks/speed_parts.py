@@ -3,7 +3,8 @@
 Modes (each alternates the two variants step by step in one process and prints medians):
 
 * ``buffers``: a 256 x 512 @ 512 x 128,256 bf16 matmul into a fresh output vs into a reused one
-  (why `ChunkScratch` exists), and the exact loss's forward + backward at several chunk sizes.
+  (why `ChunkScratch` exists), a chunk's softmax work in four passes vs the fused kernel, and the
+  exact loss's forward + backward at several chunk sizes (vocabularies 128,256 and 32,000).
 * ``norms``: the reference-model QLoRA step with PEFT's float32 frozen norms vs Maximus' bf16 ones.
 * ``compile``: the same step eager vs with regional ``torch.compile`` of the decoder layers
   (prints the compile time; several minutes on 2 cores).
@@ -66,11 +67,36 @@ def buffers(args) -> None:
                         args.steps)
     report(f"matmul {rows}x{hidden} @ {hidden}x{vocab}, bf16 ({', '.join(f'{k}: {flops / v / 1e9:.0f} GFLOP/s' for k, v in medians.items())})",
            medians)
-    h = torch.randn(2048, hidden, dtype=torch.bfloat16, requires_grad=True)
-    y = torch.randint(0, vocab, (2048,))
-    chunks = {f"chunk {c}": (lambda i, c=c: linear_cross_entropy(h, w, y, chunk_size=c, reduction="sum").backward())
-              for c in (87, 174, 256, 512)}
-    report("exact loss forward + backward, 2048 tokens, frozen bf16 head 128,256 x 512", alternate(chunks, 3))
+    # A chunk's softmax work: the four passes the loss used to make vs the fused in-place kernel it uses now.
+    raw = (x @ w.t()).mul_(8)  # logits of a realistic spread
+    stats = torch.empty(rows, vocab)
+    labels = torch.randint(0, vocab, (rows, 1))
+
+    def four_passes(i):
+        s = stats.copy_(raw)
+        m = s.amax(dim=1)
+        p = s.sub_(m[:, None]).exp_()
+        p.mul_((1.0 / p.sum(dim=1))[:, None]).scatter_add_(1, labels, torch.full((rows, 1), -1.0))
+        out.copy_(p)
+
+    def fused(i):
+        s = stats.copy_(raw)
+        m = s.amax(dim=1)
+        p = torch.ops.aten._softmax.out(s, 1, False, out=s)
+        m - p.amax(dim=1).log()
+        p.scatter_add_(1, labels, torch.full((rows, 1), -1.0))
+        out.copy_(p)
+
+    report(f"softmax + gradient of one {rows} x {vocab} chunk: max / subtract / exp / sum / scale passes vs "
+           "PyTorch's fused softmax in place", alternate({"four passes": four_passes, "fused": fused}, args.steps))
+    for vocab_size in (vocab, 32000):
+        head = w[:vocab_size]
+        h = torch.randn(2048, hidden, dtype=torch.bfloat16, requires_grad=True)
+        y = torch.randint(0, vocab_size, (2048,))
+        chunks = {f"chunk {c}": (lambda i, c=c: linear_cross_entropy(h, head, y, chunk_size=c, reduction="sum").backward())
+                  for c in (64, 87, 128, 256, 512, 1024)}
+        report(f"exact loss forward + backward, 2048 tokens, frozen bf16 head {vocab_size:,} x {hidden}",
+               alternate(chunks, 3))
 
 
 def _reference_trainers(n: int, tmp: Path, steps: int):
