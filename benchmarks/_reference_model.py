@@ -25,6 +25,16 @@ REFERENCE_CONFIG = dict(
     tie_word_embeddings=False, rope_theta=500000.0,
 )
 SEED = 0
+
+#: Llama-3-8B's shape (random weights) for the GPU runs of `speed.py --shape 8b`: 8.0 B parameters,
+#: 16 GB in bf16 on disk. Built on the GPU in bf16 (a float32 build on the CPU would take 32 GB and
+#: minutes), so its values do not match a CPU build; only shapes matter for memory and speed.
+LLAMA3_8B_CONFIG = dict(
+    vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+    num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192,
+    tie_word_embeddings=False, rope_theta=500000.0,
+)
+SHAPES = {"reference": REFERENCE_CONFIG, "8b": LLAMA3_8B_CONFIG}
 #: Bump when the saved content changes, so old caches are not reused.
 _VERSION = "1"
 _DONE = "BUILD_COMPLETE"
@@ -54,6 +64,32 @@ def reference_model_dir(cache_dir: str | Path | None = None) -> Path:
     is written, so an interrupted build is never mistaken for a finished one.
     """
     path = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    return _saved(path, lambda: build_reference_model(torch.bfloat16))
+
+
+def shaped_model_dir(shape: str, cache_dir: str | Path | None = None, device: str = "cpu") -> Path:
+    """The saved model of `SHAPES[shape]`: the reference model, or an 8B-shaped one built in bf16 on
+    ``device`` (seed 0) and cached under ``cache_dir`` (default: beside the reference model)."""
+    if shape == "reference":
+        return reference_model_dir(cache_dir)
+
+    def build():
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(SEED)
+        default = torch.get_default_dtype()
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            with torch.device(device):
+                return LlamaForCausalLM(LlamaConfig(**SHAPES[shape]))
+        finally:
+            torch.set_default_dtype(default)
+
+    path = Path(cache_dir) if cache_dir is not None else default_cache_dir().with_name(f"llama-{shape}-v{_VERSION}")
+    return _saved(path, build)
+
+
+def _saved(path: Path, build) -> Path:
     if (path / _DONE).is_file():
         return path
     from maximus.data.tiny_tokenizer import build_tiny_tokenizer
@@ -61,7 +97,7 @@ def reference_model_dir(cache_dir: str | Path | None = None) -> Path:
     tmp = path.with_name(f".{path.name}.tmp{os.getpid()}")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    model = build_reference_model(torch.bfloat16)
+    model = build()
     model.config.use_cache = False
     model.save_pretrained(str(tmp), safe_serialization=True)
     build_tiny_tokenizer().save_pretrained(str(tmp))

@@ -84,7 +84,7 @@ def synthetic_ids(n_rows: int, seq: int, vocab: int):
 
 # ------------------------------------------------------------------------------------- the two sides
 def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, total_steps: int, work: Path,
-                  train_mode: bool = False):
+                  train_mode: bool = False, device: str = "cpu", kernels: str = "auto"):
     """A set-up Maximus trainer; returns (step(i) -> loss, model, optimizer, set_rows(ids), info)."""
     import torch
 
@@ -93,10 +93,10 @@ def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, to
     data = work / "tiny.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} for the tokenizer and packer"}) + "\n" for i in range(8)))
     cfg = Config.from_dict({
-        "model": str(model_dir), "dataset": str(data), "method": method, "device": "cpu",
+        "model": str(model_dir), "dataset": str(data), "method": method, "device": device,
         "output_dir": str(work / "run"),
         "lora": {"r": LORA["r"], "alpha": LORA["alpha"], "dropout": LORA["dropout"], "target_modules": "all-linear"},
-        "optimization": {"gradient_checkpointing": checkpointing, "loss": "exact"},
+        "optimization": {"gradient_checkpointing": checkpointing, "loss": "exact", "kernels": kernels},
         "training": {"batch_size": 1, "micro_batch_size": 1, "seq_len": seq, "max_steps": total_steps,
                      "learning_rate": LEARNING_RATE, "warmup_steps": 0, "scheduler": "constant",
                      "max_grad_norm": None, "dtype": "bf16", "optimizer": "adamw"},
@@ -139,7 +139,7 @@ def _checkpointing_summary(trainer) -> str:
     return str(trainer.plan.get("gradient_checkpointing"))
 
 
-def build_peft(model_dir: Path, method: str):
+def build_peft(model_dir: Path, method: str, device: str = "cpu"):
     """The plain Transformers + PEFT (+ bitsandbytes) recipe; returns the same tuple as build_maximus."""
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
@@ -150,8 +150,10 @@ def build_peft(model_dir: Path, method: str):
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
             bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.uint8)
-        kwargs["device_map"] = {"": "cpu"}
+        kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
+    if method != "qlora":
+        model.to(device)
     model.config.use_cache = False
     if method == "qlora":
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
@@ -166,7 +168,7 @@ def build_peft(model_dir: Path, method: str):
 
     def step(i: int) -> float:
         ids = rows[i - 1]
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         optimizer.step()

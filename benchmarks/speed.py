@@ -21,6 +21,14 @@ document length (only the FLOPs a document needs are counted, whatever the kerne
     python benchmarks/speed.py                       # 2 threads, seq 2048, one document per row + 256-token documents
     python benchmarks/speed.py --quick               # one repeat, one-document rows only
     python benchmarks/speed.py --method lora --doc-len 0
+
+On a CUDA GPU (the prepared device check `benchmarks/gpu.sh` runs this): ``--device cuda --shape 8b``
+takes a Llama-3-8B-shaped model (random weights, built on the GPU and saved once), times each step
+between `torch.cuda.synchronize()` calls, measures the matmul rate on an 8192^3 bf16 product, and
+adds each side's peak allocated GPU memory during its steps (`torch.cuda.max_memory_allocated`,
+weights included). ``--kernels`` picks our `optimization.kernels` (auto = Triton on CUDA).
+
+    python benchmarks/speed.py --device cuda --shape 8b --quick
 """
 from __future__ import annotations
 
@@ -36,20 +44,31 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def matmul_rate(threads: int, n: int = 2048, repeats: int = 5) -> float:
-    """Best-of-`repeats` bf16 matmul rate in FLOP/s at `threads` threads (n x n x n)."""
+def matmul_rate(threads: int, n: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
+    """Best-of-`repeats` bf16 matmul rate in FLOP/s at `threads` threads (n x n x n; 8192 on CUDA)."""
     import torch
 
     torch.set_num_threads(threads)
-    a = torch.randn(n, n, dtype=torch.bfloat16)
-    b = torch.randn(n, n, dtype=torch.bfloat16)
+    n = 8192 if device == "cuda" else n
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
     a @ b
     best = float("inf")
     for _ in range(repeats):
+        sync(device)
         t = time.perf_counter()
         a @ b
+        sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best
+
+
+def sync(device: str) -> None:
+    """Wait for queued GPU work, so wall-clock times cover it (no-op on CPU)."""
+    if device == "cuda":
+        import torch
+
+        torch.cuda.synchronize()
 
 
 def model_flops_per_token(config: dict, seq: int, doc_len: int, lora_r: int) -> float:
@@ -82,48 +101,56 @@ def worker(args) -> dict:
     import torch
 
     import finetune_vs_peft as fvp
-    from _reference_model import REFERENCE_CONFIG, reference_model_dir
+    from _reference_model import SHAPES, shaped_model_dir
 
     torch.set_num_threads(args.threads)
-    rate = matmul_rate(args.threads)  # per worker, next to its steps: the machine's load changes
-    model_dir = reference_model_dir(args.model_dir)
+    rate = matmul_rate(args.threads, device=args.device)  # per worker, next to its steps: the load changes
+    model_dir = shaped_model_dir(args.shape, args.model_dir, args.device)
     n_rows = args.warmup + args.steps
-    ids, pos = synthetic_rows(n_rows, args.seq, REFERENCE_CONFIG["vocab_size"], args.doc_len)
+    ids, pos = synthetic_rows(n_rows, args.seq, SHAPES[args.shape]["vocab_size"], args.doc_len)
+    cuda = args.device == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
         if args.impl == "maximus":
             step, model, optimizer, set_rows, info = fvp.build_maximus(model_dir, args.method, args.seq, "off", n_rows,
-                                                                       Path(tmp), train_mode=True)
+                                                                       Path(tmp), train_mode=True, device=args.device,
+                                                                       kernels=args.kernels)
             set_rows(ids, pos.tolist())
             kernels = info["kernels"]
         else:
-            model, optimizer, kernels = _peft(model_dir, args.method)
-            step = _peft_step(model, optimizer, ids, pos)
+            model, optimizer, kernels = _peft(model_dir, args.method, args.device)
+            step = _peft_step(model, optimizer, ids.to(args.device), pos.to(args.device), args.device)
+        if cuda:
+            torch.cuda.reset_peak_memory_stats()
         losses, times, cpu = [], [], []
         for i in range(1, n_rows + 1):
+            sync(args.device)
             t0, c0 = time.perf_counter(), time.process_time()
             losses.append(step(i))
+            sync(args.device)
             if i > args.warmup:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
+        peak = torch.cuda.max_memory_allocated() if cuda else None
     return {"impl": args.impl, "step_s": times, "cpu_s": cpu, "losses": losses, "kernels": kernels,
-            "threads": torch.get_num_threads(), "rate": max(rate, matmul_rate(args.threads))}
+            "threads": torch.get_num_threads(), "peak_bytes": peak,
+            "rate": max(rate, matmul_rate(args.threads, device=args.device))}
 
 
-def _peft(model_dir: Path, method: str):
+def _peft(model_dir: Path, method: str, device: str):
     import finetune_vs_peft as fvp
 
-    _, model, optimizer, _, _ = fvp.build_peft(model_dir, method)
+    _, model, optimizer, _, _ = fvp.build_peft(model_dir, method, device)
     return model, optimizer, {"attention": model.config._attn_implementation}
 
 
-def _peft_step(model, optimizer, ids, pos):
+def _peft_step(model, optimizer, ids, pos, device: str):
     import torch
 
     def step(i: int) -> float:
         row, p = ids[i - 1:i], pos[i - 1:i]
         labels = row.clone()
         labels[p == 0] = -100  # DataCollatorWithFlattening: no target across a document start
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16):
             loss = model(input_ids=row, position_ids=p, labels=labels, use_cache=False).loss
         loss.backward()
         optimizer.step()
@@ -136,7 +163,7 @@ def _peft_step(model, optimizer, ids, pos):
 def run_worker(impl: str, doc_len: int, args) -> dict:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--method", args.method,
            "--seq", str(args.seq), "--doc-len", str(doc_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--device", args.device, "--shape", args.shape, "--kernels", args.kernels]
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
     from finetune_vs_peft import launch_worker
@@ -158,6 +185,11 @@ def main(argv=None) -> int:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model-dir", type=Path, default=None)
+    p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    p.add_argument("--shape", choices=("reference", "8b"), default="reference",
+                   help="reference = ANCHORS.md's model; 8b = Llama-3-8B's shape (GPU)")
+    p.add_argument("--kernels", choices=("auto", "triton", "compile", "eager"), default="auto",
+                   help="our optimization.kernels")
     p.add_argument("--json", type=Path, default=None)
     p.add_argument("--worker-timeout", type=int, default=1200)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -170,18 +202,21 @@ def main(argv=None) -> int:
     if args.quick:
         args.repeats, args.doc_lens, args.steps = 1, [0], 2
 
-    from _reference_model import REFERENCE_CONFIG, reference_model_dir
+    from _reference_model import SHAPES, shaped_model_dir
 
-    reference_model_dir(args.model_dir)
-    rate = matmul_rate(args.threads)
-    print(f"bf16 matmul rate, {args.threads} threads: {rate / 1e9:.0f} GFLOP/s", file=sys.stderr)
+    t0 = time.perf_counter()
+    shaped_model_dir(args.shape, args.model_dir, args.device)  # built once, before the workers time anything
+    print(f"model {args.shape}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+    rate = matmul_rate(args.threads, device=args.device)
+    where = "CUDA" if args.device == "cuda" else f"{args.threads} threads"
+    print(f"bf16 matmul rate, {where}: {rate / 1e9:.0f} GFLOP/s", file=sys.stderr)
     rows = []
     for doc_len in args.doc_lens:
         runs = {"peft": [], "maximus": []}
         for _ in range(args.repeats):
             for impl in ("peft", "maximus"):
                 runs[impl].append(run_worker(impl, doc_len, args))
-        flops = model_flops_per_token(REFERENCE_CONFIG, args.seq, doc_len, 16) * args.seq
+        flops = model_flops_per_token(SHAPES[args.shape], args.seq, doc_len, 16) * args.seq
         summary = {}
         for impl, results in runs.items():
             steps = [t for r in results for t in r["step_s"]]
@@ -191,21 +226,28 @@ def main(argv=None) -> int:
             peak = max([rate] + [r["rate"] for rs in runs.values() for r in rs])
             summary[impl] = {"tokens_per_s": args.seq / med, "tokens_per_cpu_s": args.seq / statistics.median(cpu),
                              "mfu": flops / med / peak, "loss": results[0]["losses"][0], "step_s": med,
-                             "kernels": results[0]["kernels"], "peak_rate": peak}
+                             "kernels": results[0]["kernels"], "peak_rate": peak,
+                             "peak_bytes": max((r["peak_bytes"] or 0) for r in results) or None}
         rows.append((doc_len, summary))
     rate = max(s["peak_rate"] for _, summary in rows for s in summary.values())
-    print(f"\nbf16 matmul rate (best seen) {rate / 1e9:.0f} GFLOP/s at {args.threads} threads; {args.method}, seq {args.seq}, "
-          f"{args.repeats} x ({args.warmup} warm-up + {args.steps} steps) per side\n")
-    print("| documents per row | implementation | step s (median) | tokens/s | ratio | tokens/CPU-s | ratio | MFU | step-1 loss |")
+    where = "on CUDA" if args.device == "cuda" else f"at {args.threads} threads"
+    print(f"\nbf16 matmul rate (best seen) {rate / 1e9:,.0f} GFLOP/s {where}; {args.shape} shape, {args.method}, "
+          f"seq {args.seq}, {args.repeats} x ({args.warmup} warm-up + {args.steps} steps) per side\n")
+    cuda = args.device == "cuda"
+    # On CUDA the CPU time says little; the peak GPU memory of the steps takes its columns.
+    extra = ("peak GPU memory GiB", lambda s: s["peak_bytes"] / 2**30) if cuda else \
+        ("tokens/CPU-s", lambda s: s["tokens_per_cpu_s"])
+    print(f"| documents per row | implementation | step s (median) | tokens/s | ratio | {extra[0]} | ratio | MFU | step-1 loss |")
     print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
     for doc_len, summary in rows:
         peer = summary["peft"]
-        docs = "1 x 2048" if not doc_len else f"{args.seq // doc_len} x {doc_len}"
+        docs = f"1 x {args.seq}" if not doc_len else f"{args.seq // doc_len} x {doc_len}"
         for impl in ("peft", "maximus"):
             s = summary[impl]
             name = "Transformers + PEFT" + (" + bnb" if args.method == "qlora" else "") if impl == "peft" else "Maximus"
+            value, base = extra[1](s), extra[1](peer)
             print(f"| {docs} | {name} | {s['step_s']:.2f} | {s['tokens_per_s']:,.0f} | {s['tokens_per_s'] / peer['tokens_per_s']:.2f}x | "
-                  f"{s['tokens_per_cpu_s']:,.0f} | {s['tokens_per_cpu_s'] / peer['tokens_per_cpu_s']:.2f}x | {s['mfu']:.1%} | {s['loss']:.4f} |")
+                  f"{value:,.1f} | {value / base:.2f}x | {s['mfu']:.1%} | {s['loss']:.4f} |")
     if args.json:
         args.json.write_text(json.dumps({"rate": rate, "rows": rows}, indent=1))
     return 0

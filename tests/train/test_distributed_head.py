@@ -12,7 +12,6 @@ equal the one-process run.
 The file is also the worker: `torchrun ... test_distributed_head.py OUT_DIR`.
 """
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -86,10 +85,11 @@ def _worker(out: Path) -> None:
 
 
 def test_fsdp2_shards_the_head_and_equals_one_process(tmp_path):
+    from test_distributed import rank_report, run_two_ranks
+
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(tmp_path)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=300)
-    assert proc.returncode == 0, proc.stderr[-4000:]
+    proc = run_two_ranks([__file__, str(tmp_path)], tmp_path / "logs", env=env)
+    assert proc.returncode == 0, rank_report(proc, tmp_path / "logs")
     for tie in (False, True):
         model = _model(tie)
         ref = _train(model, 0, 1)

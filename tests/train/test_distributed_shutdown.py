@@ -10,10 +10,8 @@ The file is also the worker: `torchrun ... test_distributed_shutdown.py CONFIG.y
 """
 import json
 import os
-import subprocess
 import sys
 import time
-from pathlib import Path
 
 import yaml
 
@@ -30,6 +28,7 @@ def test_a_failing_rank_stops_both_and_keeps_rank_0_outputs(tmp_path):
     from maximus.train.checkpoint import latest_good_checkpoint, list_checkpoints
     from maximus.train.lock import RunLock
 
+    from test_distributed import rank_report, run_two_ranks
     from tiny import build_tiny_model_dir, tiny_config, write_prompt_completion
 
     model = build_tiny_model_dir(tmp_path / "model", "llama")
@@ -40,14 +39,14 @@ def test_a_failing_rank_stops_both_and_keeps_rank_0_outputs(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MAXIMUS_DIST_TIMEOUT_S": "20"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2", __file__, str(path)]
     started = time.monotonic()
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=240)
+    proc = run_two_ranks([__file__, str(path)], tmp_path / "logs", env=env, timeout_s=240)
     elapsed = time.monotonic() - started
+    report = rank_report(proc, tmp_path / "logs")
 
-    assert proc.returncode != 0
-    assert f"{MESSAGE} at step {FAIL_STEP}" in proc.stderr
-    assert elapsed < 150, f"took {elapsed:.0f} s to stop"
+    assert proc.returncode != 0, report
+    assert f"{MESSAGE} at step {FAIL_STEP}" in proc.stderr, report  # what the user sees: torchrun's stderr
+    assert elapsed < 150, f"took {elapsed:.0f} s to stop\n{report}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert [c.path.name for c in list_checkpoints(out / "checkpoints")] == ["step-000002"]
