@@ -184,7 +184,7 @@ class OptimizationConfig(_Section):
     gradient_checkpointing: Literal["off", "full", "selective", "auto"] = Field("auto", description="Activation recomputation: none, every layer, per-op selective, or chosen by cost (`auto`).")
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Smart Memory offload settings.")
     loss: Literal["exact", "naive"] = Field("exact", description="`exact`: chunked cross-entropy that never holds tokens x vocabulary logits; `naive`: full logits (reference).")
-    loss_chunk_size: Union[Literal["auto"], int] = Field("auto", description="Tokens per chunk in the lean loss; `auto` chooses from the budget.")
+    loss_chunk_size: Union[Literal["auto"], int] = Field("auto", description="Tokens per chunk in the lean loss; `auto` = 256 tokens (fewer when that passes 192 MiB of logits), smaller chunks when the planner needs the memory for `target_vram`.")
     kernels: Literal["auto", "triton", "compile", "eager"] = Field("auto", description="How the step runs: `triton` = fused Triton kernels (RMSNorm, RoPE, SwiGLU, QLoRA projection with NF4 dequantisation; CUDA only), `compile` = torch.compile of each decoder layer, `eager` = plain PyTorch, `auto` = triton on CUDA when available, else eager. Unavailable choices fall back to eager with a notice. Every mode uses padding-free attention over packed documents.")
     matryoshka: MatryoshkaConfig | None = Field(None, description="Matryoshka auxiliary loss; null = off.")
 
