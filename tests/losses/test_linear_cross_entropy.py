@@ -61,6 +61,23 @@ def test_float64_parity_value_and_both_gradients(reduction, chunk_size):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
 
 
+def test_extreme_logits_float32_loss_and_gradient_match_float64():
+    """Logit gaps of hundreds: wrong targets' probabilities underflow float32 (loss > 104), right
+    ones round to 1. The log-sum-exp must not come from a target probability."""
+    hidden, weight, labels = make_case(dtype=torch.float64, ignore=False)
+    with torch.no_grad():
+        hidden.mul_(25.0)
+    logits = hidden.reshape(-1, hidden.shape[-1]) @ weight.t()
+    ref_tokens = F.cross_entropy(logits, labels.reshape(-1), reduction="none")
+    assert ref_tokens.max() > 110 and ref_tokens.min() < 1e-6  # both extremes are in the case
+    h32 = hidden.detach().float().requires_grad_()
+    ours = linear_cross_entropy(h32, weight.detach().float(), labels, chunk_size=7, reduction="none")
+    torch.testing.assert_close(ours.double().reshape(-1), ref_tokens, rtol=1e-5, atol=1e-4)
+    (g_ours,) = torch.autograd.grad(ours.sum(), h32)
+    (g_ref,) = torch.autograd.grad(ref_tokens.sum(), hidden)
+    torch.testing.assert_close(g_ours.double(), g_ref, rtol=1e-4, atol=1e-3)
+
+
 def test_matches_torch_cross_entropy_mean_directly():
     hidden, weight, labels = make_case()
     ref = F.cross_entropy(hidden.reshape(-1, 12) @ weight.t(), labels.reshape(-1), ignore_index=-100)
