@@ -78,6 +78,23 @@ def test_extreme_logits_float32_loss_and_gradient_match_float64():
     torch.testing.assert_close(g_ours.double(), g_ref, rtol=1e-4, atol=1e-3)
 
 
+def test_softmax_cross_entropy_in_place_on_contiguous_and_strided_buffers():
+    """The in-place softmax kernel is used on contiguous buffers only; a strided one (a transposed
+    view) takes the copy path. Both give F.cross_entropy's loss and softmax - onehot."""
+    from maximus.losses.linear_cross_entropy import softmax_cross_entropy_
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(8, 50, generator=g) * 4
+    labels = torch.randint(0, 50, (8,), generator=g)
+    expected_grad = torch.softmax(logits, dim=1) - F.one_hot(labels, 50)
+    strided = torch.empty(50, 8).t()
+    for buf in (logits.clone(), strided.copy_(logits)):
+        loss, lse, grad = softmax_cross_entropy_(buf, labels, torch.ones(8), 0.0, True, scaled=False)
+        torch.testing.assert_close(loss, F.cross_entropy(logits, labels, reduction="none"))
+        torch.testing.assert_close(lse, torch.logsumexp(logits, dim=1))
+        torch.testing.assert_close(grad, expected_grad)
+
+
 def test_matches_torch_cross_entropy_mean_directly():
     hidden, weight, labels = make_case()
     ref = F.cross_entropy(hidden.reshape(-1, 12) @ weight.t(), labels.reshape(-1), ignore_index=-100)

@@ -183,7 +183,10 @@ def softmax_cross_entropy_(logits: torch.Tensor, labels: torch.Tensor, token_wei
         raise ValueError("softmax_cross_entropy_: an unscaled gradient needs z_loss == 0")
     target = logits.gather(1, labels[:, None]).squeeze(1)
     row_max = logits.amax(dim=1)
-    probs = torch.ops.aten._softmax.out(logits, 1, False, out=logits)  # row-wise: safe in place
+    if logits.is_contiguous():  # each row is read before it is written: safe in place
+        probs = torch.ops.aten._softmax.out(logits, 1, False, out=logits)
+    else:  # the out= kernel mishandles strided outputs (pytorch/pytorch#75923)
+        probs = logits.copy_(torch.softmax(logits, dim=1))
     lse = row_max - probs.amax(dim=1).log()
     loss = lse - target
     if z_loss:
