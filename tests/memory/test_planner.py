@@ -212,3 +212,20 @@ def _run(config, plan, batch, seq):
         with meter.track(model, optimizer):
             step()
     return meter.peak_bytes()
+
+
+def test_planned_loss_chunk_is_the_one_the_loss_would_pick():
+    """Full fine-tuning trains the head, whose chunks have a 512-token floor; adapters keep the
+    frozen-head default. The plan (which the trainer passes to the loss) and the estimate agree
+    with the loss module, so a budgeted full run is not forced onto small chunks."""
+    from maximus.losses.linear_cross_entropy import default_chunk_size
+
+    full = plan_for_budget(EIGHT_B, None, method="full", batch_size=1, seq_len=2048)
+    lora = plan_for_budget(EIGHT_B, None, method="lora", batch_size=1, seq_len=2048)
+    assert full.loss_chunk_size == default_chunk_size(2048, 128256, 2, trainable_head=True) == 512
+    assert lora.loss_chunk_size == default_chunk_size(2048, 128256, 2) == 256
+    # the estimate without an explicit chunk counts the same chunk as with it
+    for method, chunk in (("full", 512), ("lora", 256)):
+        implicit = estimate_peak(EIGHT_B, method=method, seq_len=2048)
+        explicit = estimate_peak(EIGHT_B, method=method, seq_len=2048, loss_chunk_tokens=chunk)
+        assert implicit.breakdown == explicit.breakdown

@@ -301,11 +301,12 @@ def _targets(shape: ModelShape, lora_targets: str | Sequence[str]) -> list[str]:
     return known
 
 
-def default_loss_chunk(num_tokens: int, vocab_size: int, dtype_bytes: int) -> int:
-    """Tokens per chunk the exact loss uses when none is given (the loss module's default)."""
+def default_loss_chunk(num_tokens: int, vocab_size: int, dtype_bytes: int, trainable_head: bool = False) -> int:
+    """Tokens per chunk the exact loss uses when none is given (the loss module's default; a
+    trainable head, as in full fine-tuning, has a larger floor)."""
     from maximus.losses.linear_cross_entropy import default_chunk_size
 
-    return default_chunk_size(num_tokens, vocab_size, dtype_bytes)
+    return default_chunk_size(num_tokens, vocab_size, dtype_bytes, trainable_head)
 
 
 def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "bf16", micro_batch: int = 1,
@@ -447,7 +448,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         # the loss): 12 bytes per logit at the start of backward (10 during forward).
         loss = T * V * 12
     else:
-        chunk = loss_chunk_tokens or default_loss_chunk(T, V, b)
+        chunk = loss_chunk_tokens or default_loss_chunk(T, V, b, trainable_head=not adapter)
         chunk = max(1, min(chunk, T))
         per_logit = 4 + (b if b < 4 else 0)
         if loss_mode == "exact":
@@ -496,7 +497,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
 
     chunk_ratio = 1.0
     if loss_mode != "naive":
-        chunk_ratio = max(1.0, default_loss_chunk(T, V, b) / max(1, min(loss_chunk_tokens or T, T)))
+        chunk_ratio = max(1.0, default_loss_chunk(T, V, b, trainable_head=not adapter)
+                          / max(1, min(loss_chunk_tokens or T, T)))
     flops, tps = _throughput(shape, method, T, seq_len, policy, offload_activations, offload_optimizer,
                              loss_mode, trainable, grad_accum, device_type, chunk_ratio)
     settings = dict(method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,

@@ -176,7 +176,7 @@ def _candidates(shape, *, methods, micro_batches, checkpointings, offload_act_op
                         continue  # only checkpointed layer inputs can be offloaded
                     for off_opt in offload_opt_options:
                         for opt in optimizers:
-                            for chunk in chunks_for(mb):
+                            for chunk in chunks_for(mb, method):
                                 yield dict(method=method, micro_batch=mb, checkpointing=gc, offload_activations=off_act,
                                            offload_optimizer=off_opt, optimizer=opt, loss_mode=loss_mode,
                                            loss_chunk_tokens=chunk)
@@ -228,13 +228,14 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     optimizers = [optimizer] + (["adamw_8bit"] if "adamw_8bit" in allow and optimizer == "adamw" else [])
     b = DTYPE_BYTES[dtype]
 
-    def chunks_for(mb: int) -> list[int | None]:
+    def chunks_for(mb: int, method: str) -> list[int | None]:
         if loss_mode == "naive":
             return [None]
         if isinstance(loss_chunk_size, int):
             return [loss_chunk_size]
         tokens = mb * seq_len
-        default = default_loss_chunk(tokens, shape.vocab_size, b)
+        # Full fine-tuning trains the head: its chunks have a larger floor (the loss's own default).
+        default = default_loss_chunk(tokens, shape.vocab_size, b, trainable_head=method == "full")
         if "loss_chunk" not in allow:
             return [default]
         smaller = [c for c in (1024, 512, 256, 128, 64, 32) if c < default]
