@@ -105,9 +105,8 @@ def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, to
     trainer = Trainer(cfg)
     trainer.setup()
     if train_mode:
-        # Preview of a trainer fix: `from_pretrained` returns the model in eval mode and
-        # `Trainer.setup` does not call `model.train()`, so checkpointed layers (which recompute
-        # only when `module.training`) save their activations as if checkpointing were off.
+        # Redundant since session 1's fix (`Trainer.setup` now calls `model.train()`); kept so the
+        # `+train` policies of old command lines still run.
         trainer.model.train()
 
     def set_rows(ids, positions=None):
