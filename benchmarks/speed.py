@@ -131,8 +131,14 @@ def worker(args) -> dict:
                 times.append(time.perf_counter() - t0)
                 cpu.append(time.process_time() - c0)
         peak = torch.cuda.max_memory_allocated() if cuda else None
+    predicted = None
+    if cuda and args.impl == "maximus":  # the planner's estimate of this very step, to check it on a GPU
+        from maximus.memory import estimate_peak
+
+        predicted = estimate_peak(SHAPES[args.shape], method=args.method, seq_len=args.seq, checkpointing="off",
+                                  loss_mode="exact", device="cuda").peak_bytes
     return {"impl": args.impl, "step_s": times, "cpu_s": cpu, "losses": losses, "kernels": kernels,
-            "threads": torch.get_num_threads(), "peak_bytes": peak,
+            "threads": torch.get_num_threads(), "peak_bytes": peak, "predicted_peak_bytes": predicted,
             "rate": max(rate, matmul_rate(args.threads, device=args.device))}
 
 
@@ -227,7 +233,8 @@ def main(argv=None) -> int:
             summary[impl] = {"tokens_per_s": args.seq / med, "tokens_per_cpu_s": args.seq / statistics.median(cpu),
                              "mfu": flops / med / peak, "loss": results[0]["losses"][0], "step_s": med,
                              "kernels": results[0]["kernels"], "peak_rate": peak,
-                             "peak_bytes": max((r["peak_bytes"] or 0) for r in results) or None}
+                             "peak_bytes": max((r["peak_bytes"] or 0) for r in results) or None,
+                             "predicted_peak_bytes": results[0].get("predicted_peak_bytes")}
         rows.append((doc_len, summary))
     rate = max(s["peak_rate"] for _, summary in rows for s in summary.values())
     where = "on CUDA" if args.device == "cuda" else f"at {args.threads} threads"
@@ -248,6 +255,12 @@ def main(argv=None) -> int:
             value, base = extra[1](s), extra[1](peer)
             print(f"| {docs} | {name} | {s['step_s']:.2f} | {s['tokens_per_s']:,.0f} | {s['tokens_per_s'] / peer['tokens_per_s']:.2f}x | "
                   f"{value:,.1f} | {value / base:.2f}x | {s['mfu']:.1%} | {s['loss']:.4f} |")
+    for doc_len, summary in rows:
+        ours = summary["maximus"]
+        if ours.get("predicted_peak_bytes") and ours.get("peak_bytes"):
+            print(f"\nplanner check ({doc_len or args.seq}-token documents): predicted peak "
+                  f"{ours['predicted_peak_bytes'] / 2**30:.2f} GiB, measured {ours['peak_bytes'] / 2**30:.2f} GiB "
+                  f"({ours['predicted_peak_bytes'] / ours['peak_bytes'] - 1:+.1%})")
     if args.json:
         args.json.write_text(json.dumps({"rate": rate, "rows": rows}, indent=1))
     return 0
