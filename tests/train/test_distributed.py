@@ -6,17 +6,14 @@
   one-process run's, so checkpoints move between world sizes and strategies.
 - The strategy choice and the batch check, without launching anything.
 
-`run_two_ranks` launches every 2-process test (test_distributed*.py import it): each rank's stdout and stderr go
-whole into files under a log folder (torchrun's --redirects/--tee), and a failure's message holds
-all of them, so a rare crash can be diagnosed from the test report alone.
+Every 2-process test launches through `two_ranks.run_two_ranks` (tests/two_ranks.py): each rank's
+stdout and stderr go whole into files under a log folder, and a failure's message holds all of them,
+so a rare crash can be diagnosed from the test report alone.
 """
 import json
 import os
-import re
 import shutil
-import signal
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -29,6 +26,7 @@ from maximus.errors import ConfigError
 from maximus.train.distributed import QLORA_FSDP_NOTICE, DistEnv, choose_strategy
 
 from tiny import build_tiny_model_dir, tiny_config, write_prompt_completion
+from two_ranks import rank_report, run_two_ranks
 
 STEPS = 4
 
@@ -37,49 +35,6 @@ def _cfg(model: Path, data: Path, out: Path, **training) -> dict:
     # eval.before off (the resumed run skips it anyway); the split stays so every run trains on the same rows.
     return tiny_config(model, data, out, training={"max_steps": STEPS, "save_every": 2, "keep_checkpoints": 5, **training},
                        eval={"split": 0.1, "before": False})
-
-
-# torchrun's copy of a worker line ("[rank1]:...", see run_two_ranks): the rank files hold them whole.
-_TEED_LINE = re.compile(r"^\[rank\d+\]:")
-
-
-def run_two_ranks(args: list[str], logs: Path, *, env: dict[str, str], timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=2 ARGS`. Each rank's stdout and stderr are written
-    whole to files under `logs` (what C++ prints at a crash included: the redirect is of the
-    process's file descriptors) and also copied, line by line with a ``[rankN]:`` prefix, to
-    torchrun's own stderr (what a user sees). Past `timeout_s` torchrun gets SIGTERM, which stops
-    its workers (each runs in its own session, out of reach of a kill of torchrun's group), and the
-    test fails with every rank's output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
-           "--log-dir", str(logs), "--redirects", "3", "--tee", "3", *args]
-    env = {**env, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"}
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
-    try:
-        out, err = proc.communicate(timeout=timeout_s)
-    except subprocess.TimeoutExpired:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            out, err = proc.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            out, err = proc.communicate()
-        done = subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-        raise AssertionError(f"torchrun did not finish within {timeout_s:.0f} s\n{rank_report(done, logs)}") from None
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
-
-
-def rank_report(proc: subprocess.CompletedProcess, logs: Path) -> str:
-    """Everything a `run_two_ranks` run printed, whole: torchrun's exit status and its own lines
-    (its summary names each failed rank's exit code or signal), then each rank's stderr and stdout."""
-    agent = [line for line in (proc.stderr or "").splitlines() if not _TEED_LINE.match(line)]
-    parts = [f"torchrun exit status {proc.returncode}; rank logs under {logs}",
-             "----- torchrun stderr (worker lines left out: see the rank files) -----", *agent]
-    # torchrun's layout: LOGS/<run id>/attempt_<n>/<local rank>/{stdout,stderr}.log
-    for path in sorted(logs.glob("*/attempt_*/*/std*.log"), key=lambda p: (p.parent.parent.name, int(p.parent.name), p.name)):
-        text = path.read_text(errors="replace")
-        if text.strip():
-            parts += [f"----- rank {path.parent.name} {path.stem} ({path.parent.parent.name}, whole) -----", text.rstrip()]
-    return "\n".join(parts)
 
 
 def _torchrun(cfg: dict, tmp: Path) -> subprocess.CompletedProcess:

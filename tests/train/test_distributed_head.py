@@ -81,11 +81,14 @@ def _worker(out: Path) -> None:
             result = _train(model, rank, world)
         state = full_trainable_state(model, keep=rank == 0)
         torch.save({**result, "state": state, "layout": layout}, out / f"tie{int(tie)}_rank{rank}.pt")
+    # Leave together, as DistEnv.shutdown does: a rank exiting right after its collectives can
+    # abort in interpreter shutdown while a gloo thread still releases a backward's work.
+    dist.barrier()
     dist.destroy_process_group()
 
 
 def test_fsdp2_shards_the_head_and_equals_one_process(tmp_path):
-    from test_distributed import rank_report, run_two_ranks
+    from two_ranks import rank_report, run_two_ranks
 
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = run_two_ranks([__file__, str(tmp_path)], tmp_path / "logs", env=env)

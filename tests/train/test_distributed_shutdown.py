@@ -28,7 +28,7 @@ def test_a_failing_rank_stops_both_and_keeps_rank_0_outputs(tmp_path):
     from maximus.train.checkpoint import latest_good_checkpoint, list_checkpoints
     from maximus.train.lock import RunLock
 
-    from test_distributed import rank_report, run_two_ranks
+    from two_ranks import rank_report, run_two_ranks
     from tiny import build_tiny_model_dir, tiny_config, write_prompt_completion
 
     model = build_tiny_model_dir(tmp_path / "model", "llama")

@@ -193,12 +193,34 @@ class DistEnv:
         if self.is_main:
             print(text, file=sys.stderr, flush=True)
 
-    def shutdown(self) -> None:
+    def shutdown(self, *, clean: bool | None = None) -> None:
+        """Leave the world: remove the gradient hooks and destroy the process group.
+
+        After a clean finish (`clean`; by default: no exception is on its way out) every rank
+        first waits at a barrier, so the ranks leave together. Without it a non-main rank reaches
+        interpreter exit milliseconds after its last collective while rank 0 still writes the
+        outputs, and a gloo worker thread may still be releasing a collective launched in backward
+        (DDP's bucket all-reduce, FSDP2's reduce-scatter): the work holds the backward's Python
+        context, releasing it takes the GIL, and a thread taking the GIL in a finalizing
+        interpreter is ended by pthread_exit, which aborts the process ("terminate called without
+        an active exception", SIGABRT: gloo's runLoop -> ~AsyncWork -> ~ThreadLocalState ->
+        SafePyObject decref -> take_gil -> PyThread_exit_thread). The barrier waits with the GIL
+        released, so those releases finish first. After an error there is no barrier: a
+        peer may be stuck in a collective (the process group's timeout ends it), and a barrier
+        that fails is ignored (the run's outcome is already decided)."""
         for handle in self._hooks:
             handle.remove()
         self._hooks = []
-        if self.enabled and dist.is_initialized():
-            dist.destroy_process_group()
+        if not (self.enabled and dist.is_initialized()):
+            return
+        if clean is None:
+            clean = sys.exc_info()[1] is None
+        if clean:
+            try:
+                dist.barrier()
+            except RuntimeError:  # a peer already gone (torch's DistError is a RuntimeError): nothing left to wait for
+                pass
+        dist.destroy_process_group()
 
 
 def init() -> DistEnv:

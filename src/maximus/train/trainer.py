@@ -337,6 +337,7 @@ class Trainer:
     def train(self) -> dict:
         started = time.time()
         lock = None
+        finished = False  # True once training returned: the ranks then leave together (DistEnv.shutdown)
         try:
             self.setup()
             # Rank 0 owns output_dir; the others go on only once it holds the lock (and the
@@ -352,12 +353,14 @@ class Trainer:
                 raise error or MaximusError("rank 0 could not start this run", "see rank 0's error")
             with self.dist.session():
                 self.objective.prepare(self)  # may write into output_dir (DPO reference cache): after the lock
-                return self._train(started)
+                summary = self._train(started)
+            finished = True
+            return summary
         finally:
             if lock:
                 lock.release()
             if hasattr(self, "dist"):
-                self.dist.shutdown()  # destroys the process group, also after an error
+                self.dist.shutdown(clean=finished)  # destroys the process group, also after an error
 
     def _train(self, started: float) -> dict:
         cfg, run_dir = self.cfg, self.run_dir
