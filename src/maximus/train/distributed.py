@@ -137,10 +137,10 @@ class DistEnv:
         if notice:
             self.say(notice)
         if strategy == "fsdp":
-            # Only the SFT loss runs through `objective.through_head`; other objectives read the
-            # head directly, so it stays whole for them.
+            # The SFT and DPO losses run through `objective.through_head`, which gathers a sharded
+            # head; the contrastive loss never reads the head, so it is left whole (and idle).
             self._hooks = shard_with_fsdp2(model, self.device, dtype, self.world_size,
-                                           shard_head=getattr(cfg, "objective", "sft") == "sft")
+                                           shard_head=getattr(cfg, "objective", "sft") in ("sft", "dpo"))
         self.strategy = strategy
         return strategy
 
