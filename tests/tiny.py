@@ -7,6 +7,7 @@ import json
 import random
 from pathlib import Path
 
+import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
@@ -15,16 +16,18 @@ _WORDS = "red green blue gold stone river cloud tiger eagle maple north south".s
 
 
 def build_tiny_model_dir(path: Path, arch: str = "llama", *, hidden: int = 64, layers: int = 2, seed: int = 0,
-                         tie: bool = False) -> Path:
-    """A random `arch` causal LM (2 layers, hidden 64, GQA) with a trained byte-level BPE tokenizer."""
+                         tie: bool = False, heads: int = 4, kv_heads: int = 2, max_positions: int = 512,
+                         texts: list[str] | None = None) -> Path:
+    """A random `arch` causal LM (2 layers, hidden 64, GQA) with a byte-level BPE tokenizer trained
+    on `texts` (default: the tokenizer module's own sample)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
                               Qwen2ForCausalLM)
 
     from maximus.data.tiny_tokenizer import build_tiny_tokenizer
 
-    tok = build_tiny_tokenizer(vocab_size=300)
+    tok = build_tiny_tokenizer(texts, vocab_size=300)
     common = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
-                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  num_attention_heads=heads, num_key_value_heads=kv_heads, max_position_embeddings=max_positions,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
                   tie_word_embeddings=tie)
     cls = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
@@ -36,6 +39,16 @@ def build_tiny_model_dir(path: Path, arch: str = "llama", *, hidden: int = 64, l
     return path
 
 
+
+
+@pytest.fixture(scope="module")
+def one_thread():
+    """Tiny shapes gain nothing from threads, and on a shared 2-core machine they lose a lot.
+    Use it module-wide with `pytestmark = pytest.mark.usefixtures("one_thread")`."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 def write_prompt_completion(path: Path, n: int = 64, seed: int = 0) -> Path:

@@ -13,14 +13,9 @@ from maximus.errors import ModelError
 from maximus.memory import KNOWN_SHAPES, estimate_peak, measure_step_peak, model_shape
 from maximus.memory.estimate import layer_activation_bytes_per_token, load_model_config
 from maximus.memory.meter import unique_storage_bytes
+from tiny import one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
-@pytest.fixture(autouse=True, scope="module")
-def one_thread():
-    """Tiny models run fastest on one thread (and do not fight other tests for cores)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 TINY = dict(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=2, num_attention_heads=4,

@@ -14,10 +14,10 @@ import torch.nn.functional as F
 
 import maximus
 from maximus.data import build_datasets, collate
-from maximus.data.tiny_tokenizer import build_tiny_tokenizer
 from maximus.errors import ConfigError
 from maximus.losses.preference import dpo_loss
 from maximus.train.preference import CACHE_FILE, PreferenceObjective, pair_keys, row_lengths
+from tiny import build_tiny_model_dir, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
 WORDS = "apple banana cherry grape lemon mango olive peach pear plum river stone cloud storm".split()
 
@@ -33,30 +33,16 @@ def pairs(n, seed=0):
     return out
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny shapes gain nothing from threads, and on a shared 2-core machine they lose a lot."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
     """A tiny random Llama + tokenizer saved to disk, and a jsonl of preference pairs."""
-    from transformers import LlamaConfig, LlamaForCausalLM
-
     root = tmp_path_factory.mktemp("dpo")
     records = pairs(40)
-    tok = build_tiny_tokenizer([r["prompt"] + r["chosen"] for r in records], vocab_size=300)
-    config = LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                         num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=64,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(str(root / "model"), safe_serialization=True)
-    tok.save_pretrained(str(root / "model"))
+    build_tiny_model_dir(root / "model", hidden=32, heads=2, kv_heads=1, max_positions=64,
+                         texts=[r["prompt"] + r["chosen"] for r in records])
     data = root / "pairs.jsonl"
     data.write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return root

@@ -89,7 +89,14 @@ def default_chunk_size(num_tokens: int, vocab_size: int, dtype_bytes: int, train
     logits would pass :data:`DEFAULT_CHUNK_LOGITS_BYTES`, but never fewer than
     :data:`MIN_CHUNK_TOKENS` (:data:`MIN_CHUNK_TOKENS_TRAINABLE_HEAD` when the weight needs a
     gradient), nor more than ``num_tokens``."""
-    per_token = _logits_bytes_per_token(vocab_size, dtype_bytes)
+    return chunk_for_bytes_per_token(num_tokens, _logits_bytes_per_token(vocab_size, dtype_bytes), trainable_head)
+
+
+def chunk_for_bytes_per_token(num_tokens: int, per_token: int, trainable_head: bool = False) -> int:
+    """The default-chunk rule for a loss whose chunk holds ``per_token`` working bytes per token:
+    :data:`DEFAULT_CHUNK_TOKENS`, fewer past :data:`DEFAULT_CHUNK_LOGITS_BYTES`, never under the
+    floor (:data:`MIN_CHUNK_TOKENS`, or :data:`MIN_CHUNK_TOKENS_TRAINABLE_HEAD`), never over
+    ``num_tokens``."""
     floor = MIN_CHUNK_TOKENS_TRAINABLE_HEAD if trainable_head else MIN_CHUNK_TOKENS
     chunk = max(floor, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_LOGITS_BYTES // max(per_token, 1)))
     return int(max(1, min(num_tokens, chunk)))

@@ -61,14 +61,11 @@ import torch
 
 from maximus.errors import ConfigError
 from maximus.losses.linear_cross_entropy import (
-    DEFAULT_CHUNK_LOGITS_BYTES,
-    DEFAULT_CHUNK_TOKENS,
-    MIN_CHUNK_TOKENS,
-    MIN_CHUNK_TOKENS_TRAINABLE_HEAD,
     WEIGHT_GRAD_BLOCK_ROWS,
     _flatten,
     _stats_dtype,
     cast_for_matmul,
+    chunk_for_bytes_per_token,
     linear_cross_entropy,
     soft_cap_,
     soft_cap_backward_,
@@ -197,9 +194,7 @@ def default_nested_chunk_size(num_tokens: int, vocab_size: int, dtype_bytes: int
     floors (64 tokens; 512 with a trainable head, whose weight gradient is one ``V x H`` pass per
     chunk)."""
     per_token = vocab_size * (dtype_bytes + max(dtype_bytes, 4) + (levels - 1) * dtype_bytes)
-    floor = MIN_CHUNK_TOKENS_TRAINABLE_HEAD if trainable_head else MIN_CHUNK_TOKENS
-    chunk = max(floor, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_LOGITS_BYTES // max(per_token, 1)))
-    return int(max(1, min(num_tokens, chunk)))
+    return chunk_for_bytes_per_token(num_tokens, per_token, trainable_head)
 
 
 def _add_weight_grad(grad_weight: torch.Tensor | None, g: torch.Tensor, h: torch.Tensor, cols: slice) -> None:

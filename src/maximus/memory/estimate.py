@@ -442,14 +442,15 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     acts = int(T * (stored + head_acts))
 
     # -- loss working set -----------------------------------------------------------------------
+    # The chunk the loss uses when none is given (a trainable head has a larger floor).
+    default_chunk = default_loss_chunk(T, V, b, trainable_head=not adapter)
     if loss_mode == "naive":
         # Transformers' loss: float32 logits, log-softmax output and, in backward, its incoming
         # and outgoing gradients; the 16-bit logits die after forward (the trainer keeps only
         # the loss): 12 bytes per logit at the start of backward (10 during forward).
         loss = T * V * 12
     else:
-        chunk = loss_chunk_tokens or default_loss_chunk(T, V, b, trainable_head=not adapter)
-        chunk = max(1, min(chunk, T))
+        chunk = max(1, min(loss_chunk_tokens or default_chunk, T))
         per_logit = 4 + (b if b < 4 else 0)
         if loss_mode == "exact":
             width = V
@@ -497,8 +498,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
 
     chunk_ratio = 1.0
     if loss_mode != "naive":
-        chunk_ratio = max(1.0, default_loss_chunk(T, V, b, trainable_head=not adapter)
-                          / max(1, min(loss_chunk_tokens or T, T)))
+        chunk_ratio = max(1.0, default_chunk / max(1, min(loss_chunk_tokens or T, T)))
     flops, tps = _throughput(shape, method, T, seq_len, policy, offload_activations, offload_optimizer,
                              loss_mode, trainable, grad_accum, device_type, chunk_ratio)
     settings = dict(method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,

@@ -193,10 +193,10 @@ class DistEnv:
         if self.is_main:
             print(text, file=sys.stderr, flush=True)
 
-    def shutdown(self, *, clean: bool | None = None) -> None:
+    def shutdown(self, *, clean: bool) -> None:
         """Leave the world: remove the gradient hooks and destroy the process group.
 
-        After a clean finish (`clean`; by default: no exception is on its way out) every rank
+        After a clean finish (`clean`: training returned) every rank
         first waits at a barrier, so the ranks leave together. Without it a non-main rank reaches
         interpreter exit milliseconds after its last collective while rank 0 still writes the
         outputs, and a gloo worker thread may still be releasing a collective launched in backward
@@ -213,8 +213,6 @@ class DistEnv:
         self._hooks = []
         if not (self.enabled and dist.is_initialized()):
             return
-        if clean is None:
-            clean = sys.exc_info()[1] is None
         if clean:
             try:
                 dist.barrier()
