@@ -293,7 +293,7 @@ class Config(_Section):
     objective: Literal["sft", "dpo", "contrastive"] = Field("sft", description="Supervised fine-tuning, preference tuning on (prompt, chosen, rejected), or embedding training on (query, positive) pairs.")
     output_dir: str | None = Field(None, description="Run directory; default runs/<model name>.")
     tokenizer: str | None = Field(None, description="Tokenizer id or directory; default: the model's.")
-    init_adapter: str | None = Field(None, description="Start from an existing PEFT adapter directory (e.g. DPO on top of an SFT run).")
+    init_adapter: str | None = Field(None, description="Start from an existing PEFT LoRA adapter directory (e.g. DPO on top of an SFT run). LoRA / QLoRA train it further: `lora.*` keys not written in the config come from the adapter, a written shape key (`r`, `alpha`, `target_modules`, `use_dora`, `use_rslora`) must match it, a written `lora.dropout` applies, and `lora.modules_to_save` and the Kronecker sketches are trained besides its own modules. `method: full` merges it into the base and trains every weight.")
     trust_remote_code: bool = Field(False, description="Allow model code from the hub (off unless you trust it).")
     allow_pickle: bool = Field(False, description="Allow loading .bin/.pt (pickle) weights; safetensors only by default.")
     device: Literal["auto", "cpu", "cuda", "mps"] = Field("auto", description="Training device: `auto` = cuda, then mps, then cpu.")

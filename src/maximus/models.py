@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from maximus.config import Config
-from maximus.errors import ModelError
+from maximus.errors import ConfigError, ModelError
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -132,19 +132,102 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
     return model
 
 
+#: `lora.*` keys that fix an adapter's shape, and the LoraConfig field each one is saved as.
+_ADAPTER_SHAPE_KEYS = {"r": "r", "alpha": "lora_alpha", "target_modules": "target_modules",
+                       "use_dora": "use_dora", "use_rslora": "use_rslora"}
+
+
+def _targeted_linears(model, spec) -> set[str]:
+    """Qualified names of the linear layers a LoRA `target_modules` spec selects, by PEFT's rules:
+    `all-linear` = every linear but the output head, another string = a full regex match, a list =
+    names equal to an entry or ending in `.entry`."""
+    import re
+
+    head = causal_lm_of(model).get_output_embeddings()
+    names = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
+    if spec == "all-linear":
+        return names
+    if isinstance(spec, str):
+        return {n for n in names if re.fullmatch(spec, n)}
+    return {n for n in names if any(n == t or n.endswith("." + t) for t in spec)}
+
+
+def init_adapter_config(model, cfg: Config):
+    """The saved LoraConfig of `cfg.init_adapter`, with the config's trainable settings applied.
+
+    The adapter keeps the shape it was trained with: a shape key (`lora.r`, `alpha`,
+    `target_modules`, `use_dora`, `use_rslora`) written in the config must match it. `lora.dropout`
+    written in the config replaces the saved dropout (`apply_adapter` adds `lora.modules_to_save`
+    and the Kronecker sketches to the adapter's own). Keys not written in the config come from the
+    adapter.
+
+    Raises:
+        ModelError: no PEFT LoRA adapter at the path.
+        ConfigError: a shape key written in the config differs from the adapter's.
+    """
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import PeftConfig
+
+    path = Path(cfg.init_adapter)
+    if not (path / "adapter_config.json").is_file():
+        raise ModelError(f"init_adapter: no PEFT adapter at {path} (adapter_config.json missing)",
+                         "point it at a run's adapter/ directory")
+    saved = PeftConfig.from_pretrained(str(path))
+    if not isinstance(saved, PeftLoraConfig):
+        raise ModelError(f"init_adapter: {path} holds a {saved.peft_type} adapter, not LoRA",
+                         "point it at an adapter written by Maximus or PEFT's LoraConfig")
+    written = cfg.lora.model_fields_set
+    for key, attr in _ADAPTER_SHAPE_KEYS.items():
+        if key not in written:
+            continue
+        want, have = getattr(cfg.lora, key), getattr(saved, attr)
+        if key == "target_modules":
+            targeted = _targeted_linears(model, have)
+            same = _targeted_linears(model, want) == targeted
+            have = sorted({n.rsplit(".", 1)[-1] for n in targeted})
+        else:
+            same = want == have
+        if not same:
+            raise ConfigError(f"lora.{key}: {want} differs from the init_adapter {path} ({attr}: {have})",
+                              f"an adapter keeps the shape it was trained with: drop lora.{key}, "
+                              "or train a new adapter without init_adapter")
+    if "dropout" in written:
+        saved.lora_dropout = cfg.lora.dropout
+    saved.inference_mode = False
+    return saved
+
+
+def _train_more_modules(peft_model, names: list[str]) -> None:
+    """Wrap `names` (not in the loaded adapter) in PEFT's ModulesToSaveWrapper: trained in full and
+    saved with the adapter from now on. The adapter's own copies are left as loaded."""
+    import copy
+
+    from peft.utils import set_additional_trainable_modules
+
+    config = peft_model.peft_config["default"]
+    new = [n for n in names if n not in (config.modules_to_save or [])]
+    if not new:
+        return
+    only_new = copy.copy(config)
+    only_new.modules_to_save = new
+    set_additional_trainable_modules(model=peft_model.base_model, peft_config=only_new, model_config=None,
+                                     adapter_name="default")
+    config.modules_to_save = list(config.modules_to_save or []) + new
+
+
 def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[str] | None = None):
-    """Wrap the base in a PEFT adapter (LoRA / DoRA / rsLoRA), or load `init_adapter` trainable."""
+    """Wrap the base in a PEFT adapter (LoRA / DoRA / rsLoRA), or load `init_adapter` trainable
+    (with the config's dropout and modules_to_save, see `init_adapter_config`)."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     if method == "qlora":
         # PEFT's recipe: norms and other small params to fp32, input grads on. Checkpointing is ours.
         model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=False)
     if cfg.init_adapter:
-        path = Path(cfg.init_adapter)
-        if not (path / "adapter_config.json").is_file():
-            raise ModelError(f"init_adapter: no PEFT adapter at {path} (adapter_config.json missing)",
-                             "point it at a run's adapter/ directory")
-        return PeftModel.from_pretrained(model, str(path), is_trainable=True)
+        config = init_adapter_config(model, cfg)
+        peft_model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True, config=config)
+        _train_more_modules(peft_model, list(cfg.lora.modules_to_save) + list(extra_modules_to_save or []))
+        return peft_model
     targets = cfg.lora.target_modules
     modules_to_save = list(cfg.lora.modules_to_save) + list(extra_modules_to_save or [])
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
@@ -157,12 +240,23 @@ def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[s
                          "use all-linear or names of linear layers such as q_proj, v_proj") from None
 
 
+def merge_init_adapter(model, cfg: Config):
+    """`method: full` from `init_adapter`: the adapter merged into the base weights, all of them
+    then trained (the adapter's modules_to_save copies replace their modules)."""
+    from peft import PeftModel
+
+    config = init_adapter_config(model, cfg)
+    return PeftModel.from_pretrained(model, cfg.init_adapter, config=config).merge_and_unload()
+
+
 def load_model(cfg: Config, *, device: torch.device | None = None, method: str | None = None, for_training: bool = True,
                tokenizer=None):
     """Load `(model, tokenizer)` with quantization, attention swap and adapters applied.
 
-    `method` overrides `cfg.method` (the planner resolves `auto`). Raises ModelError for a missing
-    model, pickle-only weights, bad target modules or a bad init adapter.
+    `method` overrides `cfg.method` (the planner resolves `auto`). `init_adapter` is loaded
+    trainable for LoRA / QLoRA and merged into the base for `method: full`.
+    Raises ModelError for a missing model, pickle-only weights, bad target modules or a bad init
+    adapter; ConfigError for a `lora.*` shape key that contradicts the init adapter.
     """
     from maximus.builtin import resolve
 
@@ -201,6 +295,8 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
                 if p.requires_grad and p.dtype != torch.float32:
                     p.data = p.data.float()
     else:
+        if cfg.init_adapter:
+            model = merge_init_adapter(model, cfg)
         model.requires_grad_(True)
     if not for_training:
         model.eval()
