@@ -56,7 +56,7 @@ def measure(shape: str, method: str, seq: int, world: int, rank: int) -> dict:
     from torch.utils._pytree import tree_leaves
 
     from maximus.memory.meter import MemoryMeter, unique_storage_bytes
-    from maximus.train.objective import sft_loss_sum
+    from maximus.forward import sft_loss_sum
 
     model = build(shape, method)
     if world > 1:

@@ -401,7 +401,7 @@ def reference_aux_cost(seq_len: int, reps: int, fractions: list[float] = (1.0,),
 
     from _reference_model import build_reference_model
     from maximus.config import MatryoshkaConfig
-    from maximus.train.objective import hidden_states, output_head, shift_labels, sft_loss_sum, token_loss_sum
+    from maximus.forward import hidden_states, output_head, shift_labels, sft_loss_sum, token_loss_sum
 
     model = get_peft_model(build_reference_model(torch.bfloat16),
                            LoraConfig(r=16, lora_alpha=32, target_modules="all-linear"))

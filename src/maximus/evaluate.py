@@ -9,18 +9,10 @@
 from __future__ import annotations
 
 import math
-from contextlib import nullcontext
 
 import torch
 
-from maximus.train.objective import IGNORE_INDEX, sft_loss_sum
-
-
-def autocast_for(device: torch.device, dtype: torch.dtype):
-    """Mixed precision for the frozen-base / fp32-adapter combination; a no-op in fp32."""
-    if dtype == torch.float32:
-        return nullcontext()
-    return torch.autocast(device_type=device.type, dtype=dtype)
+from maximus.forward import IGNORE_INDEX, autocast_for, sft_loss_sum
 
 
 @torch.no_grad()

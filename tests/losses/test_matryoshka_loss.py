@@ -84,7 +84,7 @@ def test_objective_adds_matryoshka_to_the_exact_loss():
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from maximus.config import MatryoshkaConfig
-    from maximus.train.objective import sft_loss_sum
+    from maximus.forward import sft_loss_sum
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
@@ -114,7 +114,7 @@ def test_objective_samples_tokens_for_the_ghost_and_exact_main_loss():
     from maximus.config import MatryoshkaConfig
     from maximus.losses.ghost_logit import ghost_logit_loss
     from maximus.losses.matryoshka import sampled_tokens
-    from maximus.train.objective import sft_loss_sum
+    from maximus.forward import sft_loss_sum
 
     torch.manual_seed(0)
     cfg = LlamaConfig(vocab_size=61, hidden_size=32, intermediate_size=64, num_hidden_layers=1,

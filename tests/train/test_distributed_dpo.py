@@ -1,6 +1,6 @@
 """DPO under FSDP2 with the output head sharded: 2 gloo processes equal one process.
 
-The DPO loss reads the head through `objective.through_head` (policy and adapter-off reference
+The DPO loss reads the head through `forward.through_head` (policy and adapter-off reference
 log-probs alike), so under FSDP2 the head is gathered for each call and its shards never hold more
 than half the vocabulary. Oracle: the same config trained by one process; per-step losses must
 agree to 1e-3 (the issue's bar), in practice to float32 rounding.

@@ -1,7 +1,7 @@
 """FSDP2 shards the output head too: 2 gloo processes equal one process, with the head split.
 
 The lean loss never calls the head's forward; `shard_with_fsdp2` gives the head a forward
-method the loss runs through (`objective.through_head`), so FSDP2 gathers the weight for the loss
+method the loss runs through (`forward.through_head`), so FSDP2 gathers the weight for the loss
 and reduce-scatters its gradient. Oracle: the same tiny Llama trained by one process (full
 fine-tuning, AdamW, 3 steps of 4 rows in micro-batches of 1). Checked per rank: the head is a
 DTensor holding half the vocabulary rows (untied) or stays whole (tied to the embedding: one
@@ -38,7 +38,7 @@ def _batches():
 def _train(model, rank: int, world: int) -> dict:
     """STEPS optimizer steps; each rank takes its contiguous rows, one micro-batch per row, and
     scales by world / (targets of the whole step), as the trainer does."""
-    from maximus.train.objective import sft_loss_sum
+    from maximus.forward import sft_loss_sum
 
     optimizer = torch.optim.AdamW(list(model.parameters()), lr=1e-2)
     losses = []

@@ -30,7 +30,7 @@ def test_exact_loss_equals_transformers_loss(arch, tiny_model_dirs, pc_data, tmp
 
 
 def test_packed_boundary_targets_are_ignored(tiny_llama, pc_data, tmp_path):
-    from maximus.train.objective import shift_labels
+    from maximus.forward import shift_labels
 
     labels = torch.tensor([[10, 11, 12, 20, 21, 22]])
     pos = torch.tensor([[0, 1, 2, 0, 1, 2]])

@@ -45,7 +45,7 @@ sample without replacement within each group, so the estimate of the prefix-loss
 (``E[sum_sampled n/m x_i] = sum_i x_i``). The main loss always sees every token. The exact and the
 ghost main loss get the same sample (:func:`matryoshka_loss_sum`), whatever the chunk size.
 
-The loss is a sum over tokens (like :func:`maximus.train.objective.token_loss_sum`): the trainer
+The loss is a sum over tokens (like :func:`maximus.forward.token_loss_sum`): the trainer
 divides the main loss and this one by the same token count of the whole optimizer step. No
 tokens x vocabulary tensor is ever held. What is not applied to the prefix logits: the head's
 bias and a Gemma-style logit soft cap (the prefix logits have a different scale from the full

@@ -29,7 +29,8 @@ from __future__ import annotations
 import torch
 
 from maximus.losses.matryoshka import active_dims, matryoshka_info_nce, normalized_prefix
-from maximus.train.objective import Objective, hidden_states
+from maximus.forward import hidden_states
+from maximus.train.objective import Objective
 from maximus.train.preference import row_lengths
 
 SIDES = ("query", "positive")
@@ -109,7 +110,7 @@ class ContrastiveObjective(Objective):
         (in-batch top-1), and `recall@k` / `recall@k/{d}d` over the whole held-out set (each
         query against every held-out positive) at the full width and at each prefix size."""
         from maximus.data import collate
-        from maximus.evaluate import autocast_for
+        from maximus.forward import autocast_for
 
         model, rows = trainer.model, trainer.data.eval
         size = int(self.plan["micro_batch_size"])

@@ -13,7 +13,7 @@ forever. The rest is what the trainer asks of the world:
   parameters, gradients and optimizer state with `torch.distributed.fsdp.fully_shard`: each
   decoder layer, the output head, then the decoder stack (embeddings, final norm) as the root.
   The lean loss reads the head's weight without a logits forward, so the head gets a forward
-  method FSDP2 hooks (`objective.through_head`). A head tied to the embedding, and the head of a
+  method FSDP2 hooks (`forward.through_head`). A head tied to the embedding, and the head of a
   non-SFT objective, stay whole on every rank; trainable parameters outside FSDP (such a head, a
   tied embedding) have their gradients averaged across ranks by a hook. bitsandbytes
   4-bit weights cannot be sharded by `fully_shard`, so QLoRA runs under DDP (one-line notice);
@@ -137,7 +137,7 @@ class DistEnv:
         if notice:
             self.say(notice)
         if strategy == "fsdp":
-            # The SFT and DPO losses run through `objective.through_head`, which gathers a sharded
+            # The SFT and DPO losses run through `forward.through_head`, which gathers a sharded
             # head; the contrastive loss never reads the head, so it is left whole (and idle).
             self._hooks = shard_with_fsdp2(model, self.device, dtype, self.world_size,
                                            shard_head=getattr(cfg, "objective", "sft") in ("sft", "dpo"))
@@ -308,8 +308,8 @@ def shard_with_fsdp2(model: torch.nn.Module, device: torch.device, dtype: torch.
     """`fully_shard` each decoder layer, the output head, then the decoder stack as the root, in place.
 
     The lean loss reads `head.weight` outside any logits forward, so the head gets a second
-    forward method (`objective.HEAD_FORWARD_METHOD`, registered with FSDP2) that the loss runs
-    through (`objective.through_head`): the whole head exists only while the loss runs (and again
+    forward method (`forward.HEAD_FORWARD_METHOD`, registered with FSDP2) that the loss runs
+    through (`forward.through_head`): the whole head exists only while the loss runs (and again
     in its backward), its gradient is reduce-scattered like the layers'. `shard_head=False` (an
     objective that reads the head without `through_head`) and a head tied to the embedding keep
     it whole on every rank (one weight cannot be in two FSDP units; the embedding's unit, the
@@ -350,7 +350,7 @@ def _shard_head(head: torch.nn.Module, mesh, mp) -> None:
 
     from torch.distributed.fsdp import fully_shard, register_fsdp_forward_method
 
-    from maximus.train.objective import HEAD_FORWARD_METHOD
+    from maximus.forward import HEAD_FORWARD_METHOD
 
     fully_shard(head, mesh=mesh, mp_policy=mp, reshard_after_forward=True)
     setattr(head, HEAD_FORWARD_METHOD, types.MethodType(_run_on_gathered_head, head))

@@ -1,135 +1,15 @@
-"""What one micro-batch costs: run the model to hidden states, then the loss takes the head's weight.
+"""What one micro-batch costs: the objectives the trainer runs (`sft`, `dpo`, `contrastive`).
 
-No tokens x vocabulary logits tensor exists anywhere in training with the default (`exact`) loss:
-the decoder returns hidden states and `maximus.losses.linear_cross_entropy` computes the
-cross-entropy chunk by chunk from `hidden @ head.weight.T`.
+The forward path they share (hidden states, output head, shifted labels, the loss sum) lives in
+`maximus.forward`: no tokens x vocabulary logits tensor exists anywhere in training with the
+default (`exact`) loss.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
-
 import torch
 
-from maximus.models import causal_lm_of
-
-IGNORE_INDEX = -100
-
-
-@dataclass
-class OutputHead:
-    """The effective output projection: weight [V, H] (a LoRA-wrapped head folds its delta in,
-    differentiably), optional bias [V] and Gemma-style final logit soft-capping."""
-
-    weight: torch.Tensor
-    bias: torch.Tensor | None
-    softcap: float | None
-
-
-def output_head(model) -> OutputHead:
-    lm = causal_lm_of(model)
-    head = lm.get_output_embeddings()
-    weight = _effective_weight(head)
-    bias = getattr(head, "bias", None)
-    if bias is None and hasattr(head, "base_layer"):
-        bias = getattr(head.base_layer, "bias", None)
-    softcap = getattr(lm.config, "final_logit_softcapping", None)
-    return OutputHead(weight, bias, softcap)
-
-
-def _effective_weight(head) -> torch.Tensor:
-    if hasattr(head, "base_layer") and hasattr(head, "get_delta_weight"):
-        # A PEFT LoRA layer on the head: W + sum of active deltas, so gradients reach the adapter.
-        weight = head.base_layer.weight
-        if not getattr(head, "merged", False) and not getattr(head, "disable_adapters", False):
-            for name in head.active_adapters:
-                if name in getattr(head, "lora_A", {}):
-                    weight = weight + head.get_delta_weight(name).to(weight.dtype)
-        return weight
-    if hasattr(head, "modules_to_save") and hasattr(head, "active_adapter"):
-        # PEFT ModulesToSaveWrapper: the trainable copy is the live head.
-        active = head.active_adapter if isinstance(head.active_adapter, str) else head.active_adapter[0]
-        if not getattr(head, "disable_adapters", False) and active in head.modules_to_save:
-            return head.modules_to_save[active].weight
-        return head.original_module.weight
-    return head.weight
-
-
-#: Name of the method a distributed wrapper may give the output head module: ``method(hidden,
-#: compute)`` returns ``compute(hidden)``, run as one of the head's forwards. FSDP2 registers it
-#: (`torch.distributed.fsdp.register_fsdp_forward_method`) on a sharded head, so the head's weight
-#: is gathered for the loss and its gradient reduce-scattered, although no logits forward runs.
-HEAD_FORWARD_METHOD = "maximus_head_forward"
-
-
-def through_head(model, hidden: torch.Tensor, compute):
-    """`compute(hidden)`, for a loss that reads the output head's weight (`output_head`): run
-    through the head's `HEAD_FORWARD_METHOD` when it has one (a sharded head), else directly."""
-    method = getattr(causal_lm_of(model).get_output_embeddings(), HEAD_FORWARD_METHOD, None)
-    return compute(hidden) if method is None else method(hidden, compute)
-
-
-def hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Final hidden states [B, T, H] of the decoder (after the final norm), never the logits."""
-    lm = causal_lm_of(model)
-    decoder = lm.get_decoder()
-    out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
-    return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
-
-
-def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
-    """Align labels with the hidden state that predicts them: target[t] = labels[t + 1].
-
-    In packed rows a new document starts where position_ids drop to 0; the last token of the previous
-    document must not be trained to predict it, so that target is ignored."""
-    target = torch.full_like(labels, IGNORE_INDEX)
-    target[:, :-1] = labels[:, 1:]
-    if position_ids is not None:
-        starts = position_ids[:, 1:] == 0
-        target[:, :-1] = target[:, :-1].masked_fill(starts, IGNORE_INDEX)
-    return target
-
-
-def token_loss_sum(hidden: torch.Tensor, head: OutputHead, target: torch.Tensor, *, mode: str = "exact",
-                   chunk_size: int | None = None, ghost: dict | None = None) -> torch.Tensor:
-    """Sum over non-ignored tokens of the next-token cross-entropy (divide by the token count of
-    the whole optimizer step outside, so gradient accumulation equals one big batch)."""
-    from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy
-
-    kwargs = dict(ignore_index=IGNORE_INDEX, reduction="sum", bias=head.bias, softcap=head.softcap)
-    weight = head.weight  # each loss casts hidden and weight to the matmul dtype once (matmul_dtype)
-    if mode == "naive":
-        return naive_cross_entropy(hidden, weight, target, **kwargs)
-    if mode == "ghost":
-        from maximus.losses.ghost_logit import ghost_logit_loss
-
-        # The ghost's chunk is how many tokens share one candidate set, not the exact loss's
-        # memory chunk: only a chunk size the user set explicitly is passed on (inside `ghost`).
-        return ghost_logit_loss(hidden, weight, target, **(ghost or {}), **kwargs)
-    return linear_cross_entropy(hidden, weight, target, chunk_size=chunk_size, **kwargs)
-
-
-def sft_loss_sum(model, batch: dict, *, mode: str = "exact", chunk_size: int | None = None,
-                 ghost: dict | None = None, matryoshka=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token losses, number of target tokens) for one micro-batch."""
-    position_ids = batch.get("position_ids")
-    hidden = hidden_states(model, batch["input_ids"], position_ids)
-    target = shift_labels(batch["labels"], position_ids)
-
-    def loss_of(hidden: torch.Tensor) -> torch.Tensor:
-        head = output_head(model)  # read inside: a sharded head is gathered only here
-        if matryoshka is None:
-            return token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
-        from maximus.losses.matryoshka import cross_entropy_with_matryoshka, matryoshka_loss_sum
-
-        aux = dict(dims=matryoshka.dims, weight=matryoshka.weight_for("sft"), chunk_size=chunk_size,
-                   ignore_index=IGNORE_INDEX, token_fraction=matryoshka.token_fraction)
-        if mode == "exact":  # main and prefix losses share one chunked pass
-            return cross_entropy_with_matryoshka(hidden, head.weight, target, bias=head.bias, softcap=head.softcap, **aux)
-        main = token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
-        return main + matryoshka_loss_sum(hidden, head.weight, target, **aux)
-
-    return through_head(model, hidden, loss_of), (target != IGNORE_INDEX).sum()
+from maximus.evaluate import exact_match, generate_text, heldout_loss, prompt_completion_pairs
+from maximus.forward import IGNORE_INDEX, sft_loss_sum, shift_labels
 
 
 class Objective:
@@ -187,8 +67,6 @@ class SFTObjective(Objective):
         return loss, {}
 
     def evaluate(self, trainer) -> dict:
-        from maximus.evaluate import exact_match, generate_text, heldout_loss, prompt_completion_pairs
-
         cfg = self.cfg
         result = heldout_loss(trainer.model, trainer.data.eval, pad_token_id=self.pad_token_id, device=trainer.device,
                               dtype=trainer.dtype, batch_size=int(self.plan["micro_batch_size"]),

@@ -41,7 +41,8 @@ import torch
 from maximus.errors import ConfigError
 from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
 from maximus.losses.preference import dpo_loss, needs_reference
-from maximus.train.objective import IGNORE_INDEX, Objective, hidden_states, output_head, shift_labels, through_head
+from maximus.forward import IGNORE_INDEX, hidden_states, output_head, shift_labels, through_head
+from maximus.train.objective import Objective
 
 CACHE_FILE = "reference_logps.safetensors"
 _CACHE_VERSION = "1"
@@ -156,7 +157,7 @@ class PreferenceObjective(Objective):
         """Held-out pairs: mean loss, reward accuracy (chosen reward > rejected), mean rewards and
         margin, and the perplexity of the chosen answers under the model (per token)."""
         from maximus.data import collate
-        from maximus.evaluate import autocast_for
+        from maximus.forward import autocast_for
 
         model, rows = trainer.model, trainer.data.eval
         size = int(self.plan["micro_batch_size"])
@@ -221,7 +222,7 @@ class PreferenceObjective(Objective):
 
     def _prepare_cache(self, trainer) -> None:
         from maximus.data import collate
-        from maximus.evaluate import autocast_for
+        from maximus.forward import autocast_for
 
         rows = list(trainer.data.train) + list(trainer.data.eval)
         size = int(self.plan["micro_batch_size"])

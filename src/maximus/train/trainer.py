@@ -37,7 +37,7 @@ import torch
 
 from maximus.config import Config
 from maximus.errors import MaximusError
-from maximus.evaluate import autocast_for
+from maximus.forward import autocast_for
 from maximus.kernels import apply_kernels, cpu_threads
 from maximus.models import check_model_source, count_parameters, load_model, load_tokenizer, resolve_device, resolve_dtype
 from maximus.train import distributed as dist_env
