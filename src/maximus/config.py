@@ -187,6 +187,14 @@ class OptimizationConfig(_Section):
     loss_chunk_size: Union[Literal["auto"], int] = Field("auto", description="Tokens per chunk in the lean loss; `auto` = 256 tokens (fewer when that passes 192 MiB of logits), smaller chunks when the planner needs the memory for `target_vram`.")
     kernels: Literal["auto", "triton", "compile", "eager"] = Field("auto", description="How the step runs: `triton` = fused Triton kernels (RMSNorm, RoPE, SwiGLU, QLoRA projection with NF4 dequantisation; CUDA only), `compile` = torch.compile of each decoder layer, `eager` = plain PyTorch, `auto` = triton on CUDA when available, else eager. Unavailable choices fall back to eager with a notice. Every mode uses padding-free attention over packed documents.")
     matryoshka: MatryoshkaConfig | None = Field(None, description="Matryoshka auxiliary loss; null = off.")
+    tile_tokens: Union[Literal["auto", "off"], int] = Field("auto", description="Sequence-tiled recompute: in the backward of a fully checkpointed layer the MLP (with its LoRA projections) runs over tiles of this many tokens, so its intermediate-size tensors exist for one tile at a time (exact result). `auto` = the planner tiles only when `target_vram` needs it and picks the tile (no budget: off); `off` = never; a tile at least the micro-batch's tokens is one tile, i.e. untiled.")
+
+    @field_validator("tile_tokens")
+    @classmethod
+    def _positive_tile(cls, v):
+        if isinstance(v, int) and v < 1:
+            raise ValueError("must be a positive number of tokens, auto or off")
+        return v
 
     @field_validator("target_vram", mode="before")
     @classmethod

@@ -25,6 +25,12 @@ frozen inputs (LoRA with a frozen embedding) need no ``enable_input_require_grad
 Recompute only happens in training mode with gradients enabled; evaluation and generation run
 the layer as is. A KV cache passed to a checkpointed layer is dropped (the backward replay
 would otherwise write to it twice), as Transformers' own checkpointing does.
+
+Sequence tiling (`tile_tokens`): in a fully checkpointed layer the MLP (with its LoRA
+projections) can run over tiles of tokens (`maximus.kernels.tiled_mlp`), so that in the layer's
+backward its ``tokens x intermediate`` tensors exist for one tile at a time. The MLP's class is
+swapped the same way (same name, a subclass); attention keeps its own kernel (SDPA or Kronecker)
+and runs over the whole sequence. Layers in ``none`` or ``selective`` mode are never tiled.
 """
 from __future__ import annotations
 
@@ -56,6 +62,7 @@ __all__ = [
     "remove_checkpointing",
     "selective_policy",
     "set_recompute_modes",
+    "TILED_RESIDUAL_LAYERS",
 ]
 
 RECOMPUTE_MODES = ("none", "selective", "full")
@@ -147,6 +154,12 @@ def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
 
 
 _CHECKPOINTED_CLASSES: dict[type, type] = {}
+_TILED_MLP_CLASSES: dict[type, type] = {}
+
+#: Decoder layers whose MLP output feeds only the residual add (nothing after the MLP keeps it
+#: for backward): their checkpoint recompute skips the tiled MLP, see `maximus.kernels.tiled_mlp`.
+TILED_RESIDUAL_LAYERS = frozenset({"LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+                                   "Qwen3DecoderLayer"})
 _CACHE_KWARGS = ("cache", "past_key_values", "past_key_value", "layer_past")
 
 
@@ -188,15 +201,77 @@ def _checkpointed_class(base: type) -> type:
     return cls
 
 
-def set_recompute_modes(model: nn.Module, modes: Sequence[str], offloader=None) -> None:
+def _tiled_mlp_class(base: type) -> type:
+    """A subclass of the MLP class `base` whose forward runs over tiles of tokens when the instance's
+    ``_maximus_tile_tokens`` is set (`maximus.kernels.tiled_mlp.tiled_module_forward`)."""
+    if getattr(base, "_maximus_untiled_class", None) is not None:
+        return base
+    cls = _TILED_MLP_CLASSES.get(base)
+    if cls is not None:
+        return cls
+    base_forward = base.forward
+
+    def forward(self, x, *args, **kwargs):
+        if args or kwargs:
+            return base_forward(self, x, *args, **kwargs)
+        from maximus.kernels.tiled_mlp import tiled_module_forward
+
+        return tiled_module_forward(self, functools.partial(base_forward, self), x)
+
+    cls = type(base.__name__, (base,), {
+        "forward": forward,
+        "__module__": base.__module__,
+        "__qualname__": base.__qualname__,
+        "_maximus_untiled_class": base,
+    })
+    _TILED_MLP_CLASSES[base] = cls
+    return cls
+
+
+def _layer_mlp(layer: nn.Module) -> nn.Module:
+    mlp = getattr(layer, "mlp", None)
+    if not isinstance(mlp, nn.Module):
+        raise ModelError(f"optimization.tile_tokens: the decoder layer {type(layer).__name__} has no `mlp` module to tile",
+                         "set optimization.tile_tokens: off for this model")
+    return mlp
+
+
+def _set_tiling(layer: nn.Module, mode: str, tile_tokens: int | None) -> None:
+    """Tile the layer's MLP when the layer is fully recomputed and a tile size is given; else untile it."""
+    if not tile_tokens or mode != "full":
+        mlp = getattr(layer, "mlp", None)
+        if isinstance(mlp, nn.Module):
+            mlp.__dict__.pop("_maximus_tile_tokens", None)
+            mlp.__dict__.pop("_maximus_tile_skip", None)
+        return
+    mlp = _layer_mlp(layer)
+    mlp.__class__ = _tiled_mlp_class(type(mlp))
+    mlp._maximus_tile_tokens = int(tile_tokens)
+    base = getattr(type(layer), "_maximus_base_class", type(layer))
+    mlp._maximus_tile_skip = base.__name__ in TILED_RESIDUAL_LAYERS
+
+
+def _check_tile_tokens(tile_tokens: int | None) -> int | None:
+    if tile_tokens is None:
+        return None
+    if isinstance(tile_tokens, bool) or not isinstance(tile_tokens, int) or tile_tokens < 1:
+        raise ConfigError(f"optimization.tile_tokens must be a positive number of tokens, auto or off, got {tile_tokens!r}",
+                          "use e.g. tile_tokens: 4096, or off")
+    return tile_tokens
+
+
+def set_recompute_modes(model: nn.Module, modes: Sequence[str], offloader=None, tile_tokens: int | None = None) -> None:
     """Set the decoder layers' recompute modes directly (no cost trace, no report); `offloader`
-    (an `ActivationOffloader`) moves the inputs of checkpointed layers to host memory."""
+    (an `ActivationOffloader`) moves the inputs of checkpointed layers to host memory;
+    `tile_tokens` tiles the MLP of every fully recomputed layer (None: no tiling)."""
     _, layers = find_decoder_layers(model)
-    _set_modes(layers, _policy_modes(list(modes), len(layers)), offloader)
+    _set_modes(layers, _policy_modes(list(modes), len(layers)), offloader, _check_tile_tokens(tile_tokens))
 
 
-def _set_modes(layers: Sequence[nn.Module], modes: Sequence[str], offloader=None) -> None:
+def _set_modes(layers: Sequence[nn.Module], modes: Sequence[str], offloader=None,
+               tile_tokens: int | None = None) -> None:
     for layer, mode in zip(layers, modes):
+        _set_tiling(layer, mode, tile_tokens)
         layer.__class__ = _checkpointed_class(type(layer))
         layer._maximus_recompute = mode
         if offloader is not None and mode != "none":
@@ -217,6 +292,12 @@ def remove_checkpointing(model: nn.Module) -> None:
             layer.__class__ = base
         layer.__dict__.pop("_maximus_recompute", None)
         layer.__dict__.pop("_maximus_offloader", None)
+        mlp = getattr(layer, "mlp", None)
+        untiled = getattr(type(mlp), "_maximus_untiled_class", None)
+        if untiled is not None:
+            mlp.__class__ = untiled
+            mlp.__dict__.pop("_maximus_tile_tokens", None)
+            mlp.__dict__.pop("_maximus_tile_skip", None)
 
 
 # --------------------------------------------------------------------------------------------
@@ -393,6 +474,9 @@ def measure_layer_costs(model: nn.Module, *, micro_batch: int = 1, seq_len: int 
     modes = [layer.__dict__.get("_maximus_recompute") for layer in layers]
     flags = {m: m.training for m in model.modules()}
     devices = [stack.embed_tokens.weight.device] if stack.embed_tokens.weight.is_cuda else []
+    # Traced untiled: the costs are those of plain layers (tiling is applied on top of `full`).
+    tiles = [getattr(layer, "mlp", None).__dict__.pop("_maximus_tile_tokens", None)
+             if isinstance(getattr(layer, "mlp", None), nn.Module) else None for layer in layers]
     try:
         for layer in layers:
             layer.__dict__["_maximus_recompute"] = "none"
@@ -407,6 +491,9 @@ def measure_layer_costs(model: nn.Module, *, micro_batch: int = 1, seq_len: int 
                 layer.__dict__.pop("_maximus_recompute", None)
             else:
                 layer.__dict__["_maximus_recompute"] = mode
+        for layer, tile in zip(layers, tiles):
+            if tile is not None:
+                layer.mlp._maximus_tile_tokens = tile
         for m, flag in flags.items():
             m.training = flag
 
@@ -547,6 +634,7 @@ class CheckpointReport:
     seq_len: int
     budget_bytes: int | None = None
     offload_activations: bool = False
+    tile_tokens: int | None = None
     layer_costs: list[LayerCost] = field(default_factory=list, repr=False)
 
     @property
@@ -592,7 +680,8 @@ def _policy_modes(policy, n_layers: int) -> list[str] | None:
 
 def apply_checkpointing(model: nn.Module, policy: str | Sequence[str], *, budget_bytes: int | None = None,
                         micro_batch: int = 1, seq_len: int | None = None, offload_activations: bool = False,
-                        max_extra_time: float = DEFAULT_MAX_EXTRA_TIME, offloader=None) -> CheckpointReport:
+                        max_extra_time: float = DEFAULT_MAX_EXTRA_TIME, offloader=None,
+                        tile_tokens: int | None = None) -> CheckpointReport:
     """Set each decoder layer's recompute mode; returns what was chosen and its estimated cost.
 
     policy: ``off`` | ``full`` | ``selective`` | ``auto`` | a list of ``none``/``selective``/``full``
@@ -605,11 +694,18 @@ def apply_checkpointing(model: nn.Module, policy: str | Sequence[str], *, budget
     offload_activations: move checkpointed layer inputs to host memory (`maximus.memory.offload`);
       `auto` then counts them as free on the device. `offloader` may pass an existing
       `ActivationOffloader` (its counters show what went through the path).
+    tile_tokens: run the MLP of every fully recomputed layer over tiles of this many tokens in
+      its backward (None: untiled); the costs traced for `auto` are those of untiled layers.
 
     Call it after the model is wrapped by PEFT, before training; calling it again replaces the
-    previous choice. Raises `ConfigError` for an unknown policy, `ModelError` when the model has
-    no decoder layer list, `BudgetError` when the budget cannot be met."""
+    previous choice. Raises `ConfigError` for an unknown policy or a tile_tokens below 1,
+    `ModelError` when the model has no decoder layer list (or, with tile_tokens, a layer has no
+    `mlp`), `BudgetError` when the budget cannot be met."""
     stack, layers = find_decoder_layers(model)
+    tile_tokens = _check_tile_tokens(tile_tokens)
+    if tile_tokens:
+        for layer in layers:
+            _layer_mlp(layer)
     modes = _policy_modes(policy, len(layers))
     seq_len = 2048 if seq_len is None else int(seq_len)
     if micro_batch < 1 or seq_len < 1:
@@ -622,7 +718,7 @@ def apply_checkpointing(model: nn.Module, policy: str | Sequence[str], *, budget
         from maximus.memory.offload import ActivationOffloader
 
         offloader = ActivationOffloader()
-    _set_modes(layers, modes, offloader if offload_activations else None)
+    _set_modes(layers, modes, offloader if offload_activations else None, tile_tokens)
     return CheckpointReport(
         policy=policy if isinstance(policy, str) else "per-layer",
         modes=list(modes),
@@ -634,5 +730,6 @@ def apply_checkpointing(model: nn.Module, policy: str | Sequence[str], *, budget
         seq_len=seq_len,
         budget_bytes=budget_bytes,
         offload_activations=offload_activations,
+        tile_tokens=tile_tokens if "full" in modes else None,
         layer_costs=costs,
     )

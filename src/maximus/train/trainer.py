@@ -131,6 +131,8 @@ class Trainer:
             "offload_optimizer": opt.offload.optimizer == "on",
             "optimizer": cfg.training.optimizer,
             "budget_bytes": None,
+            # Tiled MLP recompute: only when asked for by size (auto without a budget: off).
+            "tile_tokens": opt.tile_tokens if isinstance(opt.tile_tokens, int) else None,
         }
         if opt.target_vram is None:
             return plan
@@ -183,7 +185,11 @@ class Trainer:
         # With a budget the planner already chose per layer; `auto` alone minimises memory at <= 25 % extra time.
         report = apply_checkpointing(self.model, policy, micro_batch=self.plan["micro_batch_size"],
                                      seq_len=self.cfg.training.seq_len,
-                                     offload_activations=bool(self.plan.get("offload_activations")))
+                                     offload_activations=bool(self.plan.get("offload_activations")),
+                                     tile_tokens=self.plan.get("tile_tokens"))
+        if self.plan.get("tile_tokens") and report.tile_tokens is None:
+            self.dist.say(f"notice: optimization.tile_tokens={self.plan['tile_tokens']} has no effect: no layer is "
+                          f"fully recomputed (gradient_checkpointing: {self.cfg.optimization.gradient_checkpointing})")
         return report
 
     def _build_optimizer(self):
@@ -322,7 +328,8 @@ class Trainer:
             from maximus.memory.checkpointing import apply_checkpointing
 
             self.checkpointing = apply_checkpointing(self.model, "full", micro_batch=1, seq_len=self.cfg.training.seq_len,
-                                                     offload_activations=bool(self.plan.get("offload_activations")))
+                                                     offload_activations=bool(self.plan.get("offload_activations")),
+                                                     tile_tokens=self.plan.get("tile_tokens"))
             self.plan["gradient_checkpointing"] = "full"
             return "gradient checkpointing -> full"
         return None

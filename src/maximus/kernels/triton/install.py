@@ -62,9 +62,12 @@ def _mlp_forward(self, x):
     from maximus.kernels.triton.runtime import can_launch
     from maximus.kernels.triton.swiglu import _swiglu_forward_kernel, swiglu
 
+    from maximus.kernels.tiled_mlp import tiled_module_forward
+
     if not can_launch(_swiglu_forward_kernel, x):
         return type(self).forward(self, x)
-    return self.down_proj(swiglu(self.gate_proj(x), self.up_proj(x)))
+    # Tiled when checkpointing asked for it (`optimization.tile_tokens`), as the class's own forward is.
+    return tiled_module_forward(self, lambda t: self.down_proj(swiglu(self.gate_proj(t), self.up_proj(t))), x)
 
 
 def _attention_forward(self, *args, **kwargs):
