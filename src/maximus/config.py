@@ -135,12 +135,26 @@ class LoraConfig(_Section):
     modules_to_save: list[str] = Field(default_factory=list, description="Extra modules trained in full and saved with the adapter (e.g. [lm_head]).")
 
 
+def _yaml_switch(value: Any, *, on: str) -> Any:
+    """A YAML boolean as the word it was written as: False -> ``off``, True -> `on`."""
+    if value is True:
+        return on
+    if value is False:
+        return "off"
+    return value
+
+
 class OffloadConfig(_Section):
     """Smart Memory: what may move between device and host memory."""
 
     activations: Literal["auto", "on", "off"] = Field("auto", description="Checkpointed layer inputs to host memory, prefetched one layer ahead in backward.")
     optimizer: Literal["auto", "on", "off"] = Field("auto", description="Optimizer state in host memory (or 8-bit/paged), chosen by the planner when `auto`.")
     params: Literal["on", "off"] = Field("off", description="Stream frozen base-model layers to the device one ahead of use (opt-in).")
+
+    @field_validator("activations", "optimizer", "params", mode="before")
+    @classmethod
+    def _yaml_boolean_switch(cls, v):
+        return _yaml_switch(v, on="on")  # unquoted YAML on / off arrive as True / False
 
 
 class GhostLogitConfig(_Section):
@@ -177,11 +191,11 @@ MATRYOSHKA_DEFAULT_WEIGHTS = {"sft": 0.2, "contrastive": 1.0}
 class OptimizationConfig(_Section):
     """How Maximus fits the job into memory."""
 
-    target_vram: Any = Field(None, description="Memory budget: `16GB`, `16 GiB`, `16000MB`, bytes, a card name (`T4`, `RTX4090`, `A100-40GB`, ...), `auto` (free memory of the device) or null (no budget).")
+    target_vram: Any = Field(None, description="Memory budget: `16GB`, `16 GiB`, `16000MB`, bytes, a card name (`T4`, `RTX4090`, `A100-40GB`, ...), `auto` (free memory of the device) or null (no budget: the plan is still fitted to the device's free memory, read as `auto` reads it, but the run is not held to it).")
     use_ghost_logit: bool = Field(False, description="Train with the Ghost Logit sampled loss (evaluation always uses the exact loss).")
     ghost_logit: GhostLogitConfig = Field(default_factory=GhostLogitConfig, description="Ghost Logit loss details.")
     kronecker_sketching: Union[bool, KroneckerConfig] = Field(False, description="Kronecker Sketching attention: `true` for defaults or a mapping of its settings.")
-    gradient_checkpointing: Literal["off", "full", "selective", "auto"] = Field("auto", description="Activation recomputation: none, every layer, per-op selective, or chosen by cost (`auto`).")
+    gradient_checkpointing: Literal["off", "full", "selective", "auto"] = Field("auto", description="Activation recomputation: none, every layer, per-op selective, or `auto`: the fastest plan that fits `target_vram` (no budget: the free memory of the device), which recomputes only what that memory requires. Unquoted YAML `off` / `false` mean `off`, `on` / `true` mean `full`.")
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Smart Memory offload settings.")
     loss: Literal["exact", "naive"] = Field("exact", description="`exact`: chunked cross-entropy that never holds tokens x vocabulary logits; `naive`: full logits (reference).")
     loss_chunk_size: Union[Literal["auto"], int] = Field("auto", description="Tokens per chunk in the lean loss; `auto` = 256 tokens (fewer when that passes 192 MiB of logits), smaller chunks when the planner needs the memory for `target_vram`.")
@@ -200,6 +214,12 @@ class OptimizationConfig(_Section):
     @classmethod
     def _parse_vram(cls, v):
         return parse_bytes(v, "optimization.target_vram")
+
+    @field_validator("gradient_checkpointing", mode="before")
+    @classmethod
+    def _yaml_boolean_checkpointing(cls, v):
+        # YAML 1.1 reads unquoted off / no / false as False and on / yes / true as True.
+        return _yaml_switch(v, on="full")
 
     @field_validator("loss_chunk_size")
     @classmethod
@@ -222,7 +242,7 @@ class TrainingConfig(_Section):
     """The optimisation loop."""
 
     batch_size: int = Field(8, ge=1, description="Effective batch in sequences per optimizer step (micro_batch_size x gradient accumulation x world size).")
-    micro_batch_size: Union[Literal["auto"], int] = Field("auto", description="Sequences per forward pass; `auto` lets the planner choose (without a budget: min(batch_size, 4)).")
+    micro_batch_size: Union[Literal["auto"], int] = Field("auto", description="Sequences per forward pass; `auto` lets the planner choose (the fastest that fits the budget, or without one the free memory).")
     epochs: float = Field(1, gt=0, description="Passes over the training data (fractions allowed).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")

@@ -99,3 +99,15 @@ def test_every_key_is_documented():
                 "optimization.offload.activations", "dpo.beta", "optimization.kronecker_sketching"):
         assert f"| `{key}` |" in text
     assert "|  |" not in text  # no key without a description
+
+
+@pytest.mark.parametrize("word, checkpointing, offload", [("off", "off", "off"), ("false", "off", "off"),
+                                                         ("no", "off", "off"), ("on", "full", "on"),
+                                                         ("true", "full", "on"), ("'off'", "off", "off")])
+def test_unquoted_yaml_switches_read_as_the_words_written(tmp_path, word, checkpointing, offload):
+    # YAML 1.1 turns unquoted off / on into False / True: gradient_checkpointing False -> off,
+    # True -> full; the offload switches False -> off, True -> on.
+    cfg = Config.from_yaml(_write(tmp_path, f"model: m\ndataset: d\noptimization:\n  gradient_checkpointing: {word}\n"
+                                            f"  offload:\n    activations: {word}\n    optimizer: {word}\n"))
+    assert cfg.optimization.gradient_checkpointing == checkpointing
+    assert (cfg.optimization.offload.activations, cfg.optimization.offload.optimizer) == (offload, offload)

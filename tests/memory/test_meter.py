@@ -105,3 +105,19 @@ def test_step_peak_exceeds_the_logits_it_must_hold():
     static = meter.breakdown(model, optimizer)
     # the float32 logits and their log-softmax coexist at the loss
     assert peak >= static["parameters"] + static["optimizer_state"] + 2 * logits_bytes
+
+
+def test_views_detaches_and_in_place_ops_are_skipped_by_schema_but_lifted_tensors_count():
+    from maximus.memory.meter import _returns_alias
+
+    aten = torch.ops.aten
+    assert [_returns_alias(f) for f in (aten.view.default, aten.detach.default, aten.t.default, aten.add_.Tensor,
+                                        aten.split.Tensor)] == [True] * 5
+    assert [_returns_alias(f) for f in (aten.mm.default, aten._to_copy.default, aten.lift_fresh.default)] == [False] * 3
+    meter = MemoryMeter("cpu")
+    with meter.track():
+        a = torch.tensor([1.0, 2.0, 3.0])  # made outside the dispatcher, reaches it through lift_fresh
+        d = a.detach()
+        assert meter.current_bytes() == 12
+        del a, d
+    assert meter.current_bytes() == 0

@@ -229,3 +229,36 @@ def test_planned_loss_chunk_is_the_one_the_loss_would_pick():
         implicit = estimate_peak(EIGHT_B, method=method, seq_len=2048)
         explicit = estimate_peak(EIGHT_B, method=method, seq_len=2048, loss_chunk_tokens=chunk)
         assert implicit.breakdown == explicit.breakdown
+
+
+#: ANCHORS.md's benchmark reference model (128k vocabulary, hidden 512, 8 layers).
+REFERENCE = dict(model_type="llama", vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                 num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
+
+
+def test_free_memory_default_recomputes_nothing_when_the_activations_fit():
+    # The case: QLoRA r=16, seq 2048, batch 1, fp32 on a CPU with ~20 GB free. The
+    # activations of all 8 layers fit many times over, so `auto` keeps them all.
+    plan = plan_for_budget(REFERENCE, 20 * 10**9, method="qlora", batch_size=1, seq_len=2048, dtype="fp32",
+                           device="cpu", free_memory=True)
+    assert plan.gradient_checkpointing == "off"
+    assert (plan.offload_activations, plan.offload_optimizer) == (False, False)  # a CPU's host is its device
+    assert plan.notes[-1] == "no target_vram: fitted to the 18.63 GiB of free memory"
+    # Less free memory: only as many layers recompute as that memory requires.
+    off = estimate_peak(REFERENCE, method="qlora", dtype="fp32", seq_len=2048, checkpointing="off", device="cpu",
+                        loss_chunk_tokens=plan.loss_chunk_size)
+    tight = int(off.peak_bytes * 0.8 / 0.9)
+    partial = plan_for_budget(REFERENCE, tight, method="qlora", batch_size=1, seq_len=2048, dtype="fp32",
+                              device="cpu", free_memory=True)
+    assert partial.gradient_checkpointing not in ("off", "full") and partial.peak_bytes <= tight * 0.9
+    assert partial.checkpointing_label == "selective"  # per-op recompute of the cheap ops fits; no layer recomputes fully
+
+
+def test_free_memory_that_fits_nothing_runs_the_smallest_plan_with_a_note():
+    with pytest.raises(BudgetError):
+        plan_for_budget(REFERENCE, 10**8, method="qlora", batch_size=1, seq_len=2048, dtype="fp32", device="cpu")
+    plan = plan_for_budget(REFERENCE, 10**8, method="qlora", batch_size=1, seq_len=2048, dtype="fp32", device="cpu",
+                           free_memory=True)
+    assert plan.gradient_checkpointing == "full" and plan.loss_chunk_size == 128  # smaller chunks lower no peak: backward dominates
+    assert plan.notes[-1] == ("no plan fits the 95.37 MiB of free memory; running the smallest (qlora, micro_batch 1, "
+                              "full checkpointing, seq 2048)")

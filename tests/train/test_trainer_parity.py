@@ -157,3 +157,24 @@ def test_matryoshka_objective_trains(tiny_llama, pc_data, tmp_path):
     summary, _ = _run(tiny_config(tiny_llama, pc_data, tmp_path / "run",
                                   optimization={"matryoshka": {"dims": [16, 32], "weight": 0.2}}))
     assert summary["eval"]["after"]["loss"] < summary["eval"]["before"]["loss"]
+
+
+def test_no_target_vram_plans_against_free_ram_and_recomputes_nothing(tiny_llama, pc_data, tmp_path):
+    """The default config (no target_vram, `gradient_checkpointing: auto`) fits the plan to the
+    free memory, read as `target_vram: auto` reads it; a tiny run fits many times over, so no
+    layer recomputes. The meter is held to no budget: free memory is not one the user gave."""
+    import psutil
+
+    from maximus.memory.planner import resolve_budget
+
+    cfg = tiny_config(tiny_llama, pc_data, tmp_path / "run", optimization={"gradient_checkpointing": "auto"},
+                      training={"micro_batch_size": "auto"}, eval={"enabled": False})
+    before = resolve_budget("auto", "cpu")
+    trainer = Trainer(Config.from_dict(cfg))
+    trainer.setup()
+    after = psutil.virtual_memory().available
+    free = trainer.plan["free_memory_bytes"]
+    assert min(before, after) - 2**30 <= free <= max(before, after) + 2**30
+    assert trainer.plan["gradient_checkpointing"] == "off" and trainer.checkpointing.modes == ["none", "none"]
+    assert trainer.plan["micro_batch_size"] == 4  # the fastest micro-batch that fits: the whole batch
+    assert trainer.plan["budget_bytes"] is None and trainer.meter.budget_bytes is None

@@ -4,7 +4,8 @@
   `torch.cuda.max_memory_allocated`), so the numbers are what the allocator handed out.
 * CPU (and any other device): a tracker of live tensor storages. While `meter.track()` is
   active, a `TorchDispatchMode` sees every op's outputs and records each new storage once
-  (by storage identity, so views and in-place ops cost nothing); a weak reference on the
+  (by storage identity; views, detaches and in-place ops are skipped by their schema, since
+  their outputs alias an input); a weak reference on the
   storage lowers the count the moment the storage is freed, even after tracking stopped.
   Tensors created before tracking (parameters, optimizer state) are counted once they are
   `adopt`-ed (`meter.track(model, optimizer)` adopts them on entry).
@@ -24,6 +25,7 @@ Example::
 from __future__ import annotations
 
 import contextlib
+import functools
 import weakref
 from typing import Any, Iterable, Iterator
 
@@ -34,18 +36,37 @@ from torch.utils._pytree import tree_leaves
 __all__ = ["MemoryMeter", "StorageTracker", "measure_step_peak", "unique_storage_bytes"]
 
 
+#: Ops whose output aliases a tensor made outside the dispatcher (``torch.tensor(...)`` goes
+#: through ``lift_fresh``): that storage was never seen, so it is counted here.
+_FRESH_ALIASES = frozenset({"aten::lift_fresh", "aten::lift"})
+
+
+def _returns_alias(func) -> bool:
+    """Whether every output of the aten op `func` aliases an input (views, ``detach``, in-place
+    and ``out=`` ops): such outputs never own a new storage."""
+    schema = getattr(func, "_schema", None)
+    if schema is None or not schema.returns or schema.name in _FRESH_ALIASES:
+        return False
+    return all(r.alias_info is not None for r in schema.returns)
+
+
 def _storage_of(t: torch.Tensor):
     """The untyped storage behind a dense tensor, or None (meta, sparse, nested, fake)."""
-    from torch.distributed.tensor import DTensor
-
-    if isinstance(t, DTensor):  # an FSDP2 shard: count this rank's local piece
+    if type(t) is not torch.Tensor and isinstance(t, _dtensor_type()):  # an FSDP2 shard: count this rank's local piece
         t = t.to_local()
-    if t.device.type == "meta" or t.layout != torch.strided:
+    if t.is_meta or t.layout != torch.strided:
         return None
     try:
         return t.untyped_storage()
     except (RuntimeError, NotImplementedError, TypeError):
         return None
+
+
+@functools.cache
+def _dtensor_type():
+    from torch.distributed.tensor import DTensor
+
+    return DTensor
 
 
 def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
@@ -114,6 +135,12 @@ class StorageTracker(TorchDispatchMode):
     def __init__(self, device_type: str = "cpu"):
         super().__init__()
         self.device_type = device_type
+        # `t.device` builds a torch.device (and its string) on every call; `t.is_cpu` and its
+        # siblings are plain attribute reads. Other device types fall back to the comparison.
+        flag = f"is_{device_type}"
+        self._on_device = (lambda t: getattr(t, flag)) if hasattr(torch.Tensor, flag) else (
+            lambda t: t.device.type == device_type)
+        self._aliasing: dict[Any, bool] = {}  # op -> whether its outputs alias an input (views, detach, in-place)
         self.current_bytes = 0
         self.peak_bytes = 0
         self._live: dict[int, weakref.ref] = {}  # id(storage) -> weak reference to it
@@ -127,7 +154,7 @@ class StorageTracker(TorchDispatchMode):
 
     def record(self, t: torch.Tensor) -> None:
         """Count `t`'s storage if it lives on the tracked device type and is not counted yet."""
-        if t.device.type != self.device_type:
+        if not self._on_device(t):
             return
         st = _storage_of(t)
         if st is None:
@@ -151,6 +178,11 @@ class StorageTracker(TorchDispatchMode):
     # -- the mode ------------------------------------------------------------------------------
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
+        aliasing = self._aliasing.get(func)
+        if aliasing is None:
+            aliasing = self._aliasing[func] = _returns_alias(func)
+        if aliasing:  # a view, detach or in-place op: its storage is an input's, counted already
+            return out
         if isinstance(out, torch.Tensor):
             self.record(out)
         elif isinstance(out, (tuple, list)):

@@ -188,7 +188,8 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                     loss_mode: str = "exact", loss_chunk_size: int | str | None = "auto",
                     micro_batch_size: int | str = "auto", gradient_checkpointing: str = "auto",
                     offload_activations: str | bool = "auto", offload_optimizer: str | bool = "auto",
-                    margin: float = DEFAULT_MARGIN, device: str = "cuda", sharded: bool | None = None) -> Plan:
+                    margin: float = DEFAULT_MARGIN, device: str = "cuda", sharded: bool | None = None,
+                    free_memory: bool = False) -> Plan:
     """The fastest plan whose predicted peak is at most ``budget_bytes * (1 - margin)``.
 
     Fixed settings (an int micro-batch, ``gradient_checkpointing: full``, ``offload_*: on/off``,
@@ -197,8 +198,13 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     (no budget: the estimate is still recorded). ``sharded`` says whether the ``world_size`` ranks
     shard the model (FSDP2) or each hold all of it (DDP); None = `estimate_peak`'s default.
 
+    ``free_memory=True`` says ``budget_bytes`` is not the user's budget but the device's free
+    memory (no ``target_vram``): the fastest plan that fits it, and when none does, the plan that
+    needs the least memory, with a note (a run the user did not bound is attempted, not refused).
+
     Raises:
-        BudgetError: nothing fits; the message names the smallest budget that would work.
+        BudgetError: nothing fits (and not ``free_memory``); the message names the smallest
+            budget that would work.
         ConfigError: the batch cannot be split evenly over the ranks, or a setting is unknown.
     """
     allow = DEFAULT_ALLOW if allow is None else frozenset(allow)
@@ -223,8 +229,10 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     else:
         checkpointings = ["off"] + (["selective"] if "selective" in allow else []) + (
             ["full"] if "checkpointing" in allow else [])
-    off_act = _switch(offload_activations, "offload_activations" in allow)
-    off_opt = _switch(offload_optimizer, "offload_optimizer" in allow)
+    # On a CPU the host memory is the device memory: offloading to it frees nothing.
+    host_is_device = str(device).split(":")[0] == "cpu"
+    off_act = _switch(offload_activations, "offload_activations" in allow and not host_is_device)
+    off_opt = _switch(offload_optimizer, "offload_optimizer" in allow and not host_is_device)
     optimizers = [optimizer] + (["adamw_8bit"] if "adamw_8bit" in allow and optimizer == "adamw" else [])
     b = DTYPE_BYTES[dtype]
 
@@ -266,6 +274,12 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
             if best is None or key > best[:2]:
                 best = (e.tokens_per_s_guess, -e.peak_bytes, kw, e)
     assert smallest is not None
+    if best is None and free_memory:
+        _, kw, e = smallest
+        plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r)
+        plan.notes.append(f"no plan fits the {format_bytes(budget_bytes)} of free memory; running the smallest "
+                          f"({_describe(kw, seq_len, shape.num_layers)})")
+        return plan
     if best is None:
         needed = math.ceil(smallest[0] / (1 - margin))
         hint = "raise target_vram, lower training.seq_len, or use method: qlora"
@@ -274,7 +288,10 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
         raise BudgetError(f"nothing fits in {format_bytes(budget_bytes)}: the smallest plan needs "
                           f"{format_bytes(needed)} ({_describe(smallest[1], seq_len, shape.num_layers)})", hint)
     _, _, kw, e = best
-    return _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r)
+    plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r)
+    if free_memory:
+        plan.notes.append(f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory")
+    return plan
 
 
 def _switch(value: str | bool, allowed: bool) -> list[bool]:

@@ -117,7 +117,8 @@ class Trainer:
         self.meter.budget_bytes = self.plan.get("budget_bytes")
 
     def _plan(self) -> dict:
-        """The memory plan: from target_vram when set, else sensible defaults."""
+        """The memory plan: the fastest that fits target_vram, or without one the device's free
+        memory (read as `target_vram: auto` reads it)."""
         cfg = self.cfg
         opt = cfg.optimization
         per_rank = max(1, cfg.training.batch_size // self.dist.world_size)
@@ -134,15 +135,23 @@ class Trainer:
             # Tiled MLP recompute: only when asked for by size (auto without a budget: off).
             "tile_tokens": opt.tile_tokens if isinstance(opt.tile_tokens, int) else None,
         }
-        if opt.target_vram is None:
-            return plan
-        from maximus.memory.estimate import load_model_config
+        from maximus.errors import ModelError
+        from maximus.memory.estimate import load_model_config, model_shape
         from maximus.memory.planner import plan_for_budget, resolve_budget
 
-        budget = resolve_budget(opt.target_vram, self.device)
-        model_config = load_model_config(cfg.model)
+        # No target_vram: plan against the free memory, so `auto` checkpointing recomputes only
+        # what that memory requires (often nothing) instead of every layer.
+        free_memory = opt.target_vram is None
+        budget = resolve_budget("auto" if free_memory else opt.target_vram, self.device)
+        try:
+            model_config = load_model_config(cfg.model)
+            model_shape(model_config)
+        except ModelError:
+            if not free_memory:
+                raise
+            return plan  # an architecture the estimator cannot read: unplanned defaults, as before
         # With a budget and no explicit method, the planner may pick LoRA, QLoRA or full.
-        method = cfg.method if "method" in cfg.model_fields_set else "auto"
+        method = cfg.method if "method" in cfg.model_fields_set or free_memory else "auto"
         dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
         # Per rank: under DDP a rank holds what one process over its share of the batch would;
         # under FSDP2 the estimate divides sharded state by the ranks. `auto` plans unsharded
@@ -157,19 +166,21 @@ class Trainer:
                       micro_batch_size=cfg.training.micro_batch_size,
                       gradient_checkpointing=opt.gradient_checkpointing, loss_mode=plan["loss_mode"],
                       loss_chunk_size=opt.loss_chunk_size, offload_activations=opt.offload.activations,
-                      offload_optimizer=opt.offload.optimizer, device=self.device.type)
+                      offload_optimizer=opt.offload.optimizer, device=self.device.type, free_memory=free_memory)
         if world == 1 or strategy != "auto":
             sharded = None if world == 1 else strategy == "fsdp"
             chosen = plan_for_budget(model_config, budget, sharded=sharded, **kwargs)
         else:
-            try:
-                chosen = plan_for_budget(model_config, budget, sharded=False, **kwargs)
+            try:  # unsharded only when it fits (also against free memory)
+                chosen = plan_for_budget(model_config, budget, sharded=False, **{**kwargs, "free_memory": False})
             except BudgetError:
                 chosen = plan_for_budget(model_config, budget, sharded=True, **kwargs)
         plan.update(chosen.to_dict())
         if isinstance(plan["gradient_checkpointing"], list):  # per layer: recompute it fully or keep it
             plan["gradient_checkpointing"] = ["full" if on else "none" for on in plan["gradient_checkpointing"]]
-        plan["budget_bytes"] = budget
+        # Free memory is what the plan was fitted to, not a budget the run is held to.
+        plan["budget_bytes"] = None if free_memory else budget
+        plan["free_memory_bytes"] = budget if free_memory else None
         self._plan_obj = chosen
         return plan
 
