@@ -107,15 +107,22 @@ def _eval(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------- export
 def _export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="maximus export", description="Merge a run's adapter into its base model.")
+    parser = argparse.ArgumentParser(prog="maximus export", description="Export a finished run: merged Hugging Face "
+                                     "model (default) or its PEFT adapter.")
     parser.add_argument("run_dir")
-    parser.add_argument("--out", required=True, help="directory for the standalone Hugging Face model")
-    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"])
+    parser.add_argument("--out", required=True, help="target directory: new, empty, or a previous export (--overwrite)")
+    parser.add_argument("--format", default="merged", choices=["merged", "adapter"])
+    parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="merged: weight dtype")
+    parser.add_argument("--overwrite", action="store_true", help="replace a previous export at --out (nothing else)")
     args = parser.parse_args(argv)
     _quiet_libraries()
-    from maximus.export import export_merged
+    from maximus.export import export_adapter, export_merged
 
-    out = export_merged(args.run_dir, args.out, dtype=args.dtype)
+    if args.format == "adapter":
+        out = export_adapter(args.run_dir, args.out, overwrite=args.overwrite)
+        print(f"wrote {out} (PEFT adapter; see {out / 'README.md'})")
+        return 0
+    out = export_merged(args.run_dir, args.out, dtype=args.dtype, overwrite=args.overwrite)
     print(f"wrote {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     return 0
 
@@ -173,7 +180,7 @@ def main(argv: list[str] | None = None) -> int:
               "  train     fine-tune from a YAML config (same as maximus-train)\n"
               "  plan      predict peak memory and the cheapest GPU for a model and setting\n"
               "  eval      exact held-out loss of a finished run against its base model\n"
-              "  export    merge a run's adapter into a standalone Hugging Face model\n"
+              "  export    a run as a merged Hugging Face model or its adapter\n"
               "  generate  generate text from a run or a model\n"
               "  embed     Matryoshka embeddings of texts to .npy")
         return 0

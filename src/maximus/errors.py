@@ -42,3 +42,7 @@ class BudgetError(MaximusError):
 
 class CheckpointError(MaximusError):
     """A checkpoint or run directory is unusable."""
+
+
+class ExportError(MaximusError):
+    """An export cannot be written: the target is not ours to replace, or the model or format is unsupported."""

@@ -1,10 +1,7 @@
-"""`maximus export RUN_DIR --out DIR`: merge the adapter into its base and write a standalone
-Hugging Face model directory (safetensors + tokenizer) that `AutoModelForCausalLM` loads."""
+"""A finished run as a model: its recorded config, and its base with the adapter applied (or merged)."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 from pathlib import Path
 
 import torch
@@ -54,20 +51,3 @@ def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torc
     tokenizer = AutoTokenizer.from_pretrained(str(adapter))
     model.eval()
     return model, tokenizer
-
-
-def export_merged(run_dir: str | Path, out: str | Path, dtype: str = "fp32") -> Path:
-    """Write the merged model to `out` atomically (a temporary sibling renamed into place)."""
-    out = Path(out)
-    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}[dtype]
-    model, tokenizer = load_tuned(Path(run_dir), dtype=torch.float32, merge=True)
-    model = model.to(torch_dtype)
-    model.config.use_cache = True
-    tmp = out.with_name(f".{out.name}.tmp")
-    shutil.rmtree(tmp, ignore_errors=True)
-    model.save_pretrained(str(tmp), safe_serialization=True)
-    tokenizer.save_pretrained(str(tmp))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
