@@ -100,13 +100,30 @@ def test_peft_modules_to_save_trains_saves_and_reloads_the_sketch(tmp_path):
     assert torch.equal(a, b)
 
 
-def test_install_is_idempotent_and_attaches_one_sketch_per_layer():
+def test_install_again_with_the_same_layout_keeps_the_sketches():
     model = install_kronecker(_llama(3), True)
     first = model.model.layers[0].self_attn.kronecker
-    install_kronecker(model, SMALL)
+    # detail_tokens 300 rounds down to the same 4 blocks of 64: the same layout.
+    install_kronecker(model, KroneckerConfig(detail_tokens=300))
     assert model.model.layers[0].self_attn.kronecker is first
     assert sum(isinstance(m, KroneckerSketch) for m in model.modules()) == 3
     assert first.detail_tokens == 256 and first.slots == 64 and first.block == 64
+
+
+def test_install_again_with_other_settings_is_a_model_error():
+    model = install_kronecker(_llama(3), True)
+    with pytest.raises(ModelError) as err:
+        install_kronecker(model, SMALL)
+    assert str(err.value) == (
+        "model.layers.0.self_attn.kronecker is already installed with another layout (block=64, local_blocks=2, "
+        "select_blocks=2, sub_slots=8, buckets=8) than these settings give (block=16, local_blocks=2, select_blocks=2, "
+        "sub_slots=4, buckets=4) (hint: install on a fresh model, or pass the settings it was installed with)")
+    # Under a PEFT wrapper the check reads the wrapped sketch.
+    names = kronecker_module_names(model)
+    peft_model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj"], modules_to_save=names))
+    install_kronecker(peft_model, True)
+    with pytest.raises(ModelError):
+        install_kronecker(peft_model, SMALL)
 
 
 def test_detail_budget_smaller_than_a_block_is_a_config_error():

@@ -85,10 +85,12 @@ def install_kronecker(model, settings: KroneckerConfig | bool | None = None):
     Works for models whose attention goes through `transformers.AttentionInterface` (Llama,
     Mistral, Qwen2 and the many that share their attention). Sequences of at most
     `detail_tokens // block * block` tokens are attended exactly, so a fresh install reproduces
-    the base model. Installing twice keeps the existing sketches.
+    the base model. Installing again with settings of the same layout keeps the existing (perhaps
+    trained) sketches; other settings are an error, since replacing them would drop what they learned.
 
     Raises:
-        ModelError: the model does not route attention through Transformers' registry.
+        ModelError: the model does not route attention through Transformers' registry, or it
+            already carries sketches of another layout.
         ConfigError: settings with detail_tokens < block.
     """
     if settings is None or settings is True:
@@ -99,11 +101,17 @@ def install_kronecker(model, settings: KroneckerConfig | bool | None = None):
         raise ModelError(f"{type(base).__name__} does not route attention through Transformers' attention registry",
                          "use a Llama, Mistral or Qwen2-family model, or turn off optimization.kronecker_sketching")
     register_kronecker()
-    for _, attn in layers:
+    for name, attn in layers:
+        fresh = KroneckerSketch(attn.head_dim, settings)
         if "kronecker" in attn._modules:
+            existing = attn.kronecker
+            existing = getattr(existing, "original_module", existing)  # inside a PEFT ModulesToSaveWrapper
+            if existing.layout != fresh.layout:
+                raise ModelError(f"{name}.kronecker is already installed with another layout ({existing.extra_repr()}) "
+                                 f"than these settings give ({fresh.extra_repr()})",
+                                 "install on a fresh model, or pass the settings it was installed with")
             continue
-        device = attn.q_proj.weight.device
-        attn.kronecker = KroneckerSketch(attn.head_dim, settings).to(device)
+        attn.kronecker = fresh.to(attn.q_proj.weight.device)
     base.set_attn_implementation(IMPLEMENTATION)
     if base.config._attn_implementation != IMPLEMENTATION:  # defensive: set_attn_implementation only warns
         raise ModelError(f"{type(base).__name__} refused the attention implementation {IMPLEMENTATION!r}",

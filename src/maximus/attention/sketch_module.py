@@ -60,6 +60,13 @@ class KroneckerSketch(nn.Module):
         self.score_prior = nn.Parameter(torch.zeros(head_dim))
 
     @property
+    def layout(self) -> tuple[int, int, int, int, int]:
+        """(block, local_blocks, select_blocks, sub_slots, buckets): what the settings decide.
+        Two settings with the same layout build the same sketch."""
+        return (self.block, self.local_blocks, self.select_blocks, self.sub_slot_logits.shape[0],
+                self.bucket_log_scale.shape[0])
+
+    @property
     def detail_tokens(self) -> int:
         """Keys per query on the exact path (tokens); sequences this short are attended exactly."""
         return (self.local_blocks + self.select_blocks) * self.block
