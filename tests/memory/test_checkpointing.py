@@ -263,9 +263,9 @@ def test_budget_picks_least_recompute_that_fits():
 
 def test_budget_below_full_recompute_is_a_budget_error():
     with pytest.raises(BudgetError) as info:
-        choose_recompute_modes(LAYERS, budget_bytes=39 * 2**20 // 2**20)
+        choose_recompute_modes(LAYERS, budget_bytes=39)  # full recompute keeps 4 x 10 bytes
     assert str(info.value) == (
-        "activation budget 0.0 MiB is below the 0.0 MiB that recomputing every layer in full still needs "
+        "activation budget 39 B is below the 40 B that recomputing every layer in full still needs "
         "(hint: lower training.micro_batch_size or training.seq_len, raise optimization.target_vram, "
         "or set optimization.offload.activations: on)")
 

@@ -11,7 +11,6 @@ The file is also the worker: `torchrun ... test_distributed_shutdown.py CONFIG.y
 import json
 import os
 import sys
-import time
 
 import yaml
 
@@ -39,14 +38,13 @@ def test_a_failing_rank_stops_both_and_keeps_rank_0_outputs(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "MAXIMUS_DIST_TIMEOUT_S": "20"}
-    started = time.monotonic()
+    # A hang fails the test inside run_two_ranks (torchrun stopped past timeout_s); how fast the
+    # ranks stop is not asserted, a busy machine would fail that.
     proc = run_two_ranks([__file__, str(path)], tmp_path / "logs", env=env, timeout_s=240)
-    elapsed = time.monotonic() - started
     report = rank_report(proc, tmp_path / "logs")
 
     assert proc.returncode != 0, report
     assert f"{MESSAGE} at step {FAIL_STEP}" in proc.stderr, report  # what the user sees: torchrun's stderr
-    assert elapsed < 150, f"took {elapsed:.0f} s to stop\n{report}"
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines() if line.strip()]
     assert [r["step"] for r in rows if "loss" in r] == [1, 2]
     assert [c.path.name for c in list_checkpoints(out / "checkpoints")] == ["step-000002"]

@@ -154,8 +154,21 @@ logging:
 
 
 def test_matryoshka_objective_trains(tiny_llama, pc_data, tmp_path):
-    summary, _ = _run(tiny_config(tiny_llama, pc_data, tmp_path / "run",
-                                  optimization={"matryoshka": {"dims": [16, 32], "weight": 0.2}}))
+    """The auxiliary loss is in the trained loss: the first step (same rows, same weights) logs the
+    plain loss plus weight x the prefix losses, linear in the weight, and the run still learns."""
+    def first_loss(name, weight, steps=1):
+        matryoshka = None if weight is None else {"dims": [16, 32], "weight": weight, "token_fraction": 1.0}
+        summary, _ = _run(tiny_config(tiny_llama, pc_data, tmp_path / name, optimization={"matryoshka": matryoshka},
+                                      training={"max_steps": steps}))
+        rows = [json.loads(l) for l in (tmp_path / name / "metrics.jsonl").read_text().splitlines()]
+        return rows[0]["loss"], summary
+
+    plain, _ = first_loss("plain", None)
+    low, summary = first_loss("low", 0.2, steps=4)
+    high, _ = first_loss("high", 0.4)
+    # A random tiny model's prefix losses are near ln(vocab) ~ 5.7, so weight 0.2 adds about 1.1.
+    assert low - plain > 0.5
+    assert high - plain == pytest.approx(2 * (low - plain), rel=1e-4)
     assert summary["eval"]["after"]["loss"] < summary["eval"]["before"]["loss"]
 
 

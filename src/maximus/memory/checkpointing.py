@@ -49,6 +49,7 @@ from torch.utils.checkpoint import (
     noop_context_fn,
 )
 
+from maximus.config import format_bytes
 from maximus.errors import BudgetError, ConfigError, ModelError
 
 __all__ = [
@@ -574,7 +575,7 @@ def choose_recompute_modes(costs: Sequence[LayerCost], *, budget_bytes: int | No
         floor = sum(min(_device_bytes(c, m, offload_activations) for m in RECOMPUTE_MODES) for c in costs)
         if floor > budget_bytes:
             raise BudgetError(
-                f"activation budget {budget_bytes / 2**20:.1f} MiB is below the {floor / 2**20:.1f} MiB "
+                f"activation budget {format_bytes(budget_bytes)} is below the {format_bytes(floor)} "
                 f"that recomputing every layer in full still needs",
                 "lower training.micro_batch_size or training.seq_len, raise optimization.target_vram, "
                 "or set optimization.offload.activations: on",
