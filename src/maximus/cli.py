@@ -170,7 +170,14 @@ def _embed(argv: list[str]) -> int:
     return embed_main(argv)
 
 
-COMMANDS = {"train": _train, "eval": _eval, "export": _export, "generate": _generate, "plan": _plan, "embed": _embed}
+def _ui(argv: list[str]) -> int:
+    from maximus.ui.command import ui_main
+
+    return ui_main(argv)
+
+
+COMMANDS = {"train": _train, "eval": _eval, "export": _export, "generate": _generate, "plan": _plan, "embed": _embed,
+            "ui": _ui}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -182,7 +189,8 @@ def main(argv: list[str] | None = None) -> int:
               "  eval      exact held-out loss of a finished run against its base model\n"
               "  export    a run as a merged Hugging Face model or its adapter\n"
               "  generate  generate text from a run or a model\n"
-              "  embed     Matryoshka embeddings of texts to .npy")
+              "  embed     Matryoshka embeddings of texts to .npy\n"
+              "  ui        the planner and live runs in the browser (loopback, read-only)")
         return 0
     if argv[0] in ("-V", "--version"):
         from maximus import __version__

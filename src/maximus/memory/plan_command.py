@@ -23,7 +23,7 @@ from maximus.errors import BudgetError, ConfigError
 from maximus.memory.estimate import DEVICE_FLOPS, estimate_peak, load_model_config, model_shape
 from maximus.memory.planner import Plan, plan_for_budget
 
-__all__ = ["plan_main", "plan_report", "CARD_TFLOPS"]
+__all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS"]
 
 #: Dense bf16 (fp16 on the T4) tensor-core TFLOP/s from the vendors' data sheets, to turn the
 #: planner's tokens/s guess (made for `DEVICE_FLOPS["cuda"]`) into one per card. Indicative only.
@@ -190,10 +190,15 @@ def _print_tables(report: dict[str, Any]) -> None:
             console.print(f"budget {format_bytes(b['budget_bytes'])}: {b['why_not']}")
 
 
+def plan_json(argv: list[str]) -> dict[str, Any]:
+    """The object `maximus plan ARGV --json` prints (`maximus ui`'s planner page shows exactly this)."""
+    return plan_report(_settings(_parser().parse_args(argv)))
+
+
 def plan_main(argv: list[str]) -> int:
     """Entry point of `maximus plan`; returns the exit code. Raises MaximusError on bad input."""
     args = _parser().parse_args(argv)
-    report = plan_report(_settings(args))
+    report = plan_json(argv)
     if args.json:
         json.dump(report, sys.stdout)
         sys.stdout.write("\n")

@@ -1,0 +1,394 @@
+"""`maximus ui` in a real headless Chromium (Debian's chromium + chromium-driver, driven by Selenium)
+and over real HTTP: the planner page equals `maximus plan --json`, a run's charts gain points
+while a real `maximus-train` writes to it, the token and path-confinement rules hold.
+
+Set MAXIMUS_UI_SCREENSHOTS=DIR to save the three pages' screenshots there (docs/ui/ is made so).
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import os
+import shutil
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tiny import tiny_config
+
+CHROMIUM, CHROMEDRIVER = shutil.which("chromium"), shutil.which("chromedriver")
+needs_browser = pytest.mark.skipif(
+    not (CHROMIUM and CHROMEDRIVER) and os.environ.get("CI") != "true",
+    reason="Debian chromium + chromium-driver not installed (apt-get install chromium chromium-driver); "
+           "under CI=true a missing browser fails instead")
+SCREENSHOTS = os.environ.get("MAXIMUS_UI_SCREENSHOTS")
+PLAN_ARGS = ["--model", "meta-llama/Llama-3.1-8B", "--method", "qlora", "--seq", "2048", "--batch", "2",
+             "--lora-r", "16", "--optimizer", "adamw", "--dtype", "bf16", "--budget", "16GB"]
+
+
+def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "maximus.cli", *args], capture_output=True, text=True,
+                          check=check, timeout=300)
+
+
+class Server:
+    """The real app on a free loopback port, served by Werkzeug in a thread."""
+
+    def __init__(self, runs: Path, token: str | None = None):
+        from werkzeug.serving import make_server
+
+        from maximus.ui.app import create_app
+
+        self.httpd = make_server("127.0.0.1", 0, create_app(runs, token=token), threaded=True)
+        self.port = self.httpd.server_port
+        self.url = f"http://127.0.0.1:{self.port}"
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def get(self, raw_path: str, headers: dict | None = None) -> tuple[int, bytes]:
+        """A request with the path sent exactly as written (no client-side normalisation of '..')."""
+        conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=30)
+        conn.request("GET", raw_path, headers=headers or {})
+        resp = conn.getresponse()
+        body = resp.read()
+        conn.close()
+        return resp.status, body
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+@pytest.fixture
+def runs_dir(tmp_path) -> Path:
+    (tmp_path / "runs").mkdir()
+    return tmp_path / "runs"
+
+
+@pytest.fixture
+def server(runs_dir):
+    s = Server(runs_dir)
+    yield s
+    s.close()
+
+
+@pytest.fixture(scope="module")
+def browser():
+    if not (CHROMIUM and CHROMEDRIVER):
+        pytest.fail("CI=true and Debian chromium / chromium-driver are missing: .ci/run must install them")
+    from selenium import webdriver
+    from selenium.webdriver.chrome.service import Service
+
+    opts = webdriver.ChromeOptions()
+    opts.binary_location = CHROMIUM
+    for flag in ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--disable-quic",
+                 "--no-first-run", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+                 "--window-size=1300,1000"):
+        opts.add_argument(flag)
+    driver = webdriver.Chrome(service=Service(CHROMEDRIVER), options=opts)
+    driver.set_page_load_timeout(120)
+    yield driver
+    driver.quit()
+
+
+def _shot(driver, name: str) -> None:
+    if SCREENSHOTS:
+        Path(SCREENSHOTS).mkdir(parents=True, exist_ok=True)
+        driver.save_screenshot(str(Path(SCREENSHOTS) / name))
+
+
+def _fill_planner(driver, url: str, *, budget: str, model: str | None = None, upload: Path | None = None) -> None:
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+
+    driver.get(url + "/")
+    if model:
+        Select(driver.find_element(By.ID, "model")).select_by_value(model)
+    if upload:
+        driver.find_element(By.ID, "config_file").send_keys(str(upload))
+    Select(driver.find_element(By.ID, "method")).select_by_value("qlora")
+    for field, value in (("seq", "2048"), ("batch", "2"), ("lora_r", "16"), ("budget", budget)):
+        box = driver.find_element(By.ID, field)
+        box.clear()
+        box.send_keys(value)
+    Select(driver.find_element(By.ID, "optimizer")).select_by_value("adamw")
+    Select(driver.find_element(By.ID, "dtype")).select_by_value("bf16")
+    from selenium.webdriver.support import expected_conditions as ec
+    from selenium.webdriver.support.ui import WebDriverWait
+
+    button = driver.find_element(By.ID, "plan-button")
+    button.click()
+    wait = WebDriverWait(driver, 120)
+    wait.until(ec.staleness_of(button))  # the answer is a new page
+    wait.until(lambda d: d.find_elements(By.ID, "result") or d.find_elements(By.ID, "error"))
+
+
+def _page_cards(driver) -> list[dict]:
+    from selenium.webdriver.common.by import By
+
+    rows = []
+    for tr in driver.find_elements(By.CSS_SELECTOR, "#cards tbody tr"):
+        rows.append({"card": tr.get_attribute("data-card"), "fits": tr.get_attribute("data-fits") == "yes",
+                     "peak": tr.get_attribute("data-peak"), "usd": tr.get_attribute("data-usd"),
+                     "max_seq": tr.get_attribute("data-max-seq"),
+                     "cells": [td.text for td in tr.find_elements(By.TAG_NAME, "td")]})
+    return rows
+
+
+def _assert_page_equals_cli(driver, cli: dict) -> None:
+    from selenium.webdriver.common.by import By
+
+    from maximus.config import format_bytes
+
+    rows = _page_cards(driver)
+    assert [r["card"] for r in rows] == [c["card"] for c in cli["cards"]]
+    for row, card in zip(rows, cli["cards"]):
+        assert row["fits"] == card["fits"], card["card"]
+        assert row["peak"] == (str(card["plan"]["peak_bytes"]) if card["plan"] else ""), card["card"]
+        assert row["usd"] == (repr(card["usd_per_million_tokens"]) if card["usd_per_million_tokens"] is not None
+                              else ""), card["card"]
+        assert row["max_seq"] == (str(card["max_seq_len"]) if card.get("max_seq_len") is not None else "")
+        assert row["cells"][1] == format_bytes(card["memory_bytes"])
+        assert row["cells"][4] == (format_bytes(card["plan"]["peak_bytes"]) if card["plan"] else "-")
+    assert driver.find_element(By.ID, "requested-peak").get_attribute("data-bytes") == str(cli["peak_bytes"])
+    cheapest = driver.find_element(By.ID, "cheapest").text
+    assert cheapest == (f"cheapest card that fits: {cli['cheapest_card']}" if cli["cheapest_card"] else
+                        "no listed card fits: use more GPUs, method qlora, or a shorter sequence")
+
+
+@needs_browser
+def test_planner_page_equals_maximus_plan_json(browser, server, tmp_path):
+    from selenium.webdriver.common.by import By
+
+    cli = json.loads(_cli("plan", *PLAN_ARGS, "--json").stdout)
+    _fill_planner(browser, server.url, model="meta-llama/Llama-3.1-8B", budget="16GB")
+    _assert_page_equals_cli(browser, cli)
+    assert cli["budget"]["fits"]
+    assert browser.find_element(By.ID, "budget-plan").text.startswith("fits: qlora mb ")
+    # The YAML on the page is a valid maximus-train config for that plan.
+    from maximus.config import Config
+
+    text = browser.find_element(By.ID, "yaml").text
+    cfg = Config.from_dict(yaml.safe_load(text))
+    assert (cfg.method, cfg.training.seq_len, cfg.training.batch_size, cfg.lora.r) == ("qlora", 2048, 2, 16)
+    assert cfg.training.micro_batch_size == cli["budget"]["plan"]["micro_batch_size"]
+    _shot(browser, "planner.png")
+
+    # An uploaded config.json is planned exactly like `maximus plan --model that/config.json`.
+    shape = {"model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336,
+             "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8,
+             "max_position_embeddings": 32768, "tie_word_embeddings": False}
+    upload = tmp_path / "config.json"
+    upload.write_text(json.dumps(shape))
+    cli_up = json.loads(_cli("plan", "--model", str(upload), *PLAN_ARGS[2:-2], "--budget", "T4", "--json").stdout)
+    _fill_planner(browser, server.url, upload=upload, budget="T4")
+    _assert_page_equals_cli(browser, cli_up)
+    assert browser.find_element(By.TAG_NAME, "h2").text == "uploaded config.json"
+
+
+@needs_browser
+def test_planner_bad_input_shows_the_planners_one_line(browser, server):
+    from selenium.webdriver.common.by import By
+
+    cli = _cli("plan", *PLAN_ARGS[:-1], "lots", check=False)
+    assert cli.returncode == 2
+    expected = cli.stderr.strip()
+    assert expected.startswith("error: ") and "\n" not in expected
+    _fill_planner(browser, server.url, model="meta-llama/Llama-3.1-8B", budget="lots")
+    assert browser.find_element(By.ID, "error").text == expected
+    assert "Traceback" not in browser.page_source
+
+    _fill_planner(browser, server.url, model="meta-llama/Llama-3.1-8B", budget="16GB")
+    browser.find_element(By.ID, "seq")  # still on the planner
+    status, body = server.get("/?model=no-such/model&seq=2048&batch=2")
+    cli = _cli("plan", "--model", "no-such/model", "--seq", "2048", "--batch", "2", check=False)
+    assert cli.returncode == 2
+    assert status == 200 and cli.stderr.strip().encode() in body.replace(b"&#39;", b"'")
+    status, body = server.get("/?model=meta-llama/Llama-3.1-8B&seq=two")
+    assert b"error: sequence length must be a positive whole number, got &#39;two&#39; (hint: e.g. seq=2048)" in body
+
+
+def test_upload_is_capped_and_parsed_as_json_only(server):
+    import urllib.error
+    import urllib.request
+
+    def post(content: bytes) -> tuple[int, str]:
+        boundary = "maximusboundary"
+        body = (f"--{boundary}\r\nContent-Disposition: form-data; name=\"config_file\"; filename=\"config.json\"\r\n"
+                f"Content-Type: application/json\r\n\r\n").encode() + content + f"\r\n--{boundary}--\r\n".encode()
+        req = urllib.request.Request(server.url + "/", data=body, method="POST",
+                                     headers={"Content-Type": f"multipart/form-data; boundary={boundary}"})
+        try:
+            with urllib.request.urlopen(req, timeout=60) as r:
+                return r.status, r.read().decode()
+        except urllib.error.HTTPError as e:
+            return e.code, e.read().decode()
+
+    status, page = post(b" " * (300 * 1024))
+    assert status == 413
+    assert "error: config.json is larger than 256 KiB (hint: upload only the model&#39;s config.json)" in page
+    status, page = post(b"!!python/object/apply:os.system ['echo pwned']")
+    assert status == 200 and "is not valid JSON" in page and "pwned" not in page.replace("echo pwned", "")
+    status, page = post(b"[1, 2]")
+    assert "error: uploaded &#39;config.json&#39; is not a JSON object (hint: upload a model&#39;s config.json)" in page
+
+
+def _make_run(root: Path, name: str, *, finished: bool = False, checkpoint: bool = False) -> Path:
+    d = root / name
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.5, "lr": 1e-3, "tokens_per_s": 10.0,
+                                                 "memory_bytes": 100, "peak_memory_bytes": 200}) + "\n")
+    if checkpoint:
+        (d / "checkpoints" / "step-1").mkdir(parents=True)
+    if finished:
+        (d / "run.json").write_text(json.dumps({"config": {"model": "m", "method": "lora"}, "method": "lora",
+                                                "steps": 1, "plan": {"peak_bytes": 300, "budget_bytes": 400},
+                                                "memory": {"peak_bytes": 250, "budget_bytes": 400},
+                                                "eval": {"before": {"loss": 3.0}, "after": {"loss": 2.0}}}))
+    return d
+
+
+def test_run_statuses_from_the_files_a_trainer_leaves(runs_dir):
+    from maximus.train.lock import RunLock
+    from maximus.ui.runs import list_runs
+
+    _make_run(runs_dir, "done", finished=True)
+    _make_run(runs_dir, "stopped", checkpoint=True)
+    _make_run(runs_dir, "crashed")
+    live = _make_run(runs_dir, "group/live")
+    with RunLock(live):  # the trainer's own lock, held as a running trainer holds it
+        statuses = {r.name: r.status for r in list_runs(runs_dir)}
+        assert statuses == {"done": "finished", "stopped": "interrupted", "crashed": "failed", "group/live": "running"}
+    assert {r.name: r.status for r in list_runs(runs_dir)}["group/live"] == "failed"
+    done = next(r for r in list_runs(runs_dir) if r.name == "done")
+    assert (done.best_eval_loss, done.peak_bytes, done.budget_bytes, done.predicted_peak_bytes) == (2.0, 250, 400, 300)
+
+
+def test_paths_are_confined_to_runs(server, runs_dir, tmp_path):
+    outside = _make_run(tmp_path, "secret-run", finished=True)
+    _make_run(runs_dir, "ok", finished=True)
+    (runs_dir / "link-out").symlink_to(outside, target_is_directory=True)
+    (runs_dir / "ok" / "loss.png").symlink_to(tmp_path / "secret-run" / "run.json")
+    assert server.get("/runs/ok")[0] == 200
+    assert server.get("/api/runs/ok/metrics?since=0")[0] == 200
+    for path in ("/runs/../secret-run", "/runs/%2e%2e/secret-run", "/api/runs/..%2Fsecret-run",
+                 "/api/runs/%2e%2e%2fsecret-run/metrics", "/runs/link-out", "/api/runs/link-out/metrics",
+                 "/runs//etc", "/runs/ok/loss.png", "/runs/ok/checkpoints", "/runs/nothing-here",
+                 "/runs/..", "/api/runs/ok/../../secret-run"):
+        status, body = server.get(path)
+        assert status == 404, (path, status)
+        assert b"secret" not in body.replace(b"secret-run", b"")
+    names = {r["name"] for r in json.loads(server.get("/api/runs")[1])}
+    assert names == {"ok"}  # the symlinked run outside is not listed either
+
+
+def test_token_is_checked_on_every_request(runs_dir):
+    s = Server(runs_dir, token="s3cret-token")
+    try:
+        for path in ("/", "/runs", "/api/runs", "/static/chart.umd.min.js", "/api/plan?model=x"):
+            assert s.get(path)[0] == 403, path
+            assert s.get(path + ("&" if "?" in path else "?") + "token=wrong")[0] == 403, path
+        assert s.get("/api/runs", {"Authorization": "Bearer s3cret-token"})[0] == 200
+        status, _ = s.get("/runs?token=s3cret-token")
+        assert status == 200
+        conn = http.client.HTTPConnection("127.0.0.1", s.port, timeout=30)
+        conn.request("GET", "/runs?token=s3cret-token")
+        cookie = conn.getresponse().getheader("Set-Cookie")
+        conn.close()
+        assert cookie.startswith("maximus_ui_token=s3cret-token") and "HttpOnly" in cookie
+        assert s.get("/api/runs", {"Cookie": "maximus_ui_token=s3cret-token"})[0] == 200
+    finally:
+        s.close()
+
+
+def test_cli_off_loopback_makes_and_prints_a_token(runs_dir):
+    from maximus.ui.command import is_loopback
+
+    assert [is_loopback(h) for h in ("127.0.0.1", "localhost", "::1", "127.0.0.2", "0.0.0.0", "192.168.1.5")] == \
+        [True, True, True, True, False, False]
+    proc = subprocess.Popen([sys.executable, "-m", "maximus.cli", "ui", "--runs", str(runs_dir), "--host", "0.0.0.0",
+                             "--port", "0"], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    try:
+        first = proc.stdout.readline()
+        assert first.startswith("--host 0.0.0.0 is not loopback: every request needs this token (made for this run): ")
+        token = first.rsplit(" ", 1)[1].strip()
+        second = proc.stdout.readline()
+        port = int(second.split("http://0.0.0.0:", 1)[1].split("/", 1)[0])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", "/api/runs")
+        assert conn.getresponse().status == 403
+        conn.close()
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+        conn.request("GET", f"/api/runs?token={token}")
+        assert conn.getresponse().status == 200
+        conn.close()
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    bad = _cli("ui", "--runs", str(runs_dir / "metrics.jsonl"), "--port", "99999", check=False)
+    assert bad.returncode == 2
+    assert bad.stderr.strip() == "error: --port 99999 is not a port number (hint: use 1-65535, or 0 for any free port)"
+
+
+@needs_browser
+def test_run_page_charts_grow_while_a_real_run_trains(browser, server, runs_dir, tiny_llama, pc_data):
+    from selenium.webdriver.common.by import By
+
+    out = runs_dir / "live"
+    cfg = tiny_config(tiny_llama, pc_data, out, training={"max_steps": 30, "log_every": 1, "save_every": 10},
+                      eval={"every": 10, "prompts": ["Reverse: red gold\nAnswer:"]})
+    cfg_path = runs_dir.parent / "live.yaml"
+    cfg_path.write_text(yaml.safe_dump(cfg))
+    proc = subprocess.Popen([sys.executable, "-m", "maximus.cli", "train", "--config", str(cfg_path)],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1"})
+    try:
+        deadline = time.time() + 240
+        while not (out / "metrics.jsonl").is_file() or not (out / "metrics.jsonl").read_text().strip():
+            assert proc.poll() is None, proc.stderr.read()
+            assert time.time() < deadline
+            time.sleep(0.2)
+        browser.get(server.url + "/runs")
+        row = browser.find_element(By.CSS_SELECTOR, "#runs tr[data-run='live']")
+        seen_running = row.get_attribute("data-status") == "running"
+        browser.get(server.url + "/runs/live")
+
+        def points() -> int:
+            return int(browser.find_element(By.ID, "points").text)
+
+        first = 0
+        while first == 0 and time.time() < deadline:
+            time.sleep(0.3)
+            first = points()
+        assert 0 < first
+        grown = first
+        while grown == first and proc.poll() is None and time.time() < deadline:
+            time.sleep(0.3)
+            grown = points()
+        assert grown > first, "the loss chart gained no points while the run trained"
+        seen_running = seen_running or browser.find_element(By.ID, "status").text == "running"
+        assert seen_running
+        assert proc.wait(timeout=240) == 0, proc.stderr.read()
+        while browser.find_element(By.ID, "status").text != "finished" and time.time() < deadline:
+            time.sleep(0.3)
+        assert browser.find_element(By.ID, "status").text == "finished"
+        n_steps = sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if '"loss"' in line)
+        assert points() == n_steps == 30
+        # Eval points reached the loss chart, as held-out points (dataset 1).
+        evals = browser.execute_script("return Chart.getChart('loss-chart').data.datasets[1].data.length")
+        assert evals == sum(1 for line in (out / "metrics.jsonl").read_text().splitlines() if "eval_loss" in line) > 0
+        browser.get(server.url + "/runs/live")
+        time.sleep(1.5)
+        assert browser.find_element(By.ID, "before-after").text.startswith("base (before) tuned (after)")
+        _shot(browser, "run.png")
+        browser.get(server.url + "/runs")
+        assert browser.find_element(By.CSS_SELECTOR, "#runs tr[data-run='live']").get_attribute("data-status") == "finished"
+        _shot(browser, "runs.png")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
