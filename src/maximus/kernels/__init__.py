@@ -12,6 +12,9 @@ gradient checkpointing are in place and before DDP / FSDP2 wrap the model:
 - ``compile``: regional ``torch.compile`` (Inductor) of each decoder layer, so one compiled
   graph serves every layer; needs a C++ compiler on CPU (a notice and eager otherwise);
 - ``eager``: plain PyTorch modules;
+- lean LoRA projections (`maximus.kernels.lean_lora`, ``optimization.lean_lora``, on by default):
+  in every mode but ``compile``, the PEFT LoRA linears the Triton kernel did not take run as one
+  autograd node that keeps the layer input once, in the compute dtype;
 - on CPU, `cpu_threads` picks the intra-op thread count before anything runs (see there);
 - ``auto``: ``triton`` on CUDA when Triton is importable, else eager. Compilation is not the CPU
   default because it pays off only slowly there: regional compilation of the reference model's
@@ -40,6 +43,7 @@ class KernelReport:
     patched: list[str] = field(default_factory=list)
     notices: list[str] = field(default_factory=list)
     threads: int | None = None
+    lean_lora: int = 0  # PEFT LoRA linears routed through maximus.kernels.lean_lora
 
     @property
     def padding_free(self) -> bool:
@@ -49,7 +53,8 @@ class KernelReport:
 
     def to_dict(self) -> dict:
         return {"requested": self.requested, "used": self.used, "attention": self.attention,
-                "patched": len(self.patched), "notices": list(self.notices), "cpu_threads": self.threads}
+                "patched": len(self.patched), "notices": list(self.notices), "cpu_threads": self.threads,
+                "lean_lora": self.lean_lora}
 
 
 def cpu_threads(device: torch.device, processes_per_node: int = 1, *, busy: int | None = None,
@@ -95,12 +100,22 @@ def busy_cores(samples: int = 5, interval_s: float = 0.01) -> int:
     return int(statistics.median(counts))
 
 
-def apply_kernels(model, mode: str, device: torch.device) -> KernelReport:
-    """Make ``model``'s training step run as ``mode`` asks (see the module docstring).
+def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = True) -> KernelReport:
+    """Make ``model``'s training step run as ``mode`` asks (see the module docstring); with
+    ``lean_lora``, the LoRA linears left to PEFT then take the lean projection (not under ``compile``).
 
     Never raises for an unsupported combination: the step falls back to eager PyTorch and
     ``report.notices`` says why (the trainer prints them once).
     """
+    report = _apply_mode(model, mode, device)
+    if lean_lora and report.used != "compile":
+        from maximus.kernels.lean_lora import install_lean_lora
+
+        report.lean_lora = len(install_lean_lora(model))
+    return report
+
+
+def _apply_mode(model, mode: str, device: torch.device) -> KernelReport:
     from maximus.attention.varlen import use_varlen_attention
 
     report = KernelReport(requested=mode)

@@ -6,8 +6,8 @@ Backward (dy: (tokens, out); W frozen, so no dW):
 ``dx = dy @ W`` (W dequantised again) ``+ s * (dy @ B) @ A`` (the second term to ``x_l``),
 ``dB = s * dy.T @ (x_l @ A.T)`` and ``dA = s * (dy @ B).T @ x_l``.
 The dequantised weight lives only inside forward and inside backward, never between them: saved
-are x_l, the small (tokens, r) product ``x_l @ A.T``, A, B and the packed bytes, about what PEFT +
-bitsandbytes keep. The gain is in time, not memory: one autograd node instead of PEFT's chain
+are x_l as it came (in the compute dtype, no float32 copy: projections fed the same tensor share
+it), the small (tokens, r) product ``x_l @ A.T``, A, B and the packed bytes. One autograd node instead of PEFT's chain
 (clone, two linears, scale, cast, add), and the weight decoded by the fused NF4 kernel.
 
 Dtypes follow PEFT + bitsandbytes: the base path runs in the layer's compute dtype (the dequantised
@@ -36,9 +36,11 @@ class LoRALinear4bitFunction(torch.autograd.Function):
         del weight  # never kept: backward dequantises again
         if bias is not None:
             base = base + bias.to(compute_dtype)
-        lx = _as_rows(lora_x).to(lora_dtype)
-        xa = lx @ lora_a.to(lora_dtype).t()
+        lx = _as_rows(lora_x)
+        xa = lx.to(lora_dtype) @ lora_a.to(lora_dtype).t()
         out = base.to(x.dtype) + ((xa @ lora_b.to(lora_dtype).t()) * scaling).to(x.dtype)
+        # The input as it came (a view: q/k/v, and gate/up, share one saved tensor), never a
+        # lora_dtype copy; backward casts it again.
         ctx.save_for_backward(lx, xa, lora_a, lora_b, qweight)
         ctx.quant_state, ctx.scaling, ctx.compute_dtype = quant_state, scaling, compute_dtype
         ctx.lora_dtype = lora_dtype
@@ -56,7 +58,7 @@ class LoRALinear4bitFunction(torch.autograd.Function):
         a, b = lora_a.to(ctx.lora_dtype), lora_b.to(ctx.lora_dtype)
         dy_l = dy2.to(ctx.lora_dtype)
         dy_b = dy_l @ b  # (tokens, r)
-        grad_a = ((dy_b.t() @ lx) * s).to(lora_a.dtype) if ctx.needs_input_grad[4] else None
+        grad_a = ((dy_b.t() @ lx.to(ctx.lora_dtype)) * s).to(lora_a.dtype) if ctx.needs_input_grad[4] else None
         grad_b = ((dy_l.t() @ xa) * s).to(lora_b.dtype) if ctx.needs_input_grad[5] else None
         grad_bias = dy2.sum(0) if ctx.bias_grad else None
         x_shape, lx_shape = ctx.shapes
