@@ -32,11 +32,14 @@ from typing import Any, Literal, Sequence
 from maximus.errors import ConfigError, ModelError
 
 Method = Literal["full", "lora", "qlora"]
+Attention = Literal["sdpa", "kronecker"]
+Objective = Literal["sft", "dpo", "contrastive"]
+DpoReference = Literal["adapter_off", "precomputed", "none"]
 LossMode = Literal["naive", "exact", "ghost"]
 Checkpointing = Literal["off", "full", "selective"]
 
 __all__ = ["Estimate", "ModelShape", "KNOWN_SHAPES", "estimate_peak", "model_shape", "load_model_config",
-           "DTYPE_BYTES", "DEVICE_FLOPS"]
+           "DTYPE_BYTES", "DEVICE_FLOPS", "KroneckerLayout", "kronecker_layout", "technique_kwargs"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
@@ -236,12 +239,15 @@ def model_shape(model_config: Any) -> ModelShape:
 # dimension at a time (docs/planner.md "Where the coefficients come from"):
 #   bytes/token = ch*h + ci*i + cq*q_dim + ckv*kv_dim + 4*heads (float32 log-sum-exp)
 #                 + 4*r per LoRA-targeted linear (its float32 down-projection output).
-# "adapter" = LoRA/QLoRA (frozen base, float32 adapters: PEFT casts each adapter input to
-# float32, hence the larger hidden coefficient in 16-bit); "full" = every weight trainable.
+# "adapter" = LoRA/QLoRA (frozen base, float32 adapters); "full" = every weight trainable.
+# 16-bit rows are measured under `torch.autocast`, as the trainer runs them (issue 16: 20 random
+# shapes each, hidden 128-512, intermediate 256-1536; worst error 2 %). Without autocast PEFT
+# casts each adapter input to float32 and a LoRA layer keeps (28, 10, 8, 4): bare Transformers
+# steps outside autocast keep ~20 % more than the trainer's.
 _LAYER_COEF = {  # (trainable, dtype bytes) -> (ch, ci, cq, ckv)
     ("full", 2): (16, 8, 4, 4),
     ("full", 4): (24, 16, 8, 8),
-    ("adapter", 2): (28, 10, 8, 4),
+    ("adapter", 2): (18, 8, 6, 4),
     ("adapter", 4): (16, 16, 8, 8),
 }
 
@@ -283,11 +289,13 @@ class Estimate:
     tokens_per_s_guess: float
     phase: str
     settings: dict[str, Any] = field(default_factory=dict)
+    #: What the estimate bounds rather than models (a conservative figure is used), one line each.
+    notes: list[str] = field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         return {"peak_bytes": self.peak_bytes, "breakdown": dict(self.breakdown), "phase": self.phase,
                 "flops_per_token": self.flops_per_token, "tokens_per_s_guess": self.tokens_per_s_guess,
-                "settings": dict(self.settings)}
+                "settings": dict(self.settings), "notes": list(self.notes)}
 
 
 def _targets(shape: ModelShape, lora_targets: str | Sequence[str]) -> list[str]:
@@ -309,12 +317,246 @@ def default_loss_chunk(num_tokens: int, vocab_size: int, dtype_bytes: int, train
     return default_chunk_size(num_tokens, vocab_size, dtype_bytes, trainable_head)
 
 
+# ------------------------------------------------------------------------------------------------
+# Techniques beyond plain SFT on SDPA (issue 16): each piece measured on the real code path.
+
+
+def technique_kwargs(cfg: Any) -> dict[str, Any]:
+    """The `estimate_peak` keywords that a `maximus.Config` switches on, read in one place (the
+    planner forwards them to every estimate): ghost candidates, Kronecker Sketching, the
+    objective and its rows, the DPO reference, the Matryoshka pass and parameter offload."""
+    opt = cfg.optimization
+    kron = opt.kronecker
+    dpo_reference = "none"
+    if cfg.objective == "dpo":
+        from maximus.losses.preference import needs_reference
+
+        dpo_reference = cfg.dpo.reference if needs_reference(cfg.dpo.loss) else "none"
+    mat = opt.matryoshka
+    return dict(ghost_candidates=opt.ghost_logit.candidates,
+                attention="kronecker" if kron is not None else "sdpa",
+                kronecker=None if kron is None else {k: getattr(kron, k) for k in ("detail_tokens", "sketch_slots", "block")},
+                objective=cfg.objective, dpo_reference=dpo_reference,
+                matryoshka_dims=None if mat is None else list(mat.dims),
+                matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
+                offload_params=opt.offload.params == "on")
+
+
+def _check_techniques(loss_mode: str, attention: str, objective: str, dpo_reference: str, token_fraction: float) -> None:
+    if attention not in ("sdpa", "kronecker"):
+        raise ConfigError(f"unknown attention {attention!r}", "use sdpa or kronecker")
+    if objective not in ("sft", "dpo", "contrastive"):
+        raise ConfigError(f"unknown objective {objective!r}", "use sft, dpo or contrastive")
+    if dpo_reference not in ("adapter_off", "precomputed", "none"):
+        raise ConfigError(f"unknown dpo reference {dpo_reference!r}", "use adapter_off, precomputed or none")
+    if loss_mode == "ghost" and objective != "sft":
+        raise ConfigError(f"optimization.use_ghost_logit does not apply to objective {objective}",
+                          "the Ghost Logit loss replaces the SFT vocabulary softmax; set use_ghost_logit: false")
+    if not 0.0 < token_fraction <= 1.0:
+        raise ConfigError(f"matryoshka token_fraction must be in (0, 1], got {token_fraction}", "e.g. 0.0625")
+
+
+def _rows_per_example(objective: str) -> int:
+    """Rows one example adds to a forward: DPO pairs run chosen + rejected, contrastive pairs
+    query + positive, in one forward of 2N rows (both padded to the same length)."""
+    return 2 if objective in ("dpo", "contrastive") else 1
+
+
+@dataclass(frozen=True)
+class KroneckerLayout:
+    """The shapes of Kronecker Sketching attention (`maximus.attention.sketch_module`)."""
+
+    block: int
+    local_blocks: int
+    select_blocks: int
+    sub_slots: int
+    buckets: int
+
+    @property
+    def detail_tokens(self) -> int:
+        return (self.local_blocks + self.select_blocks) * self.block
+
+    @property
+    def slots(self) -> int:
+        return self.sub_slots * self.buckets
+
+    @property
+    def columns(self) -> int:
+        """Keys each query's softmax spans: detail tokens plus sketch slots."""
+        return self.detail_tokens + self.slots
+
+    def params(self, head_dim: int) -> int:
+        """Parameters of one layer's sketch (B factor, bucket scales, the block scorer)."""
+        return self.sub_slots * self.block + self.buckets + 2 * head_dim * head_dim + head_dim
+
+    def to_dict(self) -> dict[str, int]:
+        return {"detail_tokens": self.detail_tokens, "sketch_slots": self.slots, "block": self.block}
+
+
+def kronecker_layout(kronecker: Any = None) -> KroneckerLayout:
+    """The layout a `KroneckerConfig` (or a dict of its fields; None = defaults) builds, by the
+    rules of `KroneckerSketch`: detail_tokens // block blocks (two local), sub_slots =
+    min(block, isqrt(sketch_slots)), buckets = sketch_slots // sub_slots."""
+    get = (lambda k, d: kronecker.get(k, d)) if isinstance(kronecker, dict) else (lambda k, d: getattr(kronecker, k, d))
+    if kronecker is None or kronecker is True:
+        get = lambda k, d: d  # noqa: E731
+    detail, slots, block = int(get("detail_tokens", 256)), int(get("sketch_slots", 64)), int(get("block", 64))
+    if detail < block:
+        raise ConfigError(f"optimization.kronecker_sketching.detail_tokens ({detail}) must be at least block ({block})",
+                          "raise detail_tokens or lower block; detail_tokens is rounded down to whole blocks")
+    blocks = detail // block
+    sub = max(1, min(block, math.isqrt(slots)))
+    return KroneckerLayout(block=block, local_blocks=min(2, blocks), select_blocks=blocks - min(2, blocks),
+                           sub_slots=sub, buckets=max(1, slots // sub))
+
+
+# Bytes per query token that one decoder layer saves for backward with Kronecker Sketching on top
+# of what it saves with SDPA. Measured with saved_tensors_hooks on Transformers 5 Llama layers
+# (2 layers minus 1) with the sketch installed as the trainer installs it (trainable sketch; LoRA
+# on all linear layers, bf16 under autocast as the trainer runs), 30-36 random shapes per row
+# (hidden 256-512, 1-16 heads, head_dim 32-128, block 32-128, 2-6 detail blocks, 16-256 slots),
+# fitted by least squares on the terms the code allocates (docs/benchmarks/planner.md):
+#   probabilities H*C (float32 softmax output + its 16-bit copy for the value matmul),
+#   gathered keys / values kv*C*D/L, the mask kv*C, block keys kv*D, queries H*D,
+#   sketch slot sums kv*K*D/L, selected blocks' slot sums kv*n_sel*S*D/L;
+#   with C = detail tokens + slots, K = slots, L = block, S = sub-slots.
+# Worst error on the fitted layers: 7 % of the layer's total (mean 1.5 %).
+_KRONECKER_COEF = {  # (trainable, dtype bytes) -> coefficients of the terms above
+    ("full", 2): (6.1, 1.8, 0.8, 11.4, -0.6, 6.8, 4.4),
+    ("adapter", 2): (5.9, 2.9, 1.4, 3.4, -1.1, 4.6, 4.4),
+    ("full", 4): (4.0, 8.0, 1.1, 0.3, 0.0, 8.1, 2.0),
+    ("adapter", 4): (4.0, 8.0, 1.1, 0.3, 0.0, 8.1, 2.0),
+}
+
+
+def _block_padding(seq_len: int, block: int) -> float:
+    """The sketch pads every sequence to whole blocks: its per-token cost grows by this factor."""
+    return math.ceil(seq_len / block) * block / seq_len
+
+
+def kronecker_saved_bytes_per_token(shape: ModelShape, method: str, dtype_bytes: int, layout: KroneckerLayout,
+                                    seq_len: int) -> float:
+    """Extra bytes per token one layer saves for backward with the sketch instead of SDPA."""
+    H, kv, D, Lb = shape.num_heads, shape.num_kv_heads, shape.head_dim, layout.block
+    C, K = layout.columns, layout.slots
+    terms = (H * C, kv * C * D / Lb, kv * C, kv * D, H * D, kv * K * D / Lb,
+             kv * layout.select_blocks * layout.sub_slots * D / Lb)
+    coef = _KRONECKER_COEF[("full" if method == "full" else "adapter", 4 if dtype_bytes >= 4 else 2)]
+    return max(0.0, sum(c * t for c, t in zip(coef, terms))) * _block_padding(seq_len, Lb)
+
+
+def reference_forward_bytes_per_token(shape: ModelShape, dtype_bytes: int, layout: KroneckerLayout | None,
+                                      seq_len: int) -> float:
+    """Transients of one decoder layer's forward without gradients (the DPO reference pass):
+    its input and output, q / k / v and the attention output, the gated MLP's three
+    intermediates; with the sketch, its float32 logits and probabilities and gathered keys."""
+    h, i = shape.hidden_size, shape.intermediate_size
+    per = (2 * h + 2 * shape.q_dim + 2 * shape.kv_dim + 3 * i) * dtype_bytes
+    if layout is not None:
+        H, kv, D, Lb, C = shape.num_heads, shape.num_kv_heads, shape.head_dim, layout.block, layout.columns
+        per += (8 * H * C + 2 * kv * C * D * dtype_bytes / Lb) * _block_padding(seq_len, Lb)
+    return float(per)
+
+
+def head_loss_bytes(shape: ModelShape, loss_mode: str, T: int, b: int, trainable_head: bool,
+                    chunk_tokens: int | None, default_chunk: int, ghost_candidates: int = 1024,
+                    with_grad: bool = True) -> int:
+    """Working set of the vocabulary loss over T tokens (bytes).
+
+    ``naive``: Transformers' loss: float32 logits, log-softmax output and, in backward, its
+    incoming and outgoing gradients; the 16-bit logits die after forward (the trainer keeps only
+    the loss): 12 bytes per logit at the start of backward (10 during forward; 4 + b without
+    gradients). ``exact``: one chunk of logits (float32 + 16-bit matmul output) plus the hidden
+    state's gradient buffer and the shifted hidden copy. ``ghost``: see `ghost_loss_bytes`.
+    """
+    V, h = shape.vocab_size, shape.hidden_size
+    if loss_mode == "naive":
+        loss = T * V * (12 if with_grad else 4 + b)
+    elif loss_mode == "ghost":
+        loss = ghost_loss_bytes(shape, T, b, trainable_head, chunk_tokens, ghost_candidates)
+    else:
+        chunk = max(1, min(chunk_tokens or default_chunk, T))
+        loss = chunk * V * (4 + (b if b < 4 else 0)) + (2 * T * h * b if with_grad else T * h * b)
+        if trainable_head and with_grad:  # float32 gradient accumulator over chunks
+            loss += V * h * 4
+    # Per-token scratch of the head (labels, log-sum-exp, losses): small but not zero.
+    return int(loss + T * 24)
+
+
+def ghost_loss_bytes(shape: ModelShape, T: int, b: int, trainable_head: bool, chunk_tokens: int | None,
+                     candidates: int) -> int:
+    """Working set of `maximus.losses.ghost_logit_loss` (bytes): per call the centred prefix of
+    every vocabulary row (`prefix_dims` = 64 columns), the per-row best score and position, one
+    candidate-scan block; per chunk of C tokens (the user's `loss_chunk_size`, else 256) the K =
+    candidates + C gathered rows and C x K logits (16-bit matmul output, float32 logits and
+    their gradient, 16-bit gradient); the hidden-state gradient over all T tokens."""
+    from maximus.losses.ghost_logit import DEFAULT_GHOST_CHUNK_TOKENS, SCAN_BLOCK_BYTES
+
+    V, h = shape.vocab_size, shape.hidden_size
+    chunk = max(1, min(chunk_tokens or DEFAULT_GHOST_CHUNK_TOKENS, T))
+    K = min(V, candidates + chunk)
+    scan = min(V, max(1, SCAN_BLOCK_BYTES // (chunk * b))) * chunk * b  # one block of prefix scores
+    loss = 2 * T * h * b + V * (64 * b + b + 8) + scan + K * h * b + chunk * (K + 1) * (8 + 2 * b)
+    if trainable_head:
+        loss += V * h * 4
+    return int(loss)
+
+
+def matryoshka_loss_bytes(shape: ModelShape, main_loss: int, loss_mode: str, T: int, b: int, trainable_head: bool,
+                          dims: Sequence[int], token_fraction: float) -> int:
+    """The loss working set with the SFT Matryoshka auxiliary pass (bytes).
+
+    With every token (fraction 1) and the exact loss, main and prefix losses share one nested
+    chunked pass whose chunk holds one more stored C x V gradient per prefix. Otherwise the prefix
+    levels run after the main loss, over the sampled tokens gathered together (`sampled_tokens`:
+    ceil(fraction x 64) of every 64), while the main loss's hidden-state gradient is still held."""
+    from maximus.losses.matryoshka import SAMPLE_GROUP_TOKENS, default_nested_chunk_size
+
+    V, h = shape.vocab_size, shape.hidden_size
+    levels = len([d for d in dims if 0 < d < h])
+    if not levels:
+        return main_loss
+    per_token = lambda n: V * (b + max(b, 4) + (n - 1) * b)  # noqa: E731  (default_nested_chunk_size's)
+    if token_fraction >= 1.0 and loss_mode == "exact":
+        chunk = default_nested_chunk_size(T, V, b, levels + 1, trainable_head)
+        return int(chunk * per_token(levels + 1) + 2 * T * h * b + (V * h * 4 if trainable_head else 0) + T * 24)
+    sampled = min(T, math.ceil(T / SAMPLE_GROUP_TOKENS) * math.ceil(token_fraction * SAMPLE_GROUP_TOKENS))
+    chunk = default_nested_chunk_size(sampled, V, b, levels, trainable_head)
+    aux = chunk * per_token(levels) + sampled * h * (2 * b + 4) + (V * h * 4 if trainable_head else 0)
+    return int(max(main_loss, 2 * T * h * b + T * 24 + aux))
+
+
+def contrastive_loss_bytes(shape: ModelShape, T: int, b: int) -> int:
+    """The contrastive loss never touches the vocabulary: pooled float32 vectors of every row, an
+    N x N similarity matrix, and the pooled gradient spread back over T tokens x hidden."""
+    return int(T * shape.hidden_size * (b + 4) + T * 24)
+
+
+def _streamed_weight_bytes(shape: ModelShape, method: str, b: int, device_type: str, notes: list[str]) -> int:
+    """Device bytes that `optimization.offload.params` moves to the host: the frozen plain weights
+    of every decoder layer but the three in flight (the running layer, the prefetched one, the
+    one being released in backward). 4-bit and trainable weights never stream."""
+    if device_type == "cpu":
+        notes.append("offload.params on a CPU: host and device memory are the same, nothing is saved")
+        return 0
+    if method == "full":
+        notes.append("offload.params streams frozen weights only: full fine-tuning has none")
+        return 0
+    per_layer = shape.layer_other_params * b + (shape.layer_linear_params * b if method == "lora" else 0)
+    if method == "qlora":
+        notes.append("offload.params: 4-bit weights stay on the device; only norms stream")
+    return max(0, shape.num_layers - 3) * per_layer
+
+
 def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "bf16", micro_batch: int = 1,
                   seq_len: int = 2048, checkpointing: Checkpointing | Sequence[bool] | int = "off",
                   offload_activations: bool = False, offload_optimizer: bool = False, loss_mode: LossMode = "exact",
                   optimizer: str = "adamw", lora_r: int = 16, lora_targets: str | Sequence[str] = "all-linear",
                   world_size: int = 1, loss_chunk_tokens: int | None = None, grad_accum: int = 1,
-                  ghost_candidates: int = 1024, device: str = "cuda", sharded: bool | None = None) -> Estimate:
+                  ghost_candidates: int = 1024, device: str = "cuda", sharded: bool | None = None,
+                  attention: Attention = "sdpa", kronecker: Any = None, objective: Objective = "sft",
+                  dpo_reference: DpoReference = "adapter_off", matryoshka_dims: Sequence[int] | None = None,
+                  matryoshka_token_fraction: float = 0.0625, offload_params: bool = False) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -343,6 +585,19 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         loss_chunk_tokens: tokens per chunk of the exact / ghost loss (default: the loss's own).
         grad_accum: micro-steps per optimizer step (>1 keeps gradients alive during backward).
         device: ``cuda`` or ``cpu``: decides workspace and optimizer temporaries.
+        ghost_candidates: hard-negative rows per chunk of the ghost loss
+            (`optimization.ghost_logit.candidates`).
+        attention: ``sdpa`` or ``kronecker`` (Kronecker Sketching, `kronecker` = its
+            `KroneckerConfig` or a dict of detail_tokens / sketch_slots / block; None = defaults).
+        objective: ``sft``, ``dpo`` (a micro-batch of N pairs is 2N rows: chosen and rejected)
+            or ``contrastive`` (2N rows: queries and positives; no vocabulary loss).
+        dpo_reference: ``adapter_off`` (a no-grad reference forward of the same rows before
+            each policy forward), ``precomputed`` (log-probs cached before training) or
+            ``none`` (SimPO / ORPO need no reference).
+        matryoshka_dims, matryoshka_token_fraction: the SFT Matryoshka auxiliary pass (prefix
+            losses over a sampled share of the tokens); None = off.
+        offload_params: frozen decoder weights stream from host memory one layer ahead
+            (`optimization.offload.params: on`).
 
     Returns:
         An `Estimate` whose breakdown (weights, adapters, gradients, optimizer, activations,
@@ -361,8 +616,12 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     b = DTYPE_BYTES[dtype]
     device_type = str(device).split(":")[0]
     L, h, V = shape.num_layers, shape.hidden_size, shape.vocab_size
-    T = micro_batch * seq_len
     adapter = method != "full"
+    notes: list[str] = []
+    _check_techniques(loss_mode, attention, objective, dpo_reference, matryoshka_token_fraction)
+    # DPO and contrastive run 2 rows per example (chosen + rejected, query + positive).
+    T = micro_batch * seq_len * _rows_per_example(objective)
+    layout = kronecker_layout(kronecker) if attention == "kronecker" else None
     targets = _targets(shape, lora_targets) if adapter else []
     lin = shape.linear_shapes()
 
@@ -387,9 +646,19 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         weights_dev += (2 * (shape.layer_linear_params + shape.layer_other_params)
                         + (shape.embedding_params + shape.head_params if not whole else 0)) * b
 
+    if offload_params:
+        weights_dev -= _streamed_weight_bytes(shape, method, b, device_type, notes)
     n_adapter = L * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets)
     adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
     trainable = n_adapter if adapter else shape.num_params
+    if layout is not None:
+        # The sketch's own parameters: float32, trainable; PEFT (modules_to_save) keeps a frozen
+        # original beside the trained copy.
+        n_sketch = L * layout.params(shape.head_dim)
+        adapters += 4 * n_sketch * (2 if adapter else 1)
+        if adapter:
+            n_adapter += n_sketch
+            trainable += n_sketch
     p_bytes = 4 if adapter else b
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
         state_bytes = 2  # per trainable parameter
@@ -408,6 +677,21 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     per_off = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "off")
     per_full = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "full")
     per_sel = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "selective")
+    if adapter and b < 4:
+        # Autocast caches a 16-bit copy of each float32 adapter weight per forward, saved for
+        # backward: a per-layer constant (measured; it dominates short sequences).
+        cast_copies = 2 * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets) / T
+        per_off += cast_copies
+        per_sel += cast_copies
+    if layout is not None:
+        extra = kronecker_saved_bytes_per_token(shape, method, b, layout, seq_len)
+        per_off += extra
+        # Selective recompute keeps the attention's outputs; for the sketch that is bounded by
+        # everything it saves (its probabilities are the attention's output here).
+        per_sel += extra
+        # Backward adds nothing measurable on top: each gradient of the sketch (probabilities,
+        # logits, gathered keys) replaces a saved tensor that its node frees as it runs
+        # (measured with the meter on real trainer steps, checkpointing off and full).
     if isinstance(checkpointing, str):
         if checkpointing not in ("off", "full", "selective"):
             raise ConfigError(f"unknown checkpointing {checkpointing!r}", "use off, full or selective")
@@ -444,24 +728,14 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     # -- loss working set -----------------------------------------------------------------------
     # The chunk the loss uses when none is given (a trainable head has a larger floor).
     default_chunk = default_loss_chunk(T, V, b, trainable_head=not adapter)
-    if loss_mode == "naive":
-        # Transformers' loss: float32 logits, log-softmax output and, in backward, its incoming
-        # and outgoing gradients; the 16-bit logits die after forward (the trainer keeps only
-        # the loss): 12 bytes per logit at the start of backward (10 during forward).
-        loss = T * V * 12
+    if objective == "contrastive":
+        loss = contrastive_loss_bytes(shape, T, b)
     else:
-        chunk = max(1, min(loss_chunk_tokens or default_chunk, T))
-        per_logit = 4 + (b if b < 4 else 0)
-        if loss_mode == "exact":
-            width = V
-        else:
-            width = min(V, ghost_candidates + chunk)
-        # one chunk of logits + the hidden-state gradient buffer and the shifted hidden copy
-        loss = chunk * width * per_logit + 2 * T * h * b
-        if not adapter:  # trainable head: float32 gradient accumulator over chunks
-            loss += V * h * 4
-    # Per-token scratch of the head (labels, log-sum-exp, losses): small but not zero.
-    loss += T * 24
+        loss = head_loss_bytes(shape, loss_mode, T, b, trainable_head=not adapter, chunk_tokens=loss_chunk_tokens,
+                               default_chunk=default_chunk, ghost_candidates=ghost_candidates)
+        if matryoshka_dims and objective == "sft":
+            loss = matryoshka_loss_bytes(shape, loss, loss_mode, T, b, trainable_head=not adapter,
+                                         dims=matryoshka_dims, token_fraction=matryoshka_token_fraction)
 
     # -- workspace ------------------------------------------------------------------------------
     workspace = 0
@@ -482,6 +756,15 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                       "loss": 0, "workspace_extra": _optimizer_temporaries(trainable, p_bytes, optimizer, device_type,
                                                                            shape, adapter, offload_optimizer) // shard},
     }
+    if objective == "dpo" and dpo_reference != "none":
+        # The reference log-probs: a no-grad forward of the same rows (before each policy forward,
+        # or once before training when precomputed): one layer's transients and one loss chunk.
+        phases["reference"] = {"gradients": grads_before if dpo_reference == "adapter_off" else 0,
+                               "activations": int(T * reference_forward_bytes_per_token(shape, b, layout, seq_len)),
+                               "loss": head_loss_bytes(shape, loss_mode, T, b, trainable_head=False,
+                                                       chunk_tokens=loss_chunk_tokens,
+                                                       default_chunk=default_loss_chunk(T, V, b),
+                                                       ghost_candidates=ghost_candidates, with_grad=False)}
     totals = {k: sum(v.values()) for k, v in phases.items()}
     phase = max(totals, key=totals.get)
     chosen = phases[phase]
@@ -507,8 +790,19 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                     loss_mode=loss_mode, loss_chunk_tokens=loss_chunk_tokens if loss_mode != "naive" else None,
                     optimizer=optimizer, lora_r=lora_r if adapter else None, world_size=world_size, sharded=shard > 1,
                     device=device_type)
+    settings.update(attention=attention, objective=objective)
+    if layout is not None:
+        settings["kronecker"] = layout.to_dict()
+    if objective == "dpo":
+        settings["dpo_reference"] = dpo_reference
+    if loss_mode == "ghost":
+        settings["ghost_candidates"] = ghost_candidates
+    if matryoshka_dims and objective == "sft":
+        settings.update(matryoshka_dims=list(matryoshka_dims), matryoshka_token_fraction=matryoshka_token_fraction)
+    if offload_params:
+        settings["offload_params"] = True
     return Estimate(peak_bytes=int(peak), breakdown={k: int(v) for k, v in breakdown.items()},
-                    flops_per_token=flops, tokens_per_s_guess=tps, phase=phase, settings=settings)
+                    flops_per_token=flops, tokens_per_s_guess=tps, phase=phase, settings=settings, notes=notes)
 
 
 def _optimizer_temporaries(trainable: int, p_bytes: int, optimizer: str, device_type: str, shape: ModelShape,

@@ -189,7 +189,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                     micro_batch_size: int | str = "auto", gradient_checkpointing: str = "auto",
                     offload_activations: str | bool = "auto", offload_optimizer: str | bool = "auto",
                     margin: float = DEFAULT_MARGIN, device: str = "cuda", sharded: bool | None = None,
-                    free_memory: bool = False) -> Plan:
+                    free_memory: bool = False, **techniques: Any) -> Plan:
     """The fastest plan whose predicted peak is at most ``budget_bytes * (1 - margin)``.
 
     Fixed settings (an int micro-batch, ``gradient_checkpointing: full``, ``offload_*: on/off``,
@@ -197,6 +197,9 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     change (default `DEFAULT_ALLOW`). With ``budget_bytes=None`` the fastest plan is returned
     (no budget: the estimate is still recorded). ``sharded`` says whether the ``world_size`` ranks
     shard the model (FSDP2) or each hold all of it (DDP); None = `estimate_peak`'s default.
+    ``techniques`` are `estimate_peak`'s technique keywords (attention, kronecker, objective,
+    dpo_reference, matryoshka_*, offload_params, ghost_candidates), passed to every estimate:
+    `maximus.memory.estimate.technique_kwargs(cfg)` reads them from a Config.
 
     ``free_memory=True`` says ``budget_bytes`` is not the user's budget but the device's free
     memory (no ``target_vram``): the fastest plan that fits it, and when none does, the plan that
@@ -239,6 +242,10 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     def chunks_for(mb: int, method: str) -> list[int | None]:
         if loss_mode == "naive":
             return [None]
+        if loss_mode == "ghost":
+            # The ghost loss's chunk is how many tokens share one candidate set: the trainer
+            # passes only a chunk the user set, so the planner does not search it.
+            return [loss_chunk_size if isinstance(loss_chunk_size, int) else None]
         if isinstance(loss_chunk_size, int):
             return [loss_chunk_size]
         tokens = mb * seq_len
@@ -251,7 +258,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
 
     usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     common = dict(dtype=dtype, seq_len=seq_len, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
-                  device=device, sharded=sharded)
+                  device=device, sharded=sharded, **techniques)
 
     def est(kw: dict, mb: int) -> Estimate:
         return estimate_peak(shape, grad_accum=per_rank // mb, **common, **kw)
@@ -336,6 +343,7 @@ def _to_plan(kw: dict, e: Estimate, shape, budget: int | None, margin: float, pe
                      f"({e.peak_bytes / budget:.0%}), {format_bytes(margin_bytes)} kept as margin")
     if isinstance(gc, int):
         notes.append(f"{gc} of {shape.num_layers} layers fully checkpointed: the fewest that fit")
+    notes += [n for n in e.notes if n not in notes]
     return Plan(method=kw["method"], micro_batch_size=mb, grad_accum=per_rank // mb, gradient_checkpointing=gc_value,
                 offload_activations=kw["offload_activations"], offload_optimizer=kw["offload_optimizer"],
                 optimizer=kw["optimizer"], loss_mode=kw["loss_mode"], loss_chunk_size=kw["loss_chunk_tokens"],
