@@ -41,6 +41,20 @@ def build_tiny_model_dir(path: Path, arch: str = "llama", *, hidden: int = 64, l
 
 
 
+#: The config of the project's source article (shared/MISSION.md), word for word.
+ARTICLE_YAML = """\
+model: "mistralai/Mistral-12B-v0.1"
+dataset: "my_dataset"
+optimization:
+  target_vram: 16GB
+  use_ghost_logit: true
+  kronecker_sketching: true
+training:
+  batch_size: 4
+  epochs: 3
+"""
+
+
 @pytest.fixture(scope="module")
 def one_thread():
     """Tiny shapes gain nothing from threads, and on a shared 2-core machine they lose a lot.

@@ -5,18 +5,9 @@ import pytest
 
 from maximus.config import Config, parse_bytes, schema_markdown
 from maximus.errors import ConfigError
+from tiny import ARTICLE_YAML
 
-SEED = """\
-model: "mistralai/Mistral-12B-v0.1"
-dataset: "my_dataset"
-optimization:
-  target_vram: 16GB
-  use_ghost_logit: true
-  kronecker_sketching: true
-training:
-  batch_size: 4
-  epochs: 3
-"""
+SEED = ARTICLE_YAML
 
 
 def _write(tmp_path: Path, text: str) -> Path:

@@ -429,6 +429,15 @@ _KRONECKER_COEF = {  # (trainable, dtype bytes) -> coefficients of the terms abo
 }
 
 
+def policy_names(checkpointing: Any) -> set[str]:
+    """The recompute modes a checkpointing argument of `estimate_peak` names."""
+    if isinstance(checkpointing, str):
+        return {checkpointing}
+    if isinstance(checkpointing, int):
+        return {"full", "off"}
+    return {"full" if f else "off" for f in checkpointing}
+
+
 def _block_padding(seq_len: int, block: int) -> float:
     """The sketch pads every sequence to whole blocks: its per-token cost grows by this factor."""
     return math.ceil(seq_len / block) * block / seq_len
@@ -677,6 +686,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     per_off = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "off")
     per_full = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "full")
     per_sel = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "selective")
+    attn_work = 0.0
     if adapter and b < 4:
         # Autocast caches a 16-bit copy of each float32 adapter weight per forward, saved for
         # backward: a per-layer constant (measured; it dominates short sequences).
@@ -689,9 +699,13 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         # Selective recompute keeps the attention's outputs; for the sketch that is bounded by
         # everything it saves (its probabilities are the attention's output here).
         per_sel += extra
-        # Backward adds nothing measurable on top: each gradient of the sketch (probabilities,
-        # logits, gathered keys) replaces a saved tensor that its node frees as it runs
-        # (measured with the meter on real trainer steps, checkpointing off and full).
+        if "selective" in policy_names(checkpointing):
+            notes.append("selective recompute with Kronecker Sketching: bounded by everything the sketch saves")
+        # In backward each gradient of the sketch (probabilities, logits, gathered keys) mostly
+        # replaces a saved tensor that its node frees as it runs: nothing extra in float32; in
+        # 16-bit the casts' gradients add ~3 bytes per head and softmax column (measured with
+        # the meter on real trainer steps, full recompute, 2 x 1,024 tokens).
+        attn_work = (3.0 * shape.num_heads * layout.columns * _block_padding(seq_len, layout.block)) if b < 4 else 0.0
     if isinstance(checkpointing, str):
         if checkpointing not in ("off", "full", "selective"):
             raise ConfigError(f"unknown checkpointing {checkpointing!r}", "use off, full or selective")
@@ -720,7 +734,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     # Backward of one layer also holds the gradients flowing through it (hidden and MLP
     # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
     # incoming hidden-state gradient.
-    grad_work = 2 * b * (h + shape.intermediate_size) + 2 * h * b
+    grad_work = 2 * b * (h + shape.intermediate_size) + 2 * h * b + attn_work
     # Embedding output, final norm (float32 copy) and the head's input.
     head_acts = (2 * b + 4) * h
     acts = int(T * (stored + head_acts))

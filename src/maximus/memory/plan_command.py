@@ -20,7 +20,7 @@ from typing import Any
 
 from maximus.config import GPU_CARDS, Config, format_bytes, parse_bytes
 from maximus.errors import BudgetError, ConfigError
-from maximus.memory.estimate import DEVICE_FLOPS, estimate_peak, load_model_config, model_shape
+from maximus.memory.estimate import DEVICE_FLOPS, estimate_peak, load_model_config, model_shape, technique_kwargs
 from maximus.memory.planner import Plan, plan_for_budget
 
 __all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS"]
@@ -55,14 +55,14 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """Merge the YAML config (if any) with command-line flags; flags win."""
     s: dict[str, Any] = dict(model=None, method="lora", seq_len=2048, batch_size=8, micro_batch=None, budget=None,
                              lora_r=16, lora_targets="all-linear", optimizer="adamw", dtype="bf16", loss_mode="exact",
-                             checkpointing="auto", ghost_candidates=1024)
+                             checkpointing="auto", techniques={})
     if args.config:
         cfg = Config.from_yaml(args.config)
         s.update(model=cfg.model, method=cfg.method, seq_len=cfg.training.seq_len, batch_size=cfg.training.batch_size,
                  lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, optimizer=cfg.training.optimizer,
                  loss_mode="ghost" if cfg.optimization.use_ghost_logit else cfg.optimization.loss,
                  checkpointing=cfg.optimization.gradient_checkpointing,
-                 ghost_candidates=cfg.optimization.ghost_logit.candidates,
+                 techniques=technique_kwargs(cfg),  # what the config switches on, as the trainer plans it
                  dtype=cfg.training.dtype if cfg.training.dtype != "auto" else "bf16",
                  budget=cfg.optimization.target_vram)
         if "method" not in cfg.model_fields_set and cfg.optimization.target_vram is not None:
@@ -97,9 +97,10 @@ def plan_report(s: dict[str, Any]) -> dict[str, Any]:
     checkpointing = "full" if s["checkpointing"] == "auto" else s["checkpointing"]
     requested = estimate_peak(shape, method=requested_method, micro_batch=micro, seq_len=s["seq_len"],
                               checkpointing=checkpointing, loss_mode=s["loss_mode"],
-                              ghost_candidates=s["ghost_candidates"], **common)
+                              **s["techniques"], **common)
     plan_kw = dict(method=s["method"], batch_size=s["batch_size"], seq_len=s["seq_len"], loss_mode=s["loss_mode"],
-                   micro_batch_size=s["micro_batch"] or "auto", gradient_checkpointing=s["checkpointing"], **common)
+                   micro_batch_size=s["micro_batch"] or "auto", gradient_checkpointing=s["checkpointing"],
+                   **s["techniques"], **common)
 
     def plan_or_none(budget: int) -> tuple[Plan | None, str | None]:
         try:
@@ -124,8 +125,10 @@ def plan_report(s: dict[str, Any]) -> dict[str, Any]:
         "shape": {"params": shape.num_params, "layers": shape.num_layers, "hidden_size": shape.hidden_size,
                   "vocab_size": shape.vocab_size},
         "settings": {k: s[k] for k in ("method", "seq_len", "batch_size", "lora_r", "optimizer", "dtype", "loss_mode",
-                                       "world_size")} | {"micro_batch": micro, "checkpointing": checkpointing},
+                                       "world_size")} | {"micro_batch": micro, "checkpointing": checkpointing}
+                    | {k: v for k, v in requested.settings.items() if k in ("attention", "objective", "kronecker")},
         "peak_bytes": requested.peak_bytes,
+        "notes": requested.notes,
         "breakdown": requested.breakdown,
         "cards": cards,
         "cheapest_card": cheapest,
@@ -158,6 +161,8 @@ def _print_tables(report: dict[str, Any]) -> None:
         t.add_row(k, format_bytes(v))
     t.add_row("[bold]predicted peak[/bold]", f"[bold]{format_bytes(report['peak_bytes'])}[/bold]")
     console.print(t)
+    for note in report.get("notes", []):
+        console.print(f"note: {note}")
 
     cards = Table(title="best plan per card")
     for col in ("card", "memory", "$/hour", "plan", "predicted peak", "tokens/s (guess)", "$/M tokens"):

@@ -137,6 +137,7 @@ class Trainer:
         }
         from maximus.errors import ModelError
         from maximus.memory.estimate import load_model_config, model_shape
+        from maximus.memory.estimate import technique_kwargs
         from maximus.memory.planner import plan_for_budget, resolve_budget
 
         # No target_vram: plan against the free memory, so `auto` checkpointing recomputes only
@@ -166,7 +167,8 @@ class Trainer:
                       micro_batch_size=cfg.training.micro_batch_size,
                       gradient_checkpointing=opt.gradient_checkpointing, loss_mode=plan["loss_mode"],
                       loss_chunk_size=opt.loss_chunk_size, offload_activations=opt.offload.activations,
-                      offload_optimizer=opt.offload.optimizer, device=self.device.type, free_memory=free_memory)
+                      offload_optimizer=opt.offload.optimizer, device=self.device.type, free_memory=free_memory,
+                      **technique_kwargs(cfg))  # Kronecker, ghost candidates, DPO / contrastive rows, ...
         if world == 1 or strategy != "auto":
             sharded = None if world == 1 else strategy == "fsdp"
             chosen = plan_for_budget(model_config, budget, sharded=sharded, **kwargs)
