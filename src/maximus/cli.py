@@ -129,7 +129,8 @@ def _export(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------- generate
 def _generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="maximus generate", description="Generate text from a finished run or a model.")
+    parser = argparse.ArgumentParser(prog="maximus generate", description="Generate text from a finished run or a model "
+                                     "(a run trained on conversations gets each prompt as a chat user turn).")
     parser.add_argument("source", help="run directory (adapter applied) or model directory / hub id")
     parser.add_argument("--prompt", "-p", action="append", required=True, help="prompt (repeatable)")
     parser.add_argument("--max-new-tokens", type=int, default=64)
@@ -140,10 +141,13 @@ def _generate(argv: list[str]) -> int:
     from maximus.evaluate import generate_text
 
     source = Path(args.source)
+    chat = False
     if (source / "run.json").is_file():
+        from maximus.data import trains_on_chat
         from maximus.export import load_tuned
 
         model, tokenizer = load_tuned(source)
+        chat = trains_on_chat(json.loads((source / "run.json").read_text()).get("data", {}))
     else:
         from maximus.config import Config
         from maximus.models import load_base_model, load_tokenizer
@@ -152,7 +156,7 @@ def _generate(argv: list[str]) -> int:
         tokenizer = load_tokenizer(cfg)
         model = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
     for prompt, text in zip(args.prompt, generate_text(model, tokenizer, args.prompt, device=torch.device("cpu"),
-                                                       max_new_tokens=args.max_new_tokens)):
+                                                       max_new_tokens=args.max_new_tokens, chat=chat)):
         print(f"{prompt}{text}")
     return 0
 

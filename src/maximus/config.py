@@ -282,7 +282,7 @@ class EvalConfig(_Section):
     every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps.")
     before: bool = Field(True, description="Evaluate the base model before training, for the before/after table.")
     max_batches: int | None = Field(None, ge=1, description="Cap on evaluation batches; null = the whole held-out split.")
-    exact_match: int = Field(0, ge=0, description="Score greedy exact match on up to N held-out prompt/completion documents (0 = off).")
+    exact_match: int = Field(0, ge=0, description="Score greedy exact match on up to N held-out documents with a prompt of at least 2 tokens (prompt/completion, alpaca, chat); 0 = off. With none (plain text), run.json has exact_match: null and exact_match_note.")
     prompts: list[str] = Field(default_factory=list, description="Prompts to generate from before and after training.")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt.")
 

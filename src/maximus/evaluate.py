@@ -4,7 +4,8 @@
   perplexity.
 - `exact_match`: for held-out documents with a prompt (tokens without loss) and a completion,
   greedy generation of the completion and the fraction reproduced exactly.
-- `generate_text`: generations for `eval.prompts`, shown before and after training.
+- `generate_text`: generations for `eval.prompts`, shown before and after training (through the
+  chat template for runs trained on conversations).
 """
 from __future__ import annotations
 
@@ -40,9 +41,18 @@ def heldout_loss(model, rows: list[dict], *, pad_token_id: int, device: torch.de
     return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
 
 
+#: run.json's `exact_match_note` when `eval.exact_match` found no document to score.
+NO_PROMPT_NOTE = ("no held-out document has a prompt (plain text, or prompts in the loss with "
+                  "training.train_on_inputs): exact match needs prompt/completion, alpaca or chat data")
+
+
 def prompt_completion_pairs(rows: list[dict], limit: int) -> list[tuple[list[int], list[int]]]:
     """Split held-out rows into documents (by position_ids restarts) and keep those shaped
-    prompt (no loss) then completion (loss): the pairs exact-match can score."""
+    prompt (no loss) then completion (loss): the pairs exact-match can score.
+
+    A prompt is at least 2 tokens without loss: packing takes every document's first token out of
+    the loss (nothing in the row predicts it), so a 1-token head is what plain text looks like and
+    cannot be told from a 1-token prompt. Such documents are not scored."""
     pairs = []
     for row in rows:
         ids, labels, pos = row["input_ids"], row["labels"], row.get("position_ids") or list(range(len(row["input_ids"])))
@@ -50,7 +60,7 @@ def prompt_completion_pairs(rows: list[dict], limit: int) -> list[tuple[list[int
         for a, b in zip(starts, starts[1:]):
             doc_ids, doc_labels = ids[a:b], labels[a:b]
             first = next((i for i, l in enumerate(doc_labels) if l != IGNORE_INDEX), None)
-            if first is None or first == 0:
+            if first is None or first < 2:
                 continue
             completion = [t for t, l in zip(doc_ids[first:], doc_labels[first:]) if l != IGNORE_INDEX]
             pairs.append((doc_ids[:first], completion))
@@ -82,14 +92,22 @@ def exact_match(model, pairs, *, eos_token_id: int | None, pad_token_id: int, de
 
 
 @torch.no_grad()
-def generate_text(model, tokenizer, prompts: list[str], *, device: torch.device, max_new_tokens: int = 32) -> list[str]:
-    """Greedy generations for `prompts` (chat template applied when the tokenizer has one)."""
+def generate_text(model, tokenizer, prompts: list[str], *, device: torch.device, max_new_tokens: int = 32,
+                  chat: bool = False) -> list[str]:
+    """Greedy generations for `prompts`. With `chat` (runs trained on conversations, see
+    `maximus.data.trains_on_chat`) each prompt is one user turn through the chat template, as the
+    model saw its training data; otherwise the raw text, as for text and prompt/completion runs."""
+    from maximus.data import chat_prompt_ids
+
     was_training = model.training
     model.eval()
     outputs = []
     try:
         for prompt in prompts:
-            ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=True).input_ids.to(device)
+            if chat:
+                ids = torch.tensor([chat_prompt_ids(tokenizer, prompt)], device=device)
+            else:
+                ids = tokenizer(prompt, return_tensors="pt", add_special_tokens=True).input_ids.to(device)
             out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
                                  do_sample=False, pad_token_id=tokenizer.pad_token_id,
                                  eos_token_id=tokenizer.eos_token_id, use_cache=True)

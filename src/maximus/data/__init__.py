@@ -13,9 +13,11 @@ from __future__ import annotations
 
 from maximus.data.collate import collate, flatten
 from maximus.data.encoding import IGNORE_INDEX
-from maximus.data.pipeline import DataSplits, build_datasets, build_run_datasets
+from maximus.data.chat import chat_prompt_ids
+from maximus.data.pipeline import DataSplits, build_datasets, build_run_datasets, trains_on_chat
 from maximus.data.templates import CHATML_TEMPLATE, FALLBACK_CHAT_TEMPLATE, ensure_chat_template
 from maximus.data.tiny_tokenizer import build_tiny_tokenizer
 
 __all__ = ["CHATML_TEMPLATE", "DataSplits", "FALLBACK_CHAT_TEMPLATE", "IGNORE_INDEX", "build_datasets",
-           "build_run_datasets", "build_tiny_tokenizer", "collate", "ensure_chat_template", "flatten"]
+           "build_run_datasets", "build_tiny_tokenizer", "chat_prompt_ids", "collate", "ensure_chat_template",
+           "flatten", "trains_on_chat"]

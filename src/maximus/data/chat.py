@@ -21,6 +21,7 @@ content prepended to the first user message, separated by a blank line.
 from __future__ import annotations
 
 from maximus.data.formats import Messages
+from maximus.data.templates import ensure_chat_template
 
 
 def render(tokenizer, messages: Messages, add_generation_prompt: bool = False) -> str:
@@ -134,3 +135,12 @@ def encode_chat(tokenizer, messages: Messages, train_from_message: int = 0) -> t
         inserted_user = not any(m["role"] == "user" for m in messages)
         train_from_message = sum(m["role"] != "system" for m in messages[:train_from_message]) + inserted_user
     return tokenize_with_spans(tokenizer, full, assistant_spans(tokenizer, fitted, full, train_from_message))
+
+
+def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:
+    """Token ids of `prompt` as a chat model sees it at inference: one user turn plus the
+    generation prompt, tokenized as training tokenizes a rendered conversation (the template
+    writes the special tokens). A tokenizer without a template gets the training fallback."""
+    ensure_chat_template(tokenizer)
+    text = render(tokenizer, [{"role": "user", "content": prompt}], add_generation_prompt=True)
+    return list(tokenizer(text, add_special_tokens=False)["input_ids"])

@@ -29,6 +29,15 @@ from maximus.data.templates import ensure_chat_template
 OBJECTIVES = ("sft", "dpo", "contrastive")
 
 
+#: Record formats that are conversations: a run trained on one generates from chat-templated prompts.
+CHAT_FORMATS = ("chat", "sharegpt")
+
+
+def trains_on_chat(stats: dict) -> bool:
+    """Whether a run's data (`DataSplits.stats`, or run.json's `data`) has a conversation source."""
+    return any(source.get("format") in CHAT_FORMATS for source in stats.get("sources", []))
+
+
 @dataclass
 class DataSplits:
     """Rows for training and held-out evaluation, and what building them did.

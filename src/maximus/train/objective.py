@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import torch
 
-from maximus.evaluate import exact_match, generate_text, heldout_loss, prompt_completion_pairs
+from maximus.data import trains_on_chat
+from maximus.evaluate import NO_PROMPT_NOTE, exact_match, generate_text, heldout_loss, prompt_completion_pairs
 from maximus.forward import IGNORE_INDEX, sft_loss_sum, shift_labels
 
 
@@ -75,9 +76,12 @@ class SFTObjective(Objective):
             pairs = prompt_completion_pairs(trainer.data.eval, cfg.eval.exact_match)
             result["exact_match"] = exact_match(trainer.model, pairs, eos_token_id=trainer.tokenizer.eos_token_id,
                                                 pad_token_id=self.pad_token_id, device=trainer.device)
+            if result["exact_match"] is None:
+                result["exact_match_note"] = NO_PROMPT_NOTE
         if cfg.eval.prompts:
             result["generations"] = generate_text(trainer.model, trainer.tokenizer, cfg.eval.prompts,
-                                                  device=trainer.device, max_new_tokens=cfg.eval.max_new_tokens)
+                                                  device=trainer.device, max_new_tokens=cfg.eval.max_new_tokens,
+                                                  chat=trains_on_chat(trainer.data.stats))
         return result
 
 

@@ -545,6 +545,8 @@ class Trainer:
             if key in after and after[key] is not None:
                 b = before.get(key)
                 lines.append(f"{'held-out ' + key:<26}{fmt.format(b) if b is not None else '-':>16}{fmt.format(after[key]):>16}")
+        if after.get("exact_match_note"):
+            lines.append(f"held-out exact_match: none scored: {after['exact_match_note']}")
         for i, prompt in enumerate(self.cfg.eval.prompts):
             lines.append(f"prompt: {prompt!r}")
             if before.get("generations"):

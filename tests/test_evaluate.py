@@ -1,0 +1,101 @@
+"""Evaluation details a user reads in run.json: exact match scores only documents with a prompt."""
+from __future__ import annotations
+
+import json
+
+import pytest
+from tiny import one_thread, tiny_config, write_prompt_completion  # noqa: F401 (one_thread: a fixture)
+
+import maximus
+from maximus.config import DatasetSpec
+from maximus.data import build_datasets
+from maximus.evaluate import NO_PROMPT_NOTE, prompt_completion_pairs
+from maximus.models import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _write_text(path, n=40):
+    words = "red green blue gold stone river cloud tiger eagle maple".split()
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            f.write(json.dumps({"text": " ".join(words[(i + k) % len(words)] for k in range(6))}) + "\n")
+    return path
+
+
+def _tokenizer(model_dir):
+    return load_tokenizer(maximus.Config.from_dict({"model": str(model_dir), "dataset": "-"}))
+
+
+def test_plain_text_documents_have_no_prompt_to_score(tiny_llama, tmp_path):
+    tok = _tokenizer(tiny_llama)
+    data = build_datasets([DatasetSpec(path=str(_write_text(tmp_path / "t.jsonl")), format="text")], tok,
+                          seq_len=64, eval_split=0.5)
+    assert len(data.eval) > 0
+    # Packing takes each document's first token out of the loss; that is not a prompt.
+    assert prompt_completion_pairs(data.eval, 100) == []
+
+
+def test_prompt_completion_pairs_are_the_documents_prompts(tiny_llama, tmp_path):
+    tok = _tokenizer(tiny_llama)
+    path = write_prompt_completion(tmp_path / "pc.jsonl", n=16)
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    data = build_datasets([DatasetSpec(path=str(path), format="prompt_completion")], tok, seq_len=64, eval_split=0.0)
+    pairs = prompt_completion_pairs(data.train, 100)
+    expected = {(tuple(tok(r["prompt"], add_special_tokens=False).input_ids),
+                 tuple(tok(r["completion"], add_special_tokens=False).input_ids) + (tok.eos_token_id,)) for r in records}
+    assert len(pairs) == 16
+    assert {(tuple(p), tuple(c)) for p, c in pairs} == expected
+    assert len(prompt_completion_pairs(data.train, 5)) == 5
+
+
+def test_exact_match_on_plain_text_is_null_with_a_note(tiny_llama, tmp_path):
+    data = _write_text(tmp_path / "t.jsonl")
+    cfg = tiny_config(tiny_llama, data, tmp_path / "run", dataset={"path": str(data), "format": "text"},
+                      eval={"exact_match": 4, "split": 0.25}, training={"max_steps": 1})
+    maximus.Trainer(maximus.Config.from_dict(cfg)).train()
+    info = json.loads((tmp_path / "run" / "run.json").read_text())
+    for when in ("before", "after"):
+        assert info["eval"][when]["exact_match"] is None
+        assert info["eval"][when]["exact_match_note"] == NO_PROMPT_NOTE
+
+
+def _write_chat(path, n=24):
+    words = "red green blue gold stone river cloud tiger".split()
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            a, b = words[i % 8], words[(i * 3 + 1) % 8]
+            f.write(json.dumps({"messages": [{"role": "user", "content": f"Say {a} {b}"},
+                                             {"role": "assistant", "content": f"{a} {b}"}]}) + "\n")
+    return path
+
+
+def test_chat_runs_generate_through_the_chat_template(tiny_llama, tmp_path):
+    """Oracle: Transformers' apply_chat_template(add_generation_prompt=True) on one user turn."""
+    import torch
+
+    data = _write_chat(tmp_path / "chat.jsonl")
+    prompt = "Say red blue"
+    cfg = tiny_config(tiny_llama, data, tmp_path / "run", dataset={"path": str(data), "format": "chat"},
+                      eval={"prompts": [prompt], "max_new_tokens": 6, "before": False}, training={"max_steps": 1})
+    trainer = maximus.Trainer(maximus.Config.from_dict(cfg))
+    summary = trainer.train()
+    tok, model = trainer.tokenizer, trainer.model.eval()
+    assert tok.chat_template  # the fallback template training used, kept on the tokenizer
+    ids = tok.apply_chat_template([{"role": "user", "content": prompt}], add_generation_prompt=True,
+                                  return_tensors="pt", return_dict=True)["input_ids"]
+    raw = tok(prompt, return_tensors="pt").input_ids
+    assert ids.shape[1] > raw.shape[1]  # the template adds the role header and generation prompt
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
+                             pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    assert summary["eval"]["after"]["generations"] == [tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)]
+    # Text and prompt/completion runs keep the raw prompt.
+    from maximus.evaluate import generate_text
+
+    with torch.no_grad():
+        plain = model.generate(input_ids=raw, attention_mask=torch.ones_like(raw), max_new_tokens=6, do_sample=False,
+                               pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
+    raw_text = tok.decode(plain[0, raw.shape[1]:], skip_special_tokens=True)
+    assert generate_text(model, tok, [prompt], device=torch.device("cpu"), max_new_tokens=6) == [raw_text]
+    assert raw_text != summary["eval"]["after"]["generations"][0]  # so the first check can tell them apart
