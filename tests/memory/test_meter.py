@@ -50,13 +50,24 @@ def test_peak_follows_the_sequence_of_allocations():
 
 
 def test_storage_freed_after_tracking_stops_is_still_subtracted():
-    meter = MemoryMeter("cpu", budget_bytes=10**6)
+    meter = MemoryMeter("cpu")
     with meter.track():
         keep = torch.empty(256, dtype=torch.float64)
     assert meter.current_bytes() == 2048
     del keep
     assert meter.current_bytes() == 0
-    assert meter.budget_bytes == 10**6
+
+
+def test_over_budget_bytes_is_how_far_the_peak_passed_the_budget():
+    meter = MemoryMeter("cpu", budget_bytes=1000)
+    with meter.track():
+        keep = torch.empty(256, dtype=torch.float64)  # 2048 bytes
+    assert meter.over_budget_bytes() == 1048
+    meter.budget_bytes = 4096
+    assert meter.over_budget_bytes() == 0
+    meter.budget_bytes = None
+    assert meter.over_budget_bytes() == 0
+    del keep
 
 
 def _tiny_model():

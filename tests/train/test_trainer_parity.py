@@ -191,3 +191,22 @@ def test_no_target_vram_plans_against_free_ram_and_recomputes_nothing(tiny_llama
     assert trainer.plan["gradient_checkpointing"] == "off" and trainer.checkpointing.modes == ["none", "none"]
     assert trainer.plan["micro_batch_size"] == 4  # the fastest micro-batch that fits: the whole batch
     assert trainer.plan["budget_bytes"] is None and trainer.meter.budget_bytes is None
+
+
+def test_a_step_over_the_meter_budget_replans(tiny_llama, pc_data, tmp_path):
+    """The trainer re-plans on the meter's budget (memory.meter.MemoryMeter.budget_bytes)."""
+    import io
+
+    def tighten(trainer, step):
+        if step == 1:
+            trainer.meter.budget_bytes = 1
+
+    stream = io.StringIO()
+    cfg = tiny_config(tiny_llama, pc_data, tmp_path / "run", training={"micro_batch_size": 4, "max_steps": 2},
+                      eval={"enabled": False}, logging={"progress": "plain"})
+    trainer = Trainer(Config.from_dict(cfg), hooks={"after_backward": tighten}, stream=stream)
+    trainer.train()
+    lines = [line for line in stream.getvalue().splitlines() if "over the budget" in line]
+    assert [line.split(" peaked at ")[0] for line in lines] == ["warning: step 1", "warning: step 2"]
+    assert lines[0].endswith("over the budget of 1; re-planned for the next steps: micro-batch 4 -> 2")
+    assert trainer.plan["micro_batch_size"] == 1

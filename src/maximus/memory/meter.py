@@ -201,8 +201,8 @@ class MemoryMeter:
 
     Args:
         device: ``"cuda"``, ``"cuda:1"``, ``"cpu"``, a `torch.device`, ...
-        budget_bytes: the memory budget the run must stay under (optional; shown next to the
-            peak by the trainer's progress bar).
+        budget_bytes: the memory budget the run must stay under (optional); `over_budget_bytes`
+            says how far the peak went past it, which the trainer re-plans on.
     """
 
     def __init__(self, device: str | torch.device = "cpu", budget_bytes: int | None = None):
@@ -224,6 +224,13 @@ class MemoryMeter:
         if self._cuda:
             return int(torch.cuda.max_memory_allocated(self.device))
         return self._tracker.peak_bytes
+
+    def over_budget_bytes(self) -> int:
+        """Bytes by which the peak of this window exceeds `budget_bytes`; 0 when within it or
+        when there is no budget."""
+        if not self.budget_bytes:
+            return 0
+        return max(0, self.peak_bytes() - int(self.budget_bytes))
 
     def reset_peak(self) -> None:
         """Start a new peak window at the current level."""

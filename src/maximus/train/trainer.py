@@ -113,8 +113,7 @@ class Trainer:
         self.objective = build_objective(cfg, self.plan, self.tokenizer.pad_token_id)
         # What the loop calls each micro-batch; under torchrun, wrapped for DDP / FSDP2.
         self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.plan, self.optimizer)
-        self.meter = MemoryMeter(self.device)
-        self.meter.budget_bytes = self.plan.get("budget_bytes")
+        self.meter = MemoryMeter(self.device, budget_bytes=self.plan.get("budget_bytes"))
 
     def _plan(self) -> dict:
         """The memory plan: the fastest that fits target_vram, or without one the device's free
@@ -417,11 +416,10 @@ class Trainer:
                     result = self._guarded_step(step, out)
                 elapsed = time.perf_counter() - t0
                 peak = max(peak, self.meter.peak_bytes())
-                budget = self.plan.get("budget_bytes")
-                if budget and self.meter.peak_bytes() > budget:
+                if self.meter.over_budget_bytes():
                     change = self._shrink_plan()
                     out.message(f"warning: step {step} peaked at {self.meter.peak_bytes():,} bytes, over the budget of "
-                                f"{budget:,}; re-planned for the next steps: {change or 'nothing left to shrink'}")
+                                f"{self.meter.budget_bytes:,}; re-planned for the next steps: {change or 'nothing left to shrink'}")
                     self.meter.reset_peak()
                 row = {"step": step, "loss": result["loss"], "lr": self.scheduler.get_last_lr()[0],
                        "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
