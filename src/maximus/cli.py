@@ -4,12 +4,12 @@ Subcommands: train, eval, export, generate, plan, embed. Tracebacks are kept for
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
 from pathlib import Path
 
+from maximus.arguments import ArgumentParser
 from maximus.errors import ConfigError, MaximusError
 
 USER_ERROR_EXIT = 2
@@ -54,7 +54,7 @@ def _run(fn, argv) -> int:
 
 # ---------------------------------------------------------------------------------------- train
 def _train(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="maximus-train", description="Fine-tune a causal LM from a YAML config.")
+    parser = ArgumentParser(prog="maximus-train", description="Fine-tune a causal LM from a YAML config.")
     parser.add_argument("--config", "-c", required=True, help="YAML config file")
     parser.add_argument("overrides", nargs="*", help="key.sub=value overrides, validated like the file")
     args = parser.parse_args(argv)
@@ -70,7 +70,7 @@ def _train(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------- eval
 def _eval(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="maximus eval", description="Exact held-out loss of a finished run vs its base.")
+    parser = ArgumentParser(prog="maximus eval", description="Exact held-out loss of a finished run vs its base.")
     parser.add_argument("run_dir")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args(argv)
@@ -107,7 +107,7 @@ def _eval(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------- export
 def _export(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="maximus export", description="Export a finished run: merged Hugging Face "
+    parser = ArgumentParser(prog="maximus export", description="Export a finished run: merged Hugging Face "
                                      "model (default) or its PEFT adapter.")
     parser.add_argument("run_dir")
     parser.add_argument("--out", required=True, help="target directory: new, empty, or a previous export (--overwrite)")
@@ -129,7 +129,7 @@ def _export(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------- generate
 def _generate(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="maximus generate", description="Generate text from a finished run or a model "
+    parser = ArgumentParser(prog="maximus generate", description="Generate text from a finished run or a model "
                                      "(a run trained on conversations gets each prompt as a chat user turn).")
     parser.add_argument("source", help="run directory (adapter applied) or model directory / hub id")
     parser.add_argument("--prompt", "-p", action="append", required=True, help="prompt (repeatable)")

@@ -13,10 +13,10 @@ is always line ``i + 1``); ``.jsonl`` = one JSON object per line, the text under
 """
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 
+from maximus.arguments import ArgumentParser
 from maximus.errors import DataError, ModelError
 
 
@@ -89,7 +89,7 @@ def default_pooling(source: Path) -> str:
 
 def embed_main(argv: list[str]) -> int:
     """Entry point of ``maximus embed``; returns the exit code (user errors raise MaximusError)."""
-    parser = argparse.ArgumentParser(prog="maximus embed",
+    parser = ArgumentParser(prog="maximus embed",
                                      description="Embed texts with a model's final hidden states (Matryoshka prefixes).")
     parser.add_argument("source", metavar="MODEL_OR_RUN_DIR", help="finished run directory or local model directory")
     parser.add_argument("--input", required=True, help=".txt (one text per line) or .jsonl file")

@@ -46,3 +46,7 @@ class CheckpointError(MaximusError):
 
 class ExportError(MaximusError):
     """An export cannot be written: the target is not ours to replace, or the model or format is unsupported."""
+
+
+class UsageError(MaximusError):
+    """The command line is wrong: a missing, unknown or malformed argument."""

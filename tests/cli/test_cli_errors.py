@@ -110,3 +110,60 @@ def test_pickle_only_model_refused(tmp_path, pc_data, capsys):
 def test_unknown_subcommand(capsys):
     assert main(["trian"]) == 2
     assert _err(capsys) == "error: unknown command 'trian' (hint: did you mean 'train'?)"
+
+
+@pytest.mark.parametrize("argv, line", [
+    (["eval"], "error: maximus eval: the following arguments are required: run_dir "
+               "(hint: `maximus eval --help` lists the arguments)"),
+    (["generate", "some-run"], "error: maximus generate: the following arguments are required: --prompt/-p "
+                               "(hint: `maximus generate --help` lists the arguments)"),
+    (["generate", "some-run", "-p", "hi", "--max-new-tokens", "many"],
+     "error: maximus generate: argument --max-new-tokens: invalid int value: 'many' "
+     "(hint: `maximus generate --help` lists the arguments)"),
+    (["embed", "m", "--input", "t.txt"], "error: maximus embed: the following arguments are required: --out "
+                                         "(hint: `maximus embed --help` lists the arguments)"),
+    (["export", "run"], "error: maximus export: the following arguments are required: --out "
+                        "(hint: `maximus export --help` lists the arguments)"),
+    (["plan", "--bogus"], "error: maximus plan: unrecognized arguments: --bogus "
+                          "(hint: `maximus plan --help` lists the arguments)"),
+])
+def test_command_line_mistakes_are_one_line_and_exit_2(argv, line, capsys):
+    assert main(argv) == 2
+    assert _err(capsys) == line
+
+
+def test_train_without_config_is_one_line(capsys):
+    assert train_main([]) == 2
+    assert _err(capsys) == ("error: maximus-train: the following arguments are required: --config/-c "
+                            "(hint: `maximus-train --help` lists the arguments)")
+
+
+def test_eval_errors(tmp_path, capsys):
+    assert main(["eval", str(tmp_path / "nope")]) == 2
+    assert _err(capsys) == (f"error: {tmp_path / 'nope'} is not a finished Maximus run (no run.json) "
+                            "(hint: pass the output_dir of a completed maximus-train run)")
+    run = tmp_path / "embedder"
+    run.mkdir()
+    (run / "run.json").write_text(json.dumps({"config": {"model": "m", "dataset": "d", "objective": "contrastive"}}))
+    assert main(["eval", str(run)]) == 2
+    assert _err(capsys) == (f"error: maximus eval reports next-token loss, and {run} trained a contrastive embedding "
+                            "model (hint: its held-out recall before/after is in run.json under eval; embed texts "
+                            "with maximus embed)")
+
+
+def test_generate_errors(tmp_path, capsys):
+    assert main(["generate", str(tmp_path / "no-model"), "-p", "hi"]) == 2
+    assert _err(capsys) == (f"error: model not found: {tmp_path / 'no-model'} "
+                            "(hint: give a local model directory (with config.json) or a Hugging Face hub id)")
+
+
+def test_embed_errors(tmp_path, capsys):
+    texts = tmp_path / "t.txt"
+    texts.write_text("hello\n")
+    assert main(["embed", str(tmp_path), "--input", str(texts), "--out", str(tmp_path / "v.npy")]) == 2
+    assert _err(capsys) == (f"error: {tmp_path} is neither a Maximus run directory (run.json) nor a model directory "
+                            "(config.json) (hint: pass a run's output_dir or a directory written by save_pretrained)")
+    assert main(["embed", str(tmp_path), "--input", str(tmp_path / "t.csv"), "--out", str(tmp_path / "v.npy")]) == 2
+    assert _err(capsys) == (f"error: input file {tmp_path / 't.csv'} not found "
+                            "(hint: pass --input a .txt (one text per line) or .jsonl file)")
+    assert not (tmp_path / "v.npy").exists()

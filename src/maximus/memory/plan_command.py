@@ -18,6 +18,7 @@ import json
 import sys
 from typing import Any
 
+from maximus.arguments import ArgumentParser
 from maximus.config import GPU_CARDS, Config, format_bytes, parse_bytes
 from maximus.errors import BudgetError, ConfigError
 from maximus.memory.estimate import DEVICE_FLOPS, estimate_peak, load_model_config, model_shape, technique_kwargs
@@ -31,8 +32,8 @@ CARD_TFLOPS = {"T4": 65, "L4": 121, "A10": 125, "RTX3090": 71, "RTX4090": 165, "
                "H100": 989, "H200": 989}
 
 
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="maximus plan", description="Predict peak training memory from config.json and "
+def _parser() -> ArgumentParser:
+    p = ArgumentParser(prog="maximus plan", description="Predict peak training memory from config.json and "
                                 "name the cheapest GPU that fits.")
     p.add_argument("--config", help="a Maximus YAML config (model, method, training.*, optimization.*)")
     p.add_argument("--model", help="hub id (e.g. meta-llama/Llama-3.1-8B), model directory or config.json")
