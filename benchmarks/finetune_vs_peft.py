@@ -83,23 +83,42 @@ def synthetic_ids(n_rows: int, seq: int, vocab: int):
 
 
 # ------------------------------------------------------------------------------------- the two sides
+def compute_dtype(name: str = "auto", device: str = "cpu") -> str:
+    """``fp32`` or ``bf16``: `auto` resolved the way `maximus.models.resolve_dtype` resolves
+    `training.dtype: auto` (bf16 only where the device runs it natively), so the peer runs in
+    what `maximus-train` would pick."""
+    import torch
+
+    from maximus.models import resolve_dtype
+
+    return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(resolve_dtype(name, torch.device(device)), "fp32")
+
+
 def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, total_steps: int, work: Path,
-                  train_mode: bool = False, device: str = "cpu", kernels: str = "auto"):
-    """A set-up Maximus trainer; returns (step(i) -> loss, model, optimizer, set_rows(ids), info)."""
+                  train_mode: bool = False, device: str = "cpu", kernels: str = "auto", dtype: str = "bf16",
+                  meter: bool = True, target_vram: str | None = None):
+    """A set-up Maximus trainer; returns (step(i) -> loss, model, optimizer, set_rows(ids), info).
+
+    `maximus-train`'s default config (no target_vram, ``gradient_checkpointing: auto``, the exact
+    loss) except what the arguments name; ``meter=True`` runs each step under the memory meter, as
+    the trainer's loop does. ``info["trainer"]`` is the trainer."""
     import torch
 
     from maximus import Config, Trainer
 
     data = work / "tiny.jsonl"
     data.write_text("".join(json.dumps({"text": f"document {i} for the tokenizer and packer"}) + "\n" for i in range(8)))
+    optimization = {"gradient_checkpointing": checkpointing, "loss": "exact", "kernels": kernels}
+    if target_vram is not None:
+        optimization["target_vram"] = target_vram
     cfg = Config.from_dict({
         "model": str(model_dir), "dataset": str(data), "method": method, "device": device,
         "output_dir": str(work / "run"),
         "lora": {"r": LORA["r"], "alpha": LORA["alpha"], "dropout": LORA["dropout"], "target_modules": "all-linear"},
-        "optimization": {"gradient_checkpointing": checkpointing, "loss": "exact", "kernels": kernels},
+        "optimization": optimization,
         "training": {"batch_size": 1, "micro_batch_size": 1, "seq_len": seq, "max_steps": total_steps,
                      "learning_rate": LEARNING_RATE, "warmup_steps": 0, "scheduler": "constant",
-                     "max_grad_norm": None, "dtype": "bf16", "optimizer": "adamw"},
+                     "max_grad_norm": None, "dtype": dtype, "optimizer": "adamw"},
         "eval": {"enabled": False}, "logging": {"progress": "none"},
     })
     trainer = Trainer(cfg)
@@ -121,10 +140,13 @@ def build_maximus(model_dir: Path, method: str, seq: int, checkpointing: str, to
         trainer._epoch_order = lambda epoch: order
 
     def step(i: int) -> float:
-        return trainer.train_step(i)["loss"]
+        if not meter:
+            return trainer.train_step(i)["loss"]
+        with trainer.meter.track(trainer.model, trainer.optimizer):
+            return trainer.train_step(i)["loss"]
 
     return step, trainer.model, trainer.optimizer, set_rows, {"checkpointing": _checkpointing_summary(trainer),
-                                                              "kernels": trainer.kernels.to_dict()}
+                                                              "kernels": trainer.kernels.to_dict(), "trainer": trainer}
 
 
 def _checkpointing_summary(trainer) -> str:
@@ -138,17 +160,19 @@ def _checkpointing_summary(trainer) -> str:
     return str(trainer.plan.get("gradient_checkpointing"))
 
 
-def build_peft(model_dir: Path, method: str, device: str = "cpu"):
-    """The plain Transformers + PEFT (+ bitsandbytes) recipe; returns the same tuple as build_maximus."""
+def build_peft(model_dir: Path, method: str, device: str = "cpu", dtype: str = "bf16"):
+    """The plain Transformers + PEFT (+ bitsandbytes) recipe; returns the same tuple as build_maximus.
+    ``dtype``: ``bf16`` (bf16 weights and autocast, fp32 adapters) or ``fp32`` (everything fp32)."""
     import torch
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
-    kwargs: dict = dict(dtype=torch.bfloat16, attn_implementation="sdpa")
+    torch_dtype = torch.bfloat16 if dtype == "bf16" else torch.float32
+    kwargs: dict = dict(dtype=torch_dtype, attn_implementation="sdpa")
     if method == "qlora":
         kwargs["quantization_config"] = BitsAndBytesConfig(
             load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-            bnb_4bit_compute_dtype=torch.bfloat16, bnb_4bit_quant_storage=torch.uint8)
+            bnb_4bit_compute_dtype=torch_dtype, bnb_4bit_quant_storage=torch.uint8)
         kwargs["device_map"] = {"": device}
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), **kwargs)
     if method != "qlora":
@@ -167,7 +191,7 @@ def build_peft(model_dir: Path, method: str, device: str = "cpu"):
 
     def step(i: int) -> float:
         ids = rows[i - 1]
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bf16"):
             loss = model(input_ids=ids, labels=ids, use_cache=False).loss
         loss.backward()
         optimizer.step()

@@ -108,7 +108,7 @@ def _reference_trainers(n: int, tmp: Path, steps: int):
     for k in range(n):
         (tmp / str(k)).mkdir()
         step, model, _, set_rows, _ = fvp.build_maximus(reference_model_dir(), "qlora", 2048, "off", steps,
-                                                        tmp / str(k), train_mode=True)
+                                                        tmp / str(k), train_mode=True, meter=False)
         set_rows(ids)
         out.append((step, model))
     return out

@@ -227,9 +227,13 @@ def test_chunk_sizes_from_budget():
     assert chunk_size_for_budget(8192, 128256, 4096, 2, 2**30) == 2**30 // (128256 * 6 + 4096 * 4)
     assert chunk_size_for_budget(100, 32000, 512, 4, 2**40) == 100
     assert chunk_size_for_budget(100, 32000, 512, 4, 1) == 1
-    assert default_chunk_size(8192, 32000, 4) == DEFAULT_CHUNK_TOKENS == 256
+    assert default_chunk_size(8192, 32000, 2) == DEFAULT_CHUNK_TOKENS[2] == 256
+    assert default_chunk_size(8192, 32000, 4) == DEFAULT_CHUNK_TOKENS[4] == 512  # fp32 wants larger blocks
     assert default_chunk_size(8192, 128256, 2) == 256  # 197 MB: under the byte cap
-    assert default_chunk_size(8192, 262144, 2) == DEFAULT_CHUNK_LOGITS_BYTES // (262144 * 6) == 128  # byte cap
+    assert default_chunk_size(8192, 128256, 4) == 512  # 263 MB: under fp32's 256 MiB cap
+    assert default_chunk_size(8192, 262144, 2) == DEFAULT_CHUNK_LOGITS_BYTES[2] // (262144 * 6) == 128  # byte cap
+    assert default_chunk_size(8192, 262144, 4) == DEFAULT_CHUNK_LOGITS_BYTES[4] // (262144 * 4) == 256
+    assert default_chunk_size(8192, 128256, 8) == 512  # float64 takes fp32's rule
     assert default_chunk_size(8192, 1 << 20, 2) == 64  # never below MIN_CHUNK_TOKENS
     assert default_chunk_size(10, 32000, 4) == 10
     assert default_chunk_size(8192, 128256, 2, trainable_head=True) == 512  # amortise the V x H pass

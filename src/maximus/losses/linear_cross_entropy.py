@@ -36,16 +36,23 @@ from maximus.errors import ConfigError
 
 Reduction = Literal["mean", "sum", "none"]
 
-#: Tokens per chunk when none is given. Measured on this CPU (bf16, 2 threads, 2,048 tokens, frozen
-#: head, H = 512; `benchmarks/speed_parts.py buffers`): loss forward + backward at 64 / 87 / 128 /
-#: 256 / 512 / 1024-token chunks took 2.10 / 1.95 / 1.79 / 1.66 / 1.70 / 1.81 s at V = 128,256 and
-#: 0.49 / 0.46 / 0.42 / 0.40 / 0.41 / 0.45 s at V = 32,000: 256 rows is where the head's matmuls
-#: reach the machine's matmul rate while a chunk's rows still sit in cache for the softmax.
-DEFAULT_CHUNK_TOKENS = 256
+#: Tokens per chunk when none is given, by the width of the input dtype in bytes (2: bf16 / fp16;
+#: 4: fp32 and wider). bf16, measured on this CPU (2 threads, 2,048 tokens, frozen head, H = 512;
+#: `benchmarks/speed_parts.py buffers`): loss forward + backward at 64 / 87 / 128 / 256 / 512 / 1024-
+#: token chunks took 2.10 / 1.95 / 1.79 / 1.66 / 1.70 / 1.81 s at V = 128,256 and 0.49 / 0.46 / 0.42 /
+#: 0.40 / 0.41 / 0.45 s at V = 32,000: 256 rows is where the head's matmuls reach the machine's
+#: matmul rate while a chunk's rows still sit in cache for the softmax; re-measured with chunks
+#: interleaved round by round (`benchmarks/step_cost.py calibrate`): 256 / 512 / 1024 at 1.00 /
+#: 1.08 / 1.20x. fp32 (issue 23): 256 / 512 / 1024 at 1.06 / 1.00 / 1.00x the best (same run), and
+#: 5.68 / 4.74 / 4.59 s on a 2-core AVX2 CPU (128 is slower still): fp32 matmuls want larger
+#: blocks; 512 takes nearly all of 1024's gain at half its logits.
+DEFAULT_CHUNK_TOKENS = {2: 256, 4: 512}
 
 #: ...but a default chunk's working logits (float32, plus the 16-bit matmul output) never exceed
-#: this many bytes (197 MB at 256 tokens x 128k vocabulary; Gemma's 256k vocabulary gets 128 tokens).
-DEFAULT_CHUNK_LOGITS_BYTES = 192 * 2**20
+#: this many bytes, by input dtype width: 197 MB for 256 x 128k in bf16, 263 MB for 512 x 128k in
+#: fp32 (the old single 192 MiB cap cut fp32's 512-token chunk to 392 tokens); Gemma's 256k
+#: vocabulary gets 128 / 256 tokens.
+DEFAULT_CHUNK_LOGITS_BYTES = {2: 192 * 2**20, 4: 256 * 2**20}
 
 #: Never use chunks smaller than this many tokens unless there are fewer tokens.
 MIN_CHUNK_TOKENS = 64
@@ -85,20 +92,23 @@ def chunk_size_for_budget(num_tokens: int, vocab_size: int, hidden_size: int, dt
 
 
 def default_chunk_size(num_tokens: int, vocab_size: int, dtype_bytes: int, trainable_head: bool = False) -> int:
-    """The chunk used when none is given: :data:`DEFAULT_CHUNK_TOKENS` tokens, fewer when their
-    logits would pass :data:`DEFAULT_CHUNK_LOGITS_BYTES`, but never fewer than
+    """The chunk used when none is given: :data:`DEFAULT_CHUNK_TOKENS` tokens for the dtype, fewer
+    when their logits would pass its :data:`DEFAULT_CHUNK_LOGITS_BYTES`, but never fewer than
     :data:`MIN_CHUNK_TOKENS` (:data:`MIN_CHUNK_TOKENS_TRAINABLE_HEAD` when the weight needs a
     gradient), nor more than ``num_tokens``."""
-    return chunk_for_bytes_per_token(num_tokens, _logits_bytes_per_token(vocab_size, dtype_bytes), trainable_head)
+    return chunk_for_bytes_per_token(num_tokens, _logits_bytes_per_token(vocab_size, dtype_bytes), trainable_head,
+                                     dtype_bytes)
 
 
-def chunk_for_bytes_per_token(num_tokens: int, per_token: int, trainable_head: bool = False) -> int:
-    """The default-chunk rule for a loss whose chunk holds ``per_token`` working bytes per token:
-    :data:`DEFAULT_CHUNK_TOKENS`, fewer past :data:`DEFAULT_CHUNK_LOGITS_BYTES`, never under the
-    floor (:data:`MIN_CHUNK_TOKENS`, or :data:`MIN_CHUNK_TOKENS_TRAINABLE_HEAD`), never over
-    ``num_tokens``."""
+def chunk_for_bytes_per_token(num_tokens: int, per_token: int, trainable_head: bool = False,
+                              dtype_bytes: int = 2) -> int:
+    """The default-chunk rule for a loss whose chunk holds ``per_token`` working bytes per token,
+    with inputs ``dtype_bytes`` wide: :data:`DEFAULT_CHUNK_TOKENS`, fewer past
+    :data:`DEFAULT_CHUNK_LOGITS_BYTES`, never under the floor (:data:`MIN_CHUNK_TOKENS`, or
+    :data:`MIN_CHUNK_TOKENS_TRAINABLE_HEAD`), never over ``num_tokens``."""
+    width = 4 if dtype_bytes >= 4 else 2
     floor = MIN_CHUNK_TOKENS_TRAINABLE_HEAD if trainable_head else MIN_CHUNK_TOKENS
-    chunk = max(floor, min(DEFAULT_CHUNK_TOKENS, DEFAULT_CHUNK_LOGITS_BYTES // max(per_token, 1)))
+    chunk = max(floor, min(DEFAULT_CHUNK_TOKENS[width], DEFAULT_CHUNK_LOGITS_BYTES[width] // max(per_token, 1)))
     return int(max(1, min(num_tokens, chunk)))
 
 

@@ -189,12 +189,12 @@ def default_nested_chunk_size(num_tokens: int, vocab_size: int, dtype_bytes: int
     """Tokens per chunk of the nested pass over ``levels`` levels (prefixes, plus the main loss
     when included): a chunk holds one ``C x V`` accumulator in the matmul dtype, one float32
     softmax buffer and ``levels - 1`` stored gradients in the matmul dtype; the exact loss's
-    :data:`~maximus.losses.linear_cross_entropy.DEFAULT_CHUNK_TOKENS`, fewer when that passes
-    :data:`~maximus.losses.linear_cross_entropy.DEFAULT_CHUNK_LOGITS_BYTES`, with the exact loss's
+    :data:`~maximus.losses.linear_cross_entropy.DEFAULT_CHUNK_TOKENS` for the dtype, fewer when that
+    passes its :data:`~maximus.losses.linear_cross_entropy.DEFAULT_CHUNK_LOGITS_BYTES`, with the exact loss's
     floors (64 tokens; 512 with a trainable head, whose weight gradient is one ``V x H`` pass per
     chunk)."""
     per_token = vocab_size * (dtype_bytes + max(dtype_bytes, 4) + (levels - 1) * dtype_bytes)
-    return chunk_for_bytes_per_token(num_tokens, per_token, trainable_head)
+    return chunk_for_bytes_per_token(num_tokens, per_token, trainable_head, dtype_bytes)
 
 
 def _add_weight_grad(grad_weight: torch.Tensor | None, g: torch.Tensor, h: torch.Tensor, cols: slice) -> None:

@@ -793,11 +793,9 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     }
     peak = sum(breakdown.values())
 
-    chunk_ratio = 1.0
-    if loss_mode != "naive":
-        chunk_ratio = max(1.0, default_chunk / max(1, min(loss_chunk_tokens or T, T)))
+    chunk_used = None if loss_mode == "naive" else max(1, min(loss_chunk_tokens or default_chunk, T))
     flops, tps = _throughput(shape, method, T, seq_len, policy, offload_activations, offload_optimizer,
-                             loss_mode, trainable, grad_accum, device_type, chunk_ratio)
+                             loss_mode, trainable, grad_accum, device_type, b, chunk_used, lora_r, len(targets))
     settings = dict(method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,
                     checkpointing=checkpointing if isinstance(checkpointing, (str, int)) else list(checkpointing),
                     offload_activations=offload_activations, offload_optimizer=offload_optimizer,
@@ -835,8 +833,12 @@ def _optimizer_temporaries(trainable: int, p_bytes: int, optimizer: str, device_
 
 def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: list[str], offload_act: bool,
                 offload_opt: bool, loss_mode: str, trainable: int, grad_accum: int, device_type: str,
-                chunk_ratio: float = 1.0) -> tuple[float, float]:
-    """(training FLOPs per token, a tokens/s guess) used to rank plans against each other."""
+                dtype_bytes: int = 2, loss_chunk: int | None = None, lora_r: int = 16,
+                lora_targets: int = 7) -> tuple[float, float]:
+    """(training FLOPs per token, a tokens/s guess) used to rank plans against each other. The
+    time is `maximus.memory.step_time.step_seconds`: op class by op class, measured rates."""
+    from maximus.memory.step_time import step_seconds
+
     L = shape.num_layers
     layer_fwd = 2 * shape.layer_linear_params + 2 * seq_len * shape.q_dim  # causal attention: half of 4*s*d
     head_fwd = 2 * shape.vocab_size * shape.hidden_size
@@ -846,21 +848,17 @@ def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: li
     bwd = fwd * (2.0 if method == "full" else 1.0)
     recompute = sum(layer_fwd if p == "full" else 0.08 * layer_fwd if p == "selective" else 0 for p in policy)
     flops = float(fwd + bwd + recompute)
-    rate = DEVICE_FLOPS.get(device_type, DEVICE_FLOPS["cuda"])
-    efficiency = T / (T + 1024.0)  # small micro-batches leave the device under-used
-    seconds = flops / (rate * 0.5 * efficiency)
-    if method == "qlora":
-        seconds *= 1.15  # dequantising NF4 weights on every matmul
-    if loss_mode == "exact":
-        seconds *= 1.02
-    # Chunks smaller than the loss's default run smaller, less efficient matmuls.
-    seconds *= 1 + 0.02 * math.log2(chunk_ratio)
-    if offload_act:
-        seconds *= 1.05  # copies mostly hidden behind compute
+    parts = step_seconds(hidden=shape.hidden_size, intermediate=shape.intermediate_size, q_dim=shape.q_dim,
+                         kv_dim=shape.kv_dim, num_heads=shape.num_heads, head_dim=shape.head_dim,
+                         vocab_size=shape.vocab_size, layer_linear_params=shape.layer_linear_params, tokens=T,
+                         seq_len=seq_len, policy=policy, method=method, lora_r=lora_r, lora_targets=lora_targets,
+                         dtype_bytes=dtype_bytes, device=device_type, loss_mode=loss_mode, loss_chunk=loss_chunk,
+                         offload_activations=offload_act)
+    seconds = sum(parts.values())
     # The optimizer step is memory-bound: ~16 bytes touched per trainable parameter, once per
     # optimizer step (spread over grad_accum micro-steps of T tokens).
     bandwidth = 2e12 if device_type == "cuda" else 20e9
     if offload_opt:
         bandwidth = 20e9  # host-side update
-    seconds += 16 * trainable / bandwidth / max(1, grad_accum) / max(T, 1)
-    return flops, 1.0 / seconds
+    seconds += 16 * trainable / bandwidth / max(1, grad_accum)
+    return flops, T / seconds

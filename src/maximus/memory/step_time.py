@@ -1,0 +1,156 @@
+"""Predict the wall time of one training step from shapes, op class by op class (issue 23).
+
+The planner ranks plans by this time, so it must see what recompute really costs. Counting FLOPs
+does not: the 128k-vocabulary output head holds most of a step's FLOPs but runs near the
+machine's peak, while a decoder layer's smaller matmuls, attention and element-wise ops run far
+below it, so replaying a layer costs a larger share of the step than of its FLOPs (measured in
+fp32 on a 2-core CPU: 14-17 % for full recompute, where FLOPs said 8.6 %). Each op class gets its
+own rate, measured per device and dtype:
+
+* head: the exact loss's forward + backward (``4 x T x H x V`` FLOPs for a frozen head), with a
+  time factor per chunk size;
+* decoder matmuls: the layers' linear layers and their LoRA adapters (FLOP/s);
+* attention: causal SDPA forward (FLOP/s) and its backward as a multiple of the forward;
+* elementwise: norms, RoPE, SiLU, residual adds, casts: seconds per token per
+  (hidden + intermediate) element;
+* dequantise: NF4 -> compute dtype, seconds per weight, once per matmul use (QLoRA).
+
+A layer's forward is the sum of its classes; its backward takes the input gradient of every
+matmul (the same product shapes; weight gradients too when the weights train), the attention
+backward and twice the elementwise work. Recompute adds: a full layer forward (``full``), or
+the elementwise part only (``selective``: matmul and attention outputs are kept).
+
+`CALIBRATION` holds the CPU numbers measured by ``benchmarks/step_cost.py calibrate`` (see
+docs/benchmarks/planner.md); CUDA and MPS numbers are derived from data-sheet rates, not
+measured. Only ratios between plans on one device matter for ranking; the absolute tokens/s is a
+guess (a shared CPU under load runs several times slower).
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+__all__ = ["OpRates", "CALIBRATION", "op_rates", "layer_matmul_flops", "step_seconds"]
+
+
+@dataclass(frozen=True)
+class OpRates:
+    """Measured speed of each op class on one device in one dtype."""
+
+    head_flops_per_s: float
+    decoder_flops_per_s: float
+    attention_flops_per_s: float
+    attention_backward_x_forward: float
+    elementwise_s_per_element: float  # per token per (hidden + intermediate) element
+    dequantize_s_per_weight: float
+    #: head time at a chunk size (tokens) relative to the best chunk; interpolated in log2.
+    head_chunk_factor: dict[int, float] = field(default_factory=dict)
+    #: tokens of one forward at which the matmul rates were measured.
+    calibrated_tokens: int = 2048
+
+
+#: Measured with ``benchmarks/step_cost.py calibrate --chunks 256 512 1024 --repeats 4`` on the
+#: 2-core AVX512-BF16 CPU of this project (reference model shapes, 2 threads, one run, the machine
+#: shared: load average ~10, so rates are ~3x below a quiet run; ratios are what ranks plans).
+#: fp32's elementwise residual came out below zero (its isolated matmul rate underestimates the
+#: in-layer one), so fp32 takes bf16's elementwise time x 2 (same ops, twice the bytes) and its
+#: decoder rate is fitted so the measured layer forward (613 ms) is reproduced.
+CALIBRATION: dict[tuple[str, str], OpRates] = {
+    ("cpu", "fp32"): OpRates(head_flops_per_s=52.7e9, decoder_flops_per_s=50.7e9, attention_flops_per_s=22.8e9,
+                             attention_backward_x_forward=2.8, elementwise_s_per_element=37.6e-9,
+                             dequantize_s_per_weight=55.9e-9, head_chunk_factor={256: 1.06, 512: 1.00, 1024: 1.00}),
+    ("cpu", "bf16"): OpRates(head_flops_per_s=111.7e9, decoder_flops_per_s=143.4e9, attention_flops_per_s=24.6e9,
+                             attention_backward_x_forward=1.4, elementwise_s_per_element=18.8e-9,
+                             dequantize_s_per_weight=0.14e-9, head_chunk_factor={256: 1.00, 512: 1.08, 1024: 1.20}),
+    # Not measured: half of a 300 TFLOP/s data sheet for matmuls, a third for attention,
+    # ~20 bytes moved per element at 2 TB/s, a 4-bit read and 16-bit write per dequantised weight.
+    ("cuda", "bf16"): OpRates(head_flops_per_s=150e12, decoder_flops_per_s=150e12, attention_flops_per_s=100e12,
+                              attention_backward_x_forward=2.5, elementwise_s_per_element=20 / 2e12,
+                              dequantize_s_per_weight=2.5 / 2e12, head_chunk_factor={256: 1.10, 1024: 1.00}),
+    ("cuda", "fp32"): OpRates(head_flops_per_s=40e12, decoder_flops_per_s=40e12, attention_flops_per_s=20e12,
+                              attention_backward_x_forward=2.5, elementwise_s_per_element=40 / 2e12,
+                              dequantize_s_per_weight=4.5 / 2e12, head_chunk_factor={256: 1.10, 1024: 1.00}),
+}
+#: Other devices: the CUDA numbers scaled by their data-sheet ratio.
+_DEVICE_SCALE = {"mps": 10e12 / 300e12}
+
+
+def op_rates(device: str, dtype_bytes: int) -> OpRates:
+    """The calibration for a device type (``cpu``, ``cuda``, ``mps``) and dtype width (2 or 4 bytes)."""
+    dtype = "fp32" if dtype_bytes >= 4 else "bf16"
+    if (device, dtype) in CALIBRATION:
+        return CALIBRATION[(device, dtype)]
+    base = CALIBRATION[("cuda", dtype)]
+    s = _DEVICE_SCALE.get(device, 1.0)
+    return OpRates(head_flops_per_s=base.head_flops_per_s * s, decoder_flops_per_s=base.decoder_flops_per_s * s,
+                   attention_flops_per_s=base.attention_flops_per_s * s,
+                   attention_backward_x_forward=base.attention_backward_x_forward,
+                   elementwise_s_per_element=base.elementwise_s_per_element / s,
+                   dequantize_s_per_weight=base.dequantize_s_per_weight / s, head_chunk_factor=base.head_chunk_factor)
+
+
+def layer_matmul_flops(hidden: int, intermediate: int, q_dim: int, kv_dim: int, lora_r: int = 0,
+                       lora_targets: int = 7) -> float:
+    """Forward matmul FLOPs per token of one decoder layer's linears, plus LoRA adapters of rank
+    ``lora_r`` on the first ``lora_targets`` of q, k, v, o, gate, up, down."""
+    h, i = hidden, intermediate
+    shapes = [(h, q_dim), (h, kv_dim), (h, kv_dim), (q_dim, h), (h, i), (h, i), (i, h)]
+    base = sum(2 * a * b for a, b in shapes)
+    return float(base + sum(2 * lora_r * (a + b) for a, b in shapes[:lora_targets]))
+
+
+def _chunk_factor(rates: OpRates, chunk: int | None) -> float:
+    table = rates.head_chunk_factor
+    if not table or not chunk:
+        return 1.0
+    keys = sorted(table)
+    if chunk <= keys[0]:
+        # Below the measured range smaller matmuls run slower still: +5 % per halving.
+        return table[keys[0]] * (1 + 0.05 * math.log2(keys[0] / chunk))
+    if chunk >= keys[-1]:
+        return table[keys[-1]]
+    for lo, hi in zip(keys, keys[1:]):
+        if lo <= chunk <= hi:
+            w = math.log2(chunk / lo) / math.log2(hi / lo)
+            return table[lo] * (1 - w) + table[hi] * w
+    return 1.0  # pragma: no cover
+
+
+def step_seconds(*, hidden: int, intermediate: int, q_dim: int, kv_dim: int, num_heads: int, head_dim: int,
+                 vocab_size: int, layer_linear_params: int, tokens: int, seq_len: int, policy: list[str],
+                 method: str, lora_r: int, lora_targets: int, dtype_bytes: int, device: str,
+                 loss_mode: str = "exact", loss_chunk: int | None = None, offload_activations: bool = False,
+                 naive_loss_factor: float = 1.4) -> dict[str, float]:
+    """Seconds of one micro-step (forward + backward of ``tokens`` tokens in rows of ``seq_len``),
+    by op class: ``head``, ``decoder_matmuls``, ``attention``, ``elementwise``, ``dequantize`` and
+    ``recompute`` (the part of the others that checkpointing replays). ``policy`` is one of
+    ``off`` / ``full`` / ``selective`` per layer."""
+    r = op_rates(device, dtype_bytes)
+    # Matmuls on fewer tokens than calibrated run less efficiently (the old T / (T + 1024) rule).
+    eff = (tokens / (tokens + 1024.0)) / (r.calibrated_tokens / (r.calibrated_tokens + 1024.0))
+    eff = min(1.0, eff)
+    trainable = method == "full"
+    lora = 0 if trainable else lora_r
+    mm_fwd = layer_matmul_flops(hidden, intermediate, q_dim, kv_dim, lora, lora_targets) * tokens / (r.decoder_flops_per_s * eff)
+    base_fwd = layer_matmul_flops(hidden, intermediate, q_dim, kv_dim, 0) * tokens / (r.decoder_flops_per_s * eff)
+    lora_fwd = mm_fwd - base_fwd
+    # backward: input gradients of every product, weight gradients of what trains (LoRA or all)
+    mm_bwd = base_fwd * (2.0 if trainable else 1.0) + 2 * lora_fwd
+    attn_fwd = 2.0 * tokens * seq_len * head_dim * num_heads / r.attention_flops_per_s  # causal half of 4 s^2 d
+    attn_bwd = attn_fwd * r.attention_backward_x_forward
+    elem_fwd = r.elementwise_s_per_element * tokens * (hidden + intermediate)
+    deq = r.dequantize_s_per_weight * layer_linear_params if method == "qlora" else 0.0
+    layer_fwd = mm_fwd + attn_fwd + elem_fwd + deq
+    L = len(policy)
+    out = {"decoder_matmuls": L * (mm_fwd + mm_bwd), "attention": L * (attn_fwd + attn_bwd),
+           "elementwise": L * 3 * elem_fwd, "dequantize": L * 2 * deq}
+    recompute = sum(layer_fwd if p == "full" else elem_fwd if p == "selective" else 0.0 for p in policy)
+    if offload_activations:
+        recompute += 0.05 * L * layer_fwd  # copies, mostly hidden behind compute
+    out["recompute"] = recompute
+    head_flops = (6.0 if trainable else 4.0) * tokens * hidden * vocab_size
+    head = head_flops / (r.head_flops_per_s * eff) * _chunk_factor(r, loss_chunk if loss_mode != "naive" else None)
+    if loss_mode == "naive":
+        head *= naive_loss_factor  # full logits: several tokens x vocab tensors written and read
+    out["head"] = head
+    return out
