@@ -1,6 +1,7 @@
 """Maximus: fine-tune large language models inside the memory you have.
 
-Public surface: `Config`, `load_model`, `Trainer`, `embed`.
+Public surface: `Config`, `load_model`, `Trainer`, `embed`; for an existing Hugging Face / TRL
+script, `patch` / `unpatch` / `patch_report` and `MemoryCallback` (docs/hf_stack.md).
 """
 from __future__ import annotations
 
@@ -19,7 +20,15 @@ def load_model(cfg, **kwargs):
     return _load(cfg, **kwargs)
 
 
+_HF_STACK = {"patch": "maximus.hf_patch", "unpatch": "maximus.hf_patch", "patch_report": "maximus.hf_patch",
+             "MemoryCallback": "maximus.memory_callback"}
+
+
 def __getattr__(name):
+    if name in _HF_STACK:
+        import importlib
+
+        return getattr(importlib.import_module(_HF_STACK[name]), name)
     if name == "Trainer":
         from maximus.train.trainer import Trainer
 
@@ -27,4 +36,5 @@ def __getattr__(name):
     raise AttributeError(name)
 
 
-__all__ = ["Config", "MaximusError", "Trainer", "embed", "load_model", "__version__"]
+__all__ = ["Config", "MaximusError", "MemoryCallback", "Trainer", "embed", "load_model", "patch", "patch_report", "unpatch",
+           "__version__"]
