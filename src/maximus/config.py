@@ -101,18 +101,18 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
-DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "chat", "prompt_completion", "preference", "pairs"]
+DataFormat = Literal["auto", "text", "alpaca", "sharegpt", "chat", "prompt_completion", "preference", "pairs", "prompt"]
 
 
 class DatasetSpec(_Section):
     """One data source. A bare string in the config is shorthand for `{path: <string>}`."""
 
     path: str = Field(description="Local file or folder (jsonl, json, csv, parquet, txt) or a Hugging Face dataset name.")
-    format: DataFormat = Field("auto", description="Record shape; `auto` detects it from the fields of the first record.")
+    format: DataFormat = Field("auto", description="Record shape; `auto` detects it from the fields of the first record (`prompt` under `objective: grpo`).")
     split: str = Field("train", description="Split to read when `path` is a Hugging Face dataset or a folder of splits.")
     name: str | None = Field(None, description="Hugging Face dataset configuration name, if any.")
     text_field: str = Field("text", description="Field holding the text for `format: text`.")
-    prompt_field: str = Field("prompt", description="Prompt field for `prompt_completion` and `preference` records.")
+    prompt_field: str = Field("prompt", description="Prompt field for `prompt_completion`, `preference` and `prompt` records.")
     completion_field: str = Field("completion", description="Completion field for `prompt_completion` records.")
     messages_field: str | None = Field(None, description="Field holding a chat (`messages` for chat, `conversations` for sharegpt); default by format.")
     chosen_field: str = Field("chosen", description="Preferred answer field for `preference` records (DPO).")
@@ -306,6 +306,29 @@ class ContrastiveConfig(_Section):
     pooling: Literal["mean", "last"] = Field("mean", description="Text embedding: mean of the final hidden states over the text's tokens, or the last token's state (as in `maximus.embed`).")
 
 
+class GrpoConfig(_Section):
+    """Reinforcement learning from rewards (used when `objective: grpo`; see docs/grpo.md). Each
+    optimizer step samples `group_size` completions for each of `training.batch_size` prompts from
+    the policy, scores them with the reward functions and trains on the group-relative advantages;
+    `training.micro_batch_size` counts completions per backward."""
+
+    group_size: int = Field(8, ge=2, description="Completions sampled per prompt (the group whose mean reward is the baseline).")
+    max_completion_tokens: int = Field(256, ge=1, description="Tokens generated per completion at most (generation stops earlier at EOS); Dr. GRPO's constant L_max.")
+    temperature: float = Field(1.0, gt=0, description="Sampling temperature; the log-probs of the loss are taken at the same temperature (as TRL does).")
+    top_p: float = Field(1.0, gt=0, le=1, description="Nucleus sampling: sample from the smallest set of tokens whose probability reaches top_p (1 = off).")
+    beta: float = Field(0.0, ge=0, description="Weight of the KL penalty to the reference (the model with the adapter switched off); 0 = no reference pass at all.")
+    epsilon: float = Field(0.2, gt=0, lt=1, description="Clipping: the ratio to the sampling policy is clipped to [1 - epsilon, 1 + epsilon_high].")
+    epsilon_high: float | None = Field(None, gt=0, description="Upper clipping bound (DAPO's clip-higher, e.g. 0.28); null = epsilon.")
+    kl_ratio_correction: bool = Field(True, description="Weight the KL term by the importance ratio to the sampling policy: an unbiased estimate of KL(policy || reference) from samples of the old policy (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default); false = the GRPO paper's plain k3 term.")
+    updates_per_generation: int = Field(1, ge=1, description="Optimizer steps on each generation's completions (TRL's num_iterations); the sampling policy's log-probs are kept from generation time, not recomputed.")
+    loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field("dapo", description="Normalisation of the token losses: `grpo` = mean of per-completion token means, `dr_grpo` = sum / (completions x max_completion_tokens), `dapo` = sum / completion tokens (TRL's default).")
+    scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantages are reward - group mean, divided by the group's standard deviation (`group`), the batch's (`batch`), or not divided (`none`, Dr. GRPO).")
+    rewards: list[str] = Field(default_factory=list, description="Reward functions, each `module:function` (an importable module or a .py file path) or a built-in name (`exact_answer`, `regex_format`); called as f(prompts, completions, completion_ids, **columns) -> list of float or None (TRL's convention).")
+    reward_weights: list[float] | None = Field(None, description="Weight of each reward function in the summed reward; null = 1 each.")
+    answer_field: str = Field("answer", description="Column holding the reference answer for the built-in `exact_answer` reward.")
+    format_pattern: str | None = Field(None, description="Regular expression the built-in `regex_format` reward matches against the whole completion (1.0 if it matches, else 0.0).")
+
+
 class LoggingConfig(_Section):
     """Where progress goes besides the terminal and metrics.jsonl."""
 
@@ -320,7 +343,7 @@ class Config(_Section):
     model: str = Field(description="Hugging Face hub id or local model directory.")
     dataset: Union[str, DatasetSpec, list[Union[str, DatasetSpec]]] = Field(description="A path, a hub name, a mapping ({path:, format:, split:, ...}) or a list of those.")
     method: Literal["full", "lora", "qlora", "auto"] = Field("lora", description="Full fine-tune, LoRA, QLoRA (4-bit NF4 base), or `auto` (the planner picks from target_vram).")
-    objective: Literal["sft", "dpo", "contrastive"] = Field("sft", description="Supervised fine-tuning, preference tuning on (prompt, chosen, rejected), or embedding training on (query, positive) pairs.")
+    objective: Literal["sft", "dpo", "contrastive", "grpo"] = Field("sft", description="Supervised fine-tuning, preference tuning on (prompt, chosen, rejected), embedding training on (query, positive) pairs, or reinforcement learning from reward functions on prompts (GRPO).")
     output_dir: str | None = Field(None, description="Run directory; default runs/<model name>.")
     tokenizer: str | None = Field(None, description="Tokenizer id or directory; default: the model's.")
     init_adapter: str | None = Field(None, description="Start from an existing PEFT LoRA adapter directory (e.g. DPO on top of an SFT run). LoRA / QLoRA train it further: `lora.*` keys not written in the config come from the adapter, a written shape key (`r`, `alpha`, `target_modules`, `use_dora`, `use_rslora`) must match it, a written `lora.dropout` applies, and `lora.modules_to_save` and the Kronecker sketches are trained besides its own modules. `method: full` merges it into the base and trains every weight.")
@@ -333,6 +356,7 @@ class Config(_Section):
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation against the base model.")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Preference tuning settings.")
     contrastive: ContrastiveConfig = Field(default_factory=ContrastiveConfig, description="Embedding training settings.")
+    grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="Reinforcement learning from rewards (GRPO) settings.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Extra logging sinks.")
 
     @model_validator(mode="after")
@@ -519,7 +543,7 @@ def _apply_override(data: dict, item: str) -> None:
 
 _SECTIONS.update({m.__name__: m for m in (DatasetSpec, LoraConfig, OffloadConfig, GhostLogitConfig, KroneckerConfig,
                                           MatryoshkaConfig, OptimizationConfig, TrainingConfig, EvalConfig,
-                                          DpoConfig, ContrastiveConfig, LoggingConfig, Config)})
+                                          DpoConfig, ContrastiveConfig, GrpoConfig, LoggingConfig, Config)})
 
 # --------------------------------------------------------------------------------------------
 # Documentation

@@ -50,3 +50,7 @@ class ExportError(MaximusError):
 
 class UsageError(MaximusError):
     """The command line is wrong: a missing, unknown or malformed argument."""
+
+
+class RewardError(MaximusError):
+    """A reward function (objective grpo) raised, or returned something other than one number per completion."""

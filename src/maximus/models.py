@@ -313,6 +313,15 @@ def causal_lm_of(model):
     return m
 
 
+def peft_model_of(model):
+    """The PEFT model inside a DDP / compile wrapper (the one with `disable_adapter()`), or None
+    when the model has no adapter (full fine-tuning)."""
+    m = model
+    for attr in ("module", "_orig_mod"):
+        m = getattr(m, attr, m)
+    return m if hasattr(m, "disable_adapter") and hasattr(m, "peft_config") else None
+
+
 def count_parameters(model) -> tuple[int, int]:
     """(trainable, total) parameter counts; 4-bit packed weights count as their logical size."""
     trainable = total = 0

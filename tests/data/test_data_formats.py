@@ -38,7 +38,7 @@ def test_detection_error_message():
         detect_format({"question": "q", "answer": "a"}, SPEC, "qa.jsonl")
     assert str(err.value) == (
         "cannot detect the format of qa.jsonl: fields ['answer', 'question']; set format: in the dataset entry "
-        "(hint: format: one of text, alpaca, sharegpt, chat, prompt_completion, preference, pairs; rename fields with "
+        "(hint: format: one of text, alpaca, sharegpt, chat, prompt_completion, preference, pairs, prompt; rename fields with "
         "text_field, prompt_field, completion_field, messages_field, chosen_field, rejected_field, query_field, "
         "positive_field)")
 

@@ -33,8 +33,9 @@ def fixed_logps():
     return old + shift, old, ref
 
 
-def published_token_terms(logps, old, ref, beta, eps_low, eps_high):
-    """[(i, t, -(min(rA, clip(r)A) - beta KL))] for every completion token, one at a time."""
+def published_token_terms(logps, old, ref, beta, eps_low, eps_high, corrected=False):
+    """[(i, t, -(min(rA, clip(r)A) - beta KL))] for every completion token, one at a time; with
+    `corrected`, KL is weighted by r (DeepSeek-V3.2's unbiased estimate)."""
     terms = []
     for i, n in enumerate(LENGTHS):
         a = float(ADV[i])
@@ -42,13 +43,13 @@ def published_token_terms(logps, old, ref, beta, eps_low, eps_high):
             r = math.exp(float(logps[i, t]) - float(old[i, t]))
             clipped = min(max(r, 1 - eps_low), 1 + eps_high)
             d = float(ref[i, t]) - float(logps[i, t])
-            kl = math.exp(d) - d - 1
+            kl = (math.exp(d) - d - 1) * (r if corrected else 1.0)
             terms.append((i, t, -(min(r * a, clipped * a) - beta * kl)))
     return terms
 
 
-def published_loss(loss_type, logps, old, ref, beta, eps_low, eps_high):
-    terms = published_token_terms(logps, old, ref, beta, eps_low, eps_high)
+def published_loss(loss_type, logps, old, ref, beta, eps_low, eps_high, corrected=False):
+    terms = published_token_terms(logps, old, ref, beta, eps_low, eps_high, corrected)
     if loss_type == "grpo":
         return sum(sum(v for j, _, v in terms if j == i) / n for i, n in enumerate(LENGTHS)) / len(LENGTHS)
     if loss_type == "dr_grpo":
@@ -57,12 +58,13 @@ def published_loss(loss_type, logps, old, ref, beta, eps_low, eps_high):
 
 
 @pytest.mark.parametrize("loss_type", ["grpo", "dr_grpo", "dapo"])
-@pytest.mark.parametrize("beta", [0.0, BETA])
-def test_each_loss_type_equals_the_published_objective(loss_type, beta):
+@pytest.mark.parametrize("beta,corrected", [(0.0, False), (BETA, False), (BETA, True)])
+def test_each_loss_type_equals_the_published_objective(loss_type, beta, corrected):
     logps, old, ref = fixed_logps()
     got = grpo_loss(logps, MASK, ADV, old_logps=old, ref_logps=ref if beta else None, beta=beta, epsilon=EPS,
-                    epsilon_high=EPS_HIGH, loss_type=loss_type, max_completion_tokens=L_MAX)
-    want = published_loss(loss_type, logps, old, ref, beta, EPS, EPS_HIGH)
+                    epsilon_high=EPS_HIGH, loss_type=loss_type, max_completion_tokens=L_MAX,
+                    kl_ratio_correction=corrected)
+    want = published_loss(loss_type, logps, old, ref, beta, EPS, EPS_HIGH, corrected)
     assert got.dtype == torch.float64
     assert float(got) == pytest.approx(want, rel=1e-12, abs=1e-14)
 
@@ -72,7 +74,7 @@ def test_gradient_equals_the_published_objective_and_clipped_tokens_get_none(los
     logps, old, ref = fixed_logps()
     x = logps.clone().requires_grad_(True)
     grpo_loss(x, MASK, ADV, old_logps=old, ref_logps=ref, beta=BETA, epsilon=EPS, epsilon_high=EPS_HIGH,
-              loss_type=loss_type, max_completion_tokens=L_MAX).backward()
+              loss_type=loss_type, max_completion_tokens=L_MAX, kl_ratio_correction=False).backward()
     # Central differences of the published formula, token by token.
     h = 1e-6
     for i, n in enumerate(LENGTHS):
@@ -99,7 +101,7 @@ def test_gradient_equals_the_published_objective_and_clipped_tokens_get_none(los
 def test_metric_sums_count_clipped_tokens_on_each_side_and_the_kl():
     logps, old, ref = fixed_logps()
     parts = grpo_loss_sum(logps, MASK, ADV, old_logps=old, ref_logps=ref, beta=BETA, epsilon=EPS,
-                          epsilon_high=EPS_HIGH, loss_type="dapo")
+                          epsilon_high=EPS_HIGH, loss_type="dapo", kl_ratio_correction=False)
     ratio = torch.exp(logps - old)
     high = [(i, t) for i, n in enumerate(LENGTHS) for t in range(n) if ratio[i, t] > 1 + EPS_HIGH and ADV[i] > 0]
     low = [(i, t) for i, n in enumerate(LENGTHS) for t in range(n) if ratio[i, t] < 1 - EPS and ADV[i] < 0]
@@ -160,3 +162,19 @@ def test_bad_arguments_are_one_line_errors():
         group_advantages(torch.zeros(7), 4)
     with pytest.raises(ConfigError, match=r"^unknown scale_rewards 'max'"):
         group_advantages(torch.zeros(8), 4, "max")
+
+
+def test_ratio_corrected_kl_gradient_equals_its_formula():
+    logps, old, ref = fixed_logps()
+    x = logps.clone().requires_grad_(True)
+    grpo_loss(x, MASK, ADV, old_logps=old, ref_logps=ref, beta=BETA, epsilon=EPS, epsilon_high=EPS_HIGH,
+              loss_type="dapo", kl_ratio_correction=True).backward()
+    h = 1e-6
+    for i, n in enumerate(LENGTHS):
+        for t in range(n):
+            up, down = logps.clone(), logps.clone()
+            up[i, t] += h
+            down[i, t] -= h
+            numeric = (published_loss("dapo", up, old, ref, BETA, EPS, EPS_HIGH, True)
+                       - published_loss("dapo", down, old, ref, BETA, EPS, EPS_HIGH, True)) / (2 * h)
+            assert float(x.grad[i, t]) == pytest.approx(numeric, rel=1e-6, abs=1e-9)

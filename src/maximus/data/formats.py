@@ -9,6 +9,7 @@
 | `sharegpt`          | `conversations`: [{from, value}]                  | `ChatExample`       |
 | `preference`        | `prompt` (optional in chat form), `chosen`, `rejected` | `PreferenceExample` |
 | `pairs`             | `query`, `positive`                               | `PairExample`       |
+| `prompt`            | `prompt` (string or messages), any other columns  | `PromptExample` (`maximus.data.prompts`; objective grpo) |
 
 `auto` detection looks at the fields of the first record of each source, in this order:
 chosen+rejected -> preference, query+positive -> pairs, messages / conversations -> chat, or sharegpt when the first
@@ -24,7 +25,7 @@ from maximus.errors import DataError
 
 from maximus.data.templates import alpaca_prompt
 
-FORMATS = ("text", "alpaca", "sharegpt", "chat", "prompt_completion", "preference", "pairs")
+FORMATS = ("text", "alpaca", "sharegpt", "chat", "prompt_completion", "preference", "pairs", "prompt")
 
 SHAREGPT_ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant",
                   "system": "system", "tool": "tool", "function_call": "assistant", "observation": "tool"}

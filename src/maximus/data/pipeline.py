@@ -22,11 +22,12 @@ from maximus.data.encoding import Document, Encoder
 from maximus.data.formats import ChatExample, PairExample, PreferenceExample, PromptCompletion, detect_format, to_example
 from maximus.data.packing import RowStats, pack_documents, truncate_documents
 from maximus.data.pairs import encode_pair, fit_pair_row
+from maximus.data.prompts import check_prompt_format, encode_prompt, fit_prompt_rows, to_prompt_example
 from maximus.data.preference import PreferencePair, chat_prompt_and_answers, encode_preference, fit_pair
 from maximus.data.sources import read_source
 from maximus.data.templates import ensure_chat_template
 
-OBJECTIVES = ("sft", "dpo", "contrastive")
+OBJECTIVES = ("sft", "dpo", "contrastive", "grpo")
 
 
 #: Record formats that are conversations: a run trained on one generates from chat-templated prompts.
@@ -68,8 +69,9 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
         train_on_inputs: SFT loss on prompt / user tokens too.
         seed: shuffling seed.
         eval_split: fraction of documents held out, in [0, 1).
-        objective: "sft" (rows of input_ids / labels / position_ids), "dpo" (preference rows) or
-            "contrastive" (query / positive rows, see `maximus.data.pairs`; no packing).
+        objective: "sft" (rows of input_ids / labels / position_ids), "dpo" (preference rows),
+            "contrastive" (query / positive rows, see `maximus.data.pairs`; no packing) or "grpo"
+            (prompt rows, see `maximus.data.prompts`; no packing).
 
     Raises DataError for missing or malformed data, and for a dataset empty after filtering.
     """
@@ -103,6 +105,9 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
     elif objective == "contrastive":
         train, train_stats = _contrastive_rows(train_docs, seq_len)
         evaluation, eval_stats = _contrastive_rows(eval_docs, seq_len)
+    elif objective == "grpo":
+        train, train_stats = _prompt_rows(train_docs, seq_len)
+        evaluation, eval_stats = _prompt_rows(eval_docs, seq_len)
     else:
         if packing:
             train, train_stats = pack_documents(train_docs, seq_len, seed)
@@ -139,8 +144,14 @@ def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -
     stats["sources"].append(summary)
     if not records:
         return []
-    fmt = detect_format(records[0].fields, spec, source.files[0] if len(source.files) == 1 else str(spec.path))
+    fmt = detect_format(records[0].fields, spec, source.files[0] if len(source.files) == 1 else str(spec.path)) \
+        if objective != "grpo" or spec.format != "auto" else "prompt"
     summary["format"] = fmt
+    if (objective == "grpo") != (fmt == "prompt"):
+        if objective == "grpo":
+            check_prompt_format(fmt, spec.path)
+        raise DataError(f"format prompt (prompts without answers to learn) is for objective grpo; {spec.path} is used "
+                        f"with objective {objective}", "set `objective: grpo` and grpo.rewards to learn from rewards")
     if objective == "dpo" and fmt != "preference":
         raise DataError(f"objective dpo needs preference records (prompt, chosen, rejected); {spec.path} has format {fmt}",
                         "use a dataset with chosen/rejected fields, or set `format: preference` and the field names")
@@ -162,6 +173,9 @@ def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -
             break
         record = records[i]
         try:
+            if fmt == "prompt":
+                documents.append(encode_prompt(encoder, to_prompt_example(record.fields, spec, record.where)))
+                continue
             example = to_example(record.fields, fmt, spec, record.where)
             if isinstance(example, PreferenceExample) and objective == "sft":
                 example = _chosen_as_sft(example)  # SFT on preference data learns the chosen answers
@@ -225,6 +239,12 @@ def _pair_rows(pairs: list[PreferencePair], seq_len: int) -> tuple[list[dict], R
         stats.tokens += len(fitted.chosen.input_ids) + len(fitted.rejected.input_ids)
         stats.loss_tokens += sum(l != -100 for d in (fitted.chosen, fitted.rejected) for l in d.labels)
     return rows, stats
+
+
+def _prompt_rows(rows: list[dict], seq_len: int) -> tuple[list[dict], RowStats]:
+    """Prompt rows cut to their last seq_len tokens (`maximus.data.prompts.fit_prompt_rows`)."""
+    fitted, truncated, tokens = fit_prompt_rows(rows, seq_len)
+    return fitted, RowStats(rows=len(fitted), tokens=tokens, truncated=truncated)
 
 
 def _contrastive_rows(pairs: list[dict], seq_len: int) -> tuple[list[dict], RowStats]:

@@ -7,7 +7,13 @@ the advantage of every one of its tokens. Per completion token t of completion i
 
     pg_it = -min(r_it * A_i, clip(r_it, 1 - epsilon_low, 1 + epsilon_high) * A_i)
     kl_it = exp(ref_it - logp_it) - (ref_it - logp_it) - 1          (the k3 estimator, >= 0)
-    l_it  = pg_it + beta * kl_it
+    l_it  = pg_it + beta * kl_it * r_it      (kl_ratio_correction, the default)
+    l_it  = pg_it + beta * kl_it             (kl_ratio_correction=False: the GRPO paper's form)
+
+The completions were sampled from the old policy, not the current one; weighting k3 by the ratio
+``r`` makes it an unbiased estimate of KL(policy || reference) and gives its unbiased gradient
+(DeepSeek-V3.2, 2025; TRL's ``use_bias_correction_kl``, on by default). The ratio carries
+gradient: even on-policy (``r = 1`` in value) the gradient gains ``kl * grad(logp)``.
 
 The three published normalisations of ``sum_it m_it * l_it`` (m = completion-token mask):
 
@@ -86,7 +92,7 @@ class GrpoLossParts:
 
     ``loss_sum / units`` is the loss of this micro-batch alone; summed over micro-batches first,
     it is the loss of the whole step. The metric sums are over completion tokens (divide by
-    ``tokens``): ``kl_sum`` (0 when beta is 0 and no reference was given), ``clipped_low_sum`` /
+    ``tokens``): ``kl_sum`` (as in the loss, ratio-weighted or not; 0 without a reference), ``clipped_low_sum`` /
     ``clipped_high_sum`` (tokens whose ratio was clipped from below with A < 0 / from above with
     A > 0)."""
 
@@ -101,7 +107,8 @@ class GrpoLossParts:
 def grpo_loss_sum(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Tensor, *,
                   old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
                   beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
-                  loss_type: LossType = "grpo", max_completion_tokens: int | None = None) -> GrpoLossParts:
+                  loss_type: LossType = "grpo", max_completion_tokens: int | None = None,
+                  kl_ratio_correction: bool = True) -> GrpoLossParts:
     """The GRPO loss of a micro-batch of completions, as a sum and a unit count (module doc).
 
     Args:
@@ -117,6 +124,7 @@ def grpo_loss_sum(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Ten
             (``epsilon_high`` defaults to ``epsilon``).
         loss_type: ``grpo`` | ``dr_grpo`` | ``dapo``.
         max_completion_tokens: ``L_max`` of ``dr_grpo`` (required for it).
+        kl_ratio_correction: weight the KL term by the importance ratio (module doc).
 
     Raises:
         ConfigError: unknown ``loss_type``, ``beta > 0`` without ``ref_logps``, ``dr_grpo``
@@ -145,6 +153,8 @@ def grpo_loss_sum(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Ten
     if ref_logps is not None:
         delta = ref_logps.to(dtype).detach() - logps
         kl = torch.exp(delta) - delta - 1
+        if kl_ratio_correction:
+            kl = kl * ratio
         if beta > 0:
             per_token = per_token + beta * kl
     masked = per_token * mask

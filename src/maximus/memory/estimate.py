@@ -336,7 +336,8 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
     return dict(ghost_candidates=opt.ghost_logit.candidates,
                 attention="kronecker" if kron is not None else "sdpa",
                 kronecker=None if kron is None else {k: getattr(kron, k) for k in ("detail_tokens", "sketch_slots", "block")},
-                objective=cfg.objective, dpo_reference=dpo_reference,
+                # GRPO's backward is an SFT-shaped step over completion rows (maximus.memory.generation)
+                objective="sft" if cfg.objective == "grpo" else cfg.objective, dpo_reference=dpo_reference,
                 matryoshka_dims=None if mat is None else list(mat.dims),
                 matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
                 offload_params=opt.offload.params == "on")

@@ -24,6 +24,15 @@ class Objective:
         self.plan = plan
         self.pad_token_id = pad_token_id
 
+    def step_batches(self, trainer, step: int) -> list[dict] | None:
+        """The micro-batches of optimizer step `step`, for an objective that makes its own (GRPO
+        samples them); None = the trainer collates `rows_for_step(step)`."""
+        return None
+
+    def step_metrics(self) -> dict:
+        """Metrics of the step just run that are not per-unit sums (GRPO's rewards); {} by default."""
+        return {}
+
     def refuse_ghost_logit(self, why: str) -> None:
         """The Ghost Logit loss replaces a vocabulary softmax; objectives without one refuse it."""
         if self.cfg.optimization.use_ghost_logit:
@@ -99,7 +108,11 @@ class ObjectiveModule(torch.nn.Module):
 
 
 def build_objective(cfg, plan: dict, pad_token_id: int):
-    """The objective the config asks for (`objective: sft | dpo | contrastive`)."""
+    """The objective the config asks for (`objective: sft | dpo | contrastive | grpo`)."""
+    if cfg.objective == "grpo":
+        from maximus.train.grpo import GRPOObjective
+
+        return GRPOObjective(cfg, plan, pad_token_id)
     if cfg.objective == "dpo":
         from maximus.train.preference import PreferenceObjective
 

@@ -42,6 +42,7 @@ from maximus.errors import ConfigError
 from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
 from maximus.losses.preference import dpo_loss, needs_reference
 from maximus.forward import IGNORE_INDEX, hidden_states, output_head, shift_labels, through_head
+from maximus.models import peft_model_of
 from maximus.train.objective import Objective
 
 CACHE_FILE = "reference_logps.safetensors"
@@ -103,13 +104,6 @@ def _concat_sides(batch: dict) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return tuple(torch.cat([batch[f"chosen_{k}"], batch[f"rejected_{k}"]]) for k in ("input_ids", "position_ids", "labels"))
 
 
-def _peft_model_of(model):
-    m = model
-    for attr in ("module", "_orig_mod"):
-        m = getattr(m, attr, m)
-    return m if hasattr(m, "disable_adapter") and hasattr(m, "peft_config") else None
-
-
 class PreferenceObjective(Objective):
     """DPO-family loss on (chosen, rejected) pairs; the trainer normalises by the pair count."""
 
@@ -142,7 +136,7 @@ class PreferenceObjective(Objective):
         return int(sum(row_lengths(batch[f"{side}_position_ids"]).sum() for side in SIDES))
 
     def prepare(self, trainer) -> None:
-        if self.reference == "adapter_off" and _peft_model_of(trainer.model) is None:
+        if self.reference == "adapter_off" and peft_model_of(trainer.model) is None:
             raise ConfigError(f"dpo.reference: adapter_off needs an adapter to switch off, but method is {trainer.method}",
                               "set dpo.reference: precomputed (reference log-probs computed once and cached)")
         if self.reference == "precomputed":
@@ -196,7 +190,7 @@ class PreferenceObjective(Objective):
         ref_chosen = ref_rejected = None
         if self.reference == "adapter_off":
             # Before the policy forward, so its activations are gone before the policy's are made.
-            with torch.no_grad(), _peft_model_of(model).disable_adapter():
+            with torch.no_grad(), peft_model_of(model).disable_adapter():
                 ref, _ = sequence_logps(model, input_ids, position_ids, labels, self.chunk_size, self.mode)
             ref_chosen, ref_rejected = ref[:n], ref[n:]
         elif self.reference == "precomputed":

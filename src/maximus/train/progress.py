@@ -73,7 +73,7 @@ def plot_loss(metrics_path: Path, out: Path, title: str = "") -> None:
 
 
 class ProgressDisplay:
-    """Live progress: step/total, loss, lr, tokens/s, memory now / peak / budget, ETA.
+    """Live progress: step/total, loss, (GRPO) mean reward, lr, tokens/s, memory now / peak / budget, ETA.
 
     `rich` draws a bar on a terminal; elsewhere (CI, logs) a plain line every `every` steps."""
 
@@ -112,7 +112,8 @@ class ProgressDisplay:
             mem += f"/{format_bytes(self.budget)}"
         loss = row.get("loss")
         loss_s = f"{loss:.4f}" if isinstance(loss, float) and math.isfinite(loss) else "skipped"
-        return f"loss {loss_s}  lr {row.get('lr', 0):.2e}  {row.get('tokens_per_s', 0):,.0f} tok/s  {mem}"
+        reward = f"reward {row['reward']:.3f}  " if isinstance(row.get("reward"), float) else ""  # objective grpo
+        return f"loss {loss_s}  {reward}lr {row.get('lr', 0):.2e}  {row.get('tokens_per_s', 0):,.0f} tok/s  {mem}"
 
     def update(self, row: dict) -> None:
         step = row["step"]

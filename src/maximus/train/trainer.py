@@ -4,7 +4,8 @@
 `output_dir/run.json`). Features, each switched by the config:
 
 - methods: full fine-tuning, LoRA / DoRA / rsLoRA (PEFT), QLoRA (bitsandbytes NF4, double quant);
-- objective: SFT (exact chunked loss by default, Ghost Logit, naive reference) or DPO;
+- objective: SFT (exact chunked loss by default, Ghost Logit, naive reference), DPO, contrastive or GRPO
+  (the objective may sample its own micro-batches: `Objective.step_batches`);
 - memory: `target_vram` planning, gradient checkpointing (off / full / selective / auto),
   activation and optimizer offload, the memory meter in the bar, metrics.jsonl and run.json;
 - loop: AdamW / 8-bit AdamW, warmup + cosine / linear / constant, gradient accumulation whose
@@ -120,7 +121,12 @@ class Trainer:
         memory (read as `target_vram: auto` reads it)."""
         cfg = self.cfg
         opt = cfg.optimization
-        per_rank = max(1, cfg.training.batch_size // self.dist.world_size)
+        rows, row_tokens = cfg.training.batch_size, cfg.training.seq_len
+        if cfg.objective == "grpo":  # the backward trains on completions: batch_size x group_size rows
+            from maximus.memory.generation import rollout_rows
+
+            rows, row_tokens = rollout_rows(cfg)
+        per_rank = max(1, rows // self.dist.world_size)
         plan = {
             "method": cfg.method if cfg.method != "auto" else "lora",
             "micro_batch_size": cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else min(per_rank, 4),
@@ -160,7 +166,7 @@ class Trainer:
 
         world = self.dist.world_size
         strategy = cfg.training.distributed
-        kwargs = dict(method=method, batch_size=cfg.training.batch_size, seq_len=cfg.training.seq_len,
+        kwargs = dict(method=method, batch_size=rows, seq_len=row_tokens,
                       dtype=dtype_name, optimizer=cfg.training.optimizer, lora_r=cfg.lora.r,
                       lora_targets=cfg.lora.target_modules, world_size=world,
                       micro_batch_size=cfg.training.micro_batch_size,
@@ -182,6 +188,10 @@ class Trainer:
         # Free memory is what the plan was fitted to, not a budget the run is held to.
         plan["budget_bytes"] = None if free_memory else budget
         plan["free_memory_bytes"] = budget if free_memory else None
+        if cfg.objective == "grpo":
+            from maximus.memory.generation import check_generation
+
+            plan["generation"] = check_generation(model_config, chosen, cfg, budget=plan["budget_bytes"])
         self._plan_obj = chosen
         return plan
 
@@ -221,7 +231,9 @@ class Trainer:
         t = self.cfg.training
         if t.max_steps:
             return t.max_steps
-        return max(1, math.ceil(t.epochs * len(self.data.train) / t.batch_size))
+        # GRPO: each generation (batch_size prompts) serves updates_per_generation steps.
+        updates = self.cfg.grpo.updates_per_generation if self.cfg.objective == "grpo" else 1
+        return max(1, math.ceil(t.epochs * len(self.data.train) / t.batch_size)) * updates
 
     def _lr_lambda(self, step: int) -> float:
         t = self.cfg.training
@@ -273,11 +285,13 @@ class Trainer:
         and ranks, so accumulation gives the gradient of one big batch."""
         from maximus.data import collate, flatten
 
-        rows = self.rows_for_step(step)
-        micro = int(self.plan["micro_batch_size"])
-        chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
-        batches = [flatten(c) if self._flatten(c) else collate(c, self.tokenizer.pad_token_id) for c in chunks]
         obj = self.objective
+        batches = obj.step_batches(self, step)  # GRPO samples its own
+        if batches is None:
+            rows = self.rows_for_step(step)
+            micro = int(self.plan["micro_batch_size"])
+            chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
+            batches = [flatten(c) if self._flatten(c) else collate(c, self.tokenizer.pad_token_id) for c in chunks]
         units = self.dist.all_reduce_int(sum(obj.count(b) for b in batches))
         tokens = sum(obj.tokens(b) for b in batches)
         loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
@@ -308,6 +322,7 @@ class Trainer:
         self.optimizer.zero_grad(set_to_none=True)
         self.scheduler.step()
         extra = {k: v / max(units, 1) for k, v in sums.items()}
+        extra.update(obj.step_metrics())
         return {"loss": loss if finite else None, "grad_norm": float(grad_norm) if finite else None,
                 "finite": finite, "tokens": tokens * self.dist.world_size, "units": units, "metrics": extra}
 
@@ -537,7 +552,9 @@ class Trainer:
     def _print_summary(self, before: dict, after: dict, out: ProgressDisplay) -> None:
         lines = [f"{'':<26}{'base (before)':>16}{'tuned (after)':>16}"]
         recall = sorted((k for k in after if k.startswith("recall@")), key=lambda k: (len(k), k))
+        rewards = sorted(k for k in after if k.startswith("reward/"))
         for key, fmt in (("loss", "{:.4f}"), ("perplexity", "{:.2f}"), ("exact_match", "{:.1%}"),
+                         ("reward", "{:.3f}"), *((k, "{:.3f}") for k in rewards),
                          ("rewards/accuracy", "{:.1%}"), ("rewards/margin", "{:.3f}"),
                          *((k, "{:.1%}") for k in recall)):
             if key in after and after[key] is not None:

@@ -1,0 +1,46 @@
+"""Generate the prompts of examples/grpo.yaml: examples/data/grpo_reverse.jsonl.
+
+The quickstart's task (`builtin:reverse-words`: reverse 3-5 words), as prompts without answers to
+imitate: each record holds the prompt and, in a column the reward functions read, the `answer`.
+GRPO learns from the reward alone (examples/grpo_rewards.py and the built-in exact_answer).
+Drawn with another seed than the quickstart's training data. Deterministic.
+
+    python benchmarks/make_grpo_prompts.py [--n 600] [--seed 2026] [--out examples/data/grpo_reverse.jsonl]
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import random
+from pathlib import Path
+
+from maximus.builtin import WORDS
+
+
+def reverse_words_prompts(n: int, seed: int = 2026) -> list[dict]:
+    """`n` records {prompt, answer} (strings)."""
+    rng = random.Random(seed)
+    out = []
+    for _ in range(n):
+        words = rng.sample(WORDS, rng.randint(3, 5))
+        out.append({"prompt": f"Reverse: {' '.join(words)}\nAnswer:", "answer": " ".join(reversed(words))})
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--n", type=int, default=600)
+    parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--out", type=Path, default=Path("examples/data/grpo_reverse.jsonl"))
+    args = parser.parse_args()
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = args.out.with_name(args.out.name + ".tmp")
+    with open(tmp, "w", encoding="utf-8") as f:
+        for record in reverse_words_prompts(args.n, args.seed):
+            f.write(json.dumps(record) + "\n")
+    tmp.replace(args.out)
+    print(f"wrote {args.n} prompts to {args.out}")
+
+
+if __name__ == "__main__":
+    main()

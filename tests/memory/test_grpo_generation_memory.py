@@ -1,0 +1,46 @@
+"""The planner's model of GRPO generation: the KV cache against the one Transformers really
+allocates, the backward's rows, and the budget check."""
+import pytest
+import torch
+
+import maximus
+from maximus.errors import BudgetError
+from maximus.memory.generation import check_generation, generation_peak_bytes, kv_cache_bytes, rollout_rows
+from maximus.memory.planner import plan_for_budget
+from tiny import build_tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_tiny_model_dir(tmp_path_factory.mktemp("grpo_mem") / "model", kv_heads=2, layers=2, hidden=64)
+
+
+def test_kv_cache_bytes_equal_the_cache_transformers_allocates_for_a_group(model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    group, prompt, new = 5, 7, 9
+    ids = torch.randint(3, 200, (1, prompt)).repeat(group, 1)
+    out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=new, min_new_tokens=new,
+                         do_sample=False, return_dict_in_generate=True, use_cache=True, pad_token_id=0)
+    cache = out.past_key_values
+    held = sum(t.numel() * t.element_size() for layer in cache.layers for t in (layer.keys, layer.values))
+    # The cache holds every position but the last generated token's (it is never fed back).
+    assert held == kv_cache_bytes(model.config, sequences=group, tokens=prompt + new - 1, dtype_bytes=4)
+
+
+def test_rollout_rows_and_the_generation_budget_check(model_dir, tmp_path):
+    cfg = maximus.Config.from_dict({"model": str(model_dir), "dataset": "unused.jsonl", "objective": "grpo",
+                                    "training": {"batch_size": 3, "seq_len": 100},
+                                    "grpo": {"group_size": 64, "max_completion_tokens": 4000, "rewards": ["exact_answer"]}})
+    assert rollout_rows(cfg) == (3 * 64, 4100)
+    plan = plan_for_budget(model_dir, None, batch_size=8, seq_len=128, micro_batch_size=1, dtype="fp32", device="cpu")
+    parts = check_generation(model_dir, plan, cfg, budget=None)
+    resident = plan.breakdown["weights"] + plan.breakdown["adapters"] + plan.breakdown["optimizer"]
+    assert parts == generation_peak_bytes(model_dir, resident_bytes=resident, group_size=64, tokens=4100, dtype_bytes=4)
+    assert parts["kv_cache"] == 2 * 2 * 2 * 16 * 64 * 4100 * 4  # layers x kv heads x head_dim x tokens, K and V
+    assert parts["logits"] == 3 * 64 * 300 * 4 and parts["total"] == resident + parts["kv_cache"] + parts["logits"]
+    with pytest.raises(BudgetError, match=r"^GRPO generation needs about 129.\d\d MiB \(KV cache 128.12 MiB for 64 x 4100 "
+                                          r"tokens, on top of .* of weights and optimizer state\), over the budget of "
+                                          r"32.00 MiB \(hint: lower grpo.group_size"):
+        check_generation(model_dir, plan, cfg, budget=32 * 2**20)

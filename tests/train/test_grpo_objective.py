@@ -1,0 +1,242 @@
+"""objective: grpo end to end on a tiny random Llama: prompt data, generation, rewards, metrics,
+resume, errors. The loss itself is checked against the formulas (tests/losses/test_grpo_loss.py)
+and against TRL's GRPOTrainer (test_grpo_trl_oracle.py)."""
+import json
+import random
+from pathlib import Path
+
+import pytest
+import torch
+
+import maximus
+from maximus.data import build_datasets
+from maximus.data.encoding import Encoder
+from maximus.errors import ConfigError, DataError, RewardError
+from maximus.train.rewards import exact_answer, normalise_answer, regex_format
+from tiny import build_tiny_model_dir, one_thread, tiny_config  # noqa: F401  (one_thread: a fixture, used through pytestmark)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+REWARDS = Path(__file__).with_name("grpo_test_rewards.py")
+WORDS = "red green blue gold stone river cloud tiger eagle maple north south".split()
+G, MAX_TOKENS = 4, 6
+
+
+def write_prompts(path: Path, n: int = 12, chat: bool = False) -> Path:
+    rng = random.Random(0)
+    with open(path, "w", encoding="utf-8") as f:
+        for i in range(n):
+            words = rng.sample(WORDS, 3)
+            prompt = f"Reverse: {' '.join(words)}\nAnswer:"
+            record = {"prompt": [{"role": "user", "content": prompt}] if chat else prompt,
+                      "answer": " ".join(reversed(words)), "topic": "colours", "id": i}
+            f.write(json.dumps(record) + "\n")
+    return path
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    root = tmp_path_factory.mktemp("grpo")
+    return {"model": build_tiny_model_dir(root / "model"), "data": write_prompts(root / "prompts.jsonl"),
+            "chat": write_prompts(root / "chat.jsonl", chat=True)}
+
+
+def config(tiny, out, grpo=None, training=None, eval=None, **over):
+    cfg = tiny_config(tiny["model"], tiny["data"], out, objective="grpo",
+                      grpo={"group_size": G, "max_completion_tokens": MAX_TOKENS,
+                            "rewards": [f"{REWARDS}:word_count"], **(grpo or {})},
+                      training={"batch_size": 2, "micro_batch_size": 2, "max_steps": 2, "learning_rate": 5e-2,
+                                "warmup_steps": 0, "scheduler": "constant", "seq_len": 64, **(training or {})},
+                      eval={"split": 0.25, "before": True, **(eval or {})}, **over)
+    cfg["dataset"]["format"] = "prompt"
+    return cfg
+
+
+def metrics_rows(out: Path) -> list[dict]:
+    return [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+
+
+# ------------------------------------------------------------------------------ data
+def test_prompt_rows_keep_the_other_columns_and_tokenize_like_prompt_completion(tiny):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["model"])
+    spec = maximus.Config.from_dict(config(tiny, Path("unused"))).datasets[0]
+    splits = build_datasets([spec], tok, seq_len=64, objective="grpo", eval_split=0.25)
+    assert (len(splits.train), len(splits.eval)) == (9, 3)
+    row = splits.train[0]
+    encoder = Encoder(tok)
+    assert row["prompt_ids"] == encoder.prefix_ids + encoder.tokens(row["prompt"])
+    assert set(row["columns"]) == {"answer", "topic", "id"} and row["columns"]["topic"] == "colours"
+    assert row["where"].startswith(f"{tiny['data']}:")
+    # Chat prompts: the template's text with the generation prompt; too long: the end is kept.
+    chat_spec = spec.model_copy(update={"path": str(tiny["chat"])})
+    chat = build_datasets([chat_spec], tok, seq_len=64, objective="grpo", eval_split=0.0)
+    first = chat.train[0]
+    text = tok.apply_chat_template(first["prompt"], tokenize=False, add_generation_prompt=True)
+    assert first["prompt_ids"] == tok(text, add_special_tokens=False)["input_ids"]
+    cut = build_datasets([chat_spec], tok, seq_len=8, objective="grpo", eval_split=0.0)
+    assert cut.train[0]["prompt_ids"] == first["prompt_ids"][-8:] and cut.stats["truncated"] == 12
+
+
+def test_prompt_format_errors_name_the_format_and_objective(tiny, tmp_path):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny["model"])
+    spec = maximus.Config.from_dict(config(tiny, tmp_path)).datasets[0]
+    with pytest.raises(DataError, match=r"^objective grpo needs prompt records \(a prompt, plus columns for the rewards\); "
+                                        r".*prompts.jsonl has format prompt_completion \(hint: set `format: prompt`"):
+        build_datasets([spec.model_copy(update={"format": "prompt_completion"})], tok, seq_len=64, objective="grpo")
+    with pytest.raises(DataError, match=r"^format prompt \(prompts without answers to learn\) is for objective grpo; "
+                                        r".*prompts.jsonl is used with objective sft"):
+        build_datasets([spec], tok, seq_len=64, objective="sft")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text(json.dumps({"question": "hi"}) + "\n")
+    with pytest.raises(DataError, match=r"^\S*bad.jsonl:1: missing field 'prompt' for format prompt \(record has \['question'\]\)"):
+        build_datasets([spec.model_copy(update={"path": str(bad)})], tok, seq_len=64, objective="grpo")
+
+
+# ------------------------------------------------------------------------------ training
+def test_a_run_logs_rewards_kl_clipping_and_keeps_the_old_policy_between_updates(tiny, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(tiny, out, grpo={"beta": 0.1, "updates_per_generation": 2, "loss_type": "grpo",
+                                  "rewards": [f"{REWARDS}:word_count", "exact_answer"], "reward_weights": [0.5, 2.0]},
+                 training={"max_steps": 4})
+    summary = maximus.Trainer(maximus.Config.from_dict(cfg)).train()
+    rows = metrics_rows(out)
+    assert [r["step"] for r in rows] == [1, 2, 3, 4]
+    for r in rows:
+        assert r["reward"] == pytest.approx(0.5 * r["reward/word_count"] + 2.0 * r["reward/exact_answer"])
+        assert 1 <= r["completion_length"] <= MAX_TOKENS and 0 <= r["completions_truncated"] <= 1
+        assert r["kl"] >= 0 and r["clip_ratio"] == pytest.approx(r["clip_ratio/low"] + r["clip_ratio/high"])
+        assert r["rewards_dropped"] == 0 and r["tokens_per_s"] > 0 and r["peak_memory_bytes"] > 0
+    # Steps 1 and 3 sample; 2 and 4 update again on the same completions against the kept log-probs.
+    assert ["generation_s" in r for r in rows] == [True, False, True, False]
+    assert rows[1]["reward"] == rows[0]["reward"] and rows[3]["reward"] == rows[2]["reward"]
+    assert rows[0]["kl"] == 0.0 and rows[0]["clip_ratio"] == 0.0  # the fresh adapter is the reference; ratio 1
+    assert rows[1]["kl"] > 0 and rows[1]["clip_ratio"] > 0  # one update later (lr 5e-2): moved and clipped
+    before, after = summary["eval"]["before"], summary["eval"]["after"]
+    assert before["prompts"] == after["prompts"] == 3
+    assert set(after) >= {"reward", "reward/word_count", "reward/exact_answer", "completion_length"}
+
+
+def test_resume_samples_the_same_completions_and_ends_with_the_same_adapter(tiny, tmp_path):
+    from safetensors.torch import load_file
+
+    straight, resumed = tmp_path / "straight", tmp_path / "resumed"
+    maximus.Trainer(maximus.Config.from_dict(config(tiny, straight, training={"max_steps": 4}))).train()
+    maximus.Trainer(maximus.Config.from_dict(config(tiny, resumed, training={"max_steps": 2}))).train()
+    maximus.Trainer(maximus.Config.from_dict(config(tiny, resumed, training={"max_steps": 4}))).train()
+    a, b = metrics_rows(straight), metrics_rows(resumed)
+    assert [r["step"] for r in b] == [1, 2, 3, 4]
+    for x, y in zip(a, b):
+        assert (x["reward"], x["completion_length"]) == (y["reward"], y["completion_length"])
+        assert x["loss"] == pytest.approx(y["loss"], rel=1e-5, abs=1e-7)
+    wa = load_file(str(straight / "adapter" / "adapter_model.safetensors"))
+    wb = load_file(str(resumed / "adapter" / "adapter_model.safetensors"))
+    assert wa.keys() == wb.keys()
+    for k in wa:
+        torch.testing.assert_close(wa[k], wb[k], rtol=1e-5, atol=1e-7)
+
+
+def test_top_p_near_zero_samples_the_greedy_completion_and_generation_stops_at_eos(tiny, tmp_path):
+    from maximus.train.trainer import Trainer
+
+    trainer = Trainer(maximus.Config.from_dict(config(tiny, tmp_path / "run", grpo={"top_p": 1e-6,
+                                                                                    "max_completion_tokens": 12})))
+    trainer.setup()
+    objective = trainer.objective
+    batches = objective.step_batches(trainer, 1)
+    assert [b["input_ids"].shape[0] for b in batches] == [2, 2, 2, 2]  # micro_batch_size counts completions
+    gen = objective.generation
+    prompts = trainer.rows_for_step(1)
+    with objective._generating(trainer.model), torch.no_grad():
+        greedy = objective._greedy(trainer, prompts)
+    eos = trainer.tokenizer.eos_token_id
+    for p, prompt in enumerate(prompts):
+        n = len(prompt["prompt_ids"])
+        for row in gen.rows[p * G:(p + 1) * G]:
+            completion = row["input_ids"][n:]
+            assert row["input_ids"][:n] == prompt["prompt_ids"] and completion == greedy[p]
+            assert row["labels"] == [-100] * n + completion
+            assert len(completion) <= 12 and (eos not in completion or completion.index(eos) == len(completion) - 1)
+    assert gen.metrics["frac_reward_zero_std"] == 1.0 and float(gen.advantages.abs().max()) == 0.0
+
+
+def test_non_finite_rewards_are_dropped_and_counted(tiny, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(tiny, out, grpo={"rewards": [f"{REWARDS}:nan_every_other"]}, training={"max_steps": 1},
+                 eval={"enabled": False})
+    maximus.Trainer(maximus.Config.from_dict(cfg)).train()
+    row = metrics_rows(out)[0]
+    assert row["rewards_dropped"] == 2 * 3  # per prompt: nan, inf, nan of 4 completions
+    assert row["reward"] == 1.0 and row["reward_std"] == 0.0
+
+
+def test_chat_prompts_reach_the_rewards_as_messages_with_their_columns(tiny, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(tiny, out, grpo={"rewards": [f"{REWARDS}:chat_shapes"]}, training={"max_steps": 1})
+    cfg["dataset"]["path"] = str(tiny["chat"])
+    summary = maximus.Trainer(maximus.Config.from_dict(cfg)).train()
+    assert metrics_rows(out)[0]["reward"] == 1.0 and summary["eval"]["after"]["reward"] == 1.0
+
+
+# ------------------------------------------------------------------------------ rewards and errors
+def test_builtin_rewards_read_their_keys_from_the_config():
+    from maximus.train.rewards import load_rewards
+
+    cfg = maximus.Config.from_dict({"model": "m", "dataset": "d", "objective": "grpo",
+                                    "grpo": {"rewards": ["exact_answer", "regex_format", "exact_answer"],
+                                             "answer_field": "solution", "format_pattern": r"<a>\d+</a>"}})
+    exact, regex, again = load_rewards(cfg)
+    assert (exact.name, regex.name, again.name) == ("exact_answer", "regex_format", "exact_answer_2")
+    assert exact.fn(["p"], ["42"], solution=["42"], answer=["41"]) == [1.0]
+    assert regex.fn(["p"] * 2, ["<a>7</a>", "<b>7</b>"]) == [1.0, 0.0]
+
+
+def test_builtin_rewards():
+    assert normalise_answer("  Gold\u00a0 BLUE\tred \n") == "gold blue red"
+    assert exact_answer(["p"] * 3, [" gold blue red", "gold red blue", [{"role": "assistant", "content": "GOLD blue red"}]],
+                        answer=["gold blue red"] * 3) == [1.0, 0.0, 1.0]
+    assert exact_answer(["p"], ["x"], solution=["x"], answer_field="solution") == [1.0]
+    assert exact_answer(["p"], ["x"]) == [None]
+    assert regex_format(["p"] * 2, ["<a>1</a>", "<a>1</a> extra"], pattern=r"<a>\d+</a>") == [1.0, 0.0]
+
+
+@pytest.mark.parametrize("reward,message", [
+    ("boom", r"^reward function .*grpo_test_rewards.py:boom raised ValueError: cannot score this on prompt 0 of step 1 "
+             r"\(.*prompts.jsonl:\d+\) \(hint: fix the function; it is called as f\(prompts, completions, completion_ids, "
+             r"\*\*columns\) -> one float or None per completion\)$"),
+    ("one_value", r"^reward function .*:one_value returned 1 values for 4 completions on prompt 0 of step 1"),
+    ("text_value", r"^reward function .*:text_value returned str 'high' for completion 0 on prompt 0 of step 1"),
+])
+def test_a_failing_reward_function_is_one_line_naming_it_and_the_prompt(tiny, tmp_path, reward, message):
+    cfg = config(tiny, tmp_path / "run", grpo={"rewards": [f"{REWARDS}:{reward}"]}, eval={"before": False})
+    with pytest.raises(RewardError, match=message):
+        maximus.Trainer(maximus.Config.from_dict(cfg)).train()
+
+
+@pytest.mark.parametrize("grpo,message", [
+    ({"rewards": []}, r"^objective grpo needs at least one reward function in grpo.rewards"),
+    ({"rewards": ["exact"]}, r"^grpo.rewards: 'exact' is neither a built-in nor module:function"),
+    ({"rewards": ["missing_dir/r.py:f"]}, r"^grpo.rewards: reward file not found: missing_dir/r.py"),
+    ({"rewards": ["no_such_module_h21:f"]}, r"^grpo.rewards: cannot import 'no_such_module_h21': ModuleNotFoundError"),
+    ({"rewards": [f"{REWARDS}:nope"]}, r"^grpo.rewards: .*grpo_test_rewards.py has no function 'nope'"),
+    ({"rewards": ["regex_format"]}, r"^the built-in reward regex_format needs grpo.format_pattern"),
+    ({"rewards": ["regex_format"], "format_pattern": "(["}, r"^grpo.format_pattern is not a valid regular expression"),
+    ({"rewards": ["exact_answer"], "reward_weights": [1.0, 2.0]},
+     r"^grpo.reward_weights has 2 weights for 1 reward functions"),
+])
+def test_reward_configuration_errors(tiny, tmp_path, grpo, message):
+    with pytest.raises(ConfigError, match=message):
+        maximus.Trainer(maximus.Config.from_dict(config(tiny, tmp_path / "run", grpo=grpo))).train()
+    assert not (tmp_path / "run").exists()  # nothing written before the config holds
+
+
+def test_a_reference_needs_an_adapter_and_approximate_losses_are_refused(tiny, tmp_path):
+    cfg = config(tiny, tmp_path / "full", grpo={"beta": 0.1}, method="full")
+    with pytest.raises(ConfigError, match=r"^grpo.beta > 0 compares with the model with its adapter switched off, "
+                                          r"but method is full \(hint: use method: lora or qlora, or set grpo.beta: 0"):
+        maximus.Trainer(maximus.Config.from_dict(cfg)).train()
+    cfg = config(tiny, tmp_path / "ghost", optimization={"use_ghost_logit": True, "gradient_checkpointing": "off"})
+    with pytest.raises(ConfigError, match=r"use_ghost_logit does not apply to objective grpo"):
+        maximus.Trainer(maximus.Config.from_dict(cfg)).train()
