@@ -149,6 +149,7 @@ def main(argv=None) -> int:
     parser.add_argument("--trainer", action="store_true", help="real maximus-train runs, one per technique")
     parser.add_argument("--seq", type=int, default=1024, help="--trainer: tokens per row")
     parser.add_argument("--only", nargs="*", help="--trainer: run only these rows (names)")
+    parser.add_argument("--lean-lora", choices=("on", "off"), help="--trainer: optimization.lean_lora (default: the trainer's)")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     if args.trainer:
@@ -229,7 +230,7 @@ def _write_data(root, seq_len: int) -> dict:
     return paths
 
 
-def _train(model_dir, data, out, row, seq_len: int, budget: int | None) -> dict:
+def _train(model_dir, data, out, row, seq_len: int, budget: int | None, lean_lora: str | None = None) -> dict:
     """One `maximus-train` process; returns its run.json (or {"error": last line of stderr})."""
     import json
     import subprocess
@@ -242,7 +243,8 @@ def _train(model_dir, data, out, row, seq_len: int, budget: int | None) -> dict:
     cfg = {"model": str(model_dir), "dataset": {"path": str(data[fmt]), "format": fmt}, "method": method,
            "objective": objective, "output_dir": str(out), "device": "cpu", "lora": {"r": 16, "alpha": 32},
            "optimization": {"gradient_checkpointing": "auto" if constrained else "off",
-                            "target_vram": budget, **optimization},
+                            "target_vram": budget, **optimization,
+                            **({} if lean_lora is None else {"lean_lora": lean_lora == "on"})},
            "training": {"batch_size": 2, "micro_batch_size": "auto" if constrained else 2, "max_steps": 2,
                         "warmup_steps": 0, "seq_len": seq_len, "dtype": "bf16", "packing": objective == "sft"},
            "eval": {"enabled": False, "before": False}, "logging": {"progress": "plain"}, **extra}
@@ -281,19 +283,20 @@ def trainer_runs(args) -> int:
         data = _write_data(root, args.seq)
         results = []
         for name, row in rows.items():
-            free = _train(model_dir, data, root / f"{len(results)}-free", row, args.seq, None)
+            free = _train(model_dir, data, root / f"{len(results)}-free", row, args.seq, None, args.lean_lora)
             line = {"name": name, "free": free}
             if "error" not in free:
                 budget = int(0.6 * free["memory"]["peak_bytes"])
                 line["budget"] = budget
-                line["tight"] = _train(model_dir, data, root / f"{len(results)}-tight", row, args.seq, budget)
+                line["tight"] = _train(model_dir, data, root / f"{len(results)}-tight", row, args.seq, budget,
+                                       args.lean_lora)
             results.append(line)
             _print_progress(line)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print()
     print(f"model: {'SMALL' if args.quick else 'REFERENCE (ANCHORS.md)'} {shape}; batch 2, seq {args.seq}, bf16, "
-          "LoRA r=16 unless named, 2 steps, torch threads as maximus-train picks")
+          f"LoRA r=16 unless named, 2 steps, lean_lora {args.lean_lora or 'default'}, torch threads as maximus-train picks")
     print()
     print("| row | predicted (plan.peak_bytes) | measured (memory.peak_bytes) | error | phase | "
           "budget 0.6x measured | plan under budget | measured under budget | used |")

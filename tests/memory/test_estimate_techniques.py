@@ -62,7 +62,8 @@ def _config(tiny: Path, out: Path, *, fmt: str = "text", objective: str = "sft",
     d = {"model": str(tiny / "model"), "dataset": {"path": str(tiny / f"{fmt}.jsonl"), "format": fmt},
          "objective": objective, "method": "lora", "output_dir": str(out), "device": "cpu",
          "lora": {"r": 4, "alpha": 8},
-         "optimization": {"gradient_checkpointing": "off", **(optimization or {})},
+         # PEFT's own LoRA forward: lean LoRA layers are estimated and tested with issue 17's work
+         "optimization": {"gradient_checkpointing": "off", "lean_lora": False, **(optimization or {})},
          "training": {"batch_size": 2, "micro_batch_size": 2, "max_steps": 2, "learning_rate": 1e-3,
                       "warmup_steps": 0, "seq_len": SEQ, "dtype": "bf16", "packing": objective == "sft"},
          "eval": {"enabled": False, "before": False}, "logging": {"progress": "none"}}
