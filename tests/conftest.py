@@ -33,3 +33,23 @@ def tiny_llama(tiny_model_dirs) -> Path:
 @pytest.fixture
 def pc_data(tmp_path) -> Path:
     return write_prompt_completion(tmp_path / "data.jsonl")
+
+
+# GGUF export tests run llama.cpp itself (tests/export/test_gguf_llama_cpp.py). Off CI they skip where
+# llama-cpp-python is not installed; in CI (CI=true) a run in which none of them passed is a failure.
+def pytest_configure(config):
+    config.addinivalue_line("markers", "llama_cpp: runs llama.cpp through llama-cpp-python; must not skip in CI")
+
+
+_llama_cpp_passed = []
+
+
+def pytest_runtest_logreport(report):
+    if report.when == "call" and report.passed and "llama_cpp" in report.keywords:
+        _llama_cpp_passed.append(report.nodeid)
+
+
+def pytest_sessionfinish(session, exitstatus):
+    if os.environ.get("CI") == "true" and exitstatus == 0 and not _llama_cpp_passed:
+        print("\nerror: CI=true but no llama.cpp test (marker llama_cpp) passed: the GGUF export went unchecked")
+        session.exitstatus = 1

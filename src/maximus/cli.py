@@ -108,22 +108,35 @@ def _eval(argv: list[str]) -> int:
 # ---------------------------------------------------------------------------------------- export
 def _export(argv: list[str]) -> int:
     parser = ArgumentParser(prog="maximus export", description="Export a finished run: merged Hugging Face "
-                                     "model (default) or its PEFT adapter.")
+                            "model (default), its PEFT adapter, a GGUF file for llama.cpp, or an Ollama model.")
     parser.add_argument("run_dir")
-    parser.add_argument("--out", required=True, help="target directory: new, empty, or a previous export (--overwrite)")
-    parser.add_argument("--format", default="merged", choices=["merged", "adapter"])
+    parser.add_argument("--out", required=True, help="target: new, empty, or a previous export (--overwrite); "
+                        "a .gguf file for --format gguf")
+    parser.add_argument("--format", default="merged", choices=["merged", "adapter", "gguf", "ollama"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="merged: weight dtype")
+    parser.add_argument("--quant", default=None, help="gguf / ollama: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 "
+                        "(default f16 for gguf, q8_0 for ollama)")
     parser.add_argument("--overwrite", action="store_true", help="replace a previous export at --out (nothing else)")
     args = parser.parse_args(argv)
+    if args.quant is not None and args.format not in ("gguf", "ollama"):
+        raise ConfigError(f"--quant applies to --format gguf or ollama, not {args.format}", "drop --quant or change --format")
     _quiet_libraries()
-    from maximus.export import export_adapter, export_merged
+    from maximus import export
 
     if args.format == "adapter":
-        out = export_adapter(args.run_dir, args.out, overwrite=args.overwrite)
+        out = export.export_adapter(args.run_dir, args.out, overwrite=args.overwrite)
         print(f"wrote {out} (PEFT adapter; see {out / 'README.md'})")
-        return 0
-    out = export_merged(args.run_dir, args.out, dtype=args.dtype, overwrite=args.overwrite)
-    print(f"wrote {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    elif args.format == "merged":
+        out = export.export_merged(args.run_dir, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        print(f"wrote {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
+    else:
+        fn = export.export_gguf if args.format == "gguf" else export.export_ollama
+        out, notices = fn(args.run_dir, args.out, quant=args.quant or ("f16" if args.format == "gguf" else "q8_0"),
+                          overwrite=args.overwrite)
+        for notice in notices:
+            print(f"notice: {notice}")
+        how = f"llama-cli -m {out}" if args.format == "gguf" else f"cd {out} && ollama create NAME -f Modelfile"
+        print(f"wrote {out} (run with: {how})")
     return 0
 
 
@@ -191,7 +204,7 @@ def main(argv: list[str] | None = None) -> int:
               "  train     fine-tune from a YAML config (same as maximus-train)\n"
               "  plan      predict peak memory and the cheapest GPU for a model and setting\n"
               "  eval      exact held-out loss of a finished run against its base model\n"
-              "  export    a run as a merged Hugging Face model or its adapter\n"
+              "  export    a run as a merged Hugging Face model, its adapter, GGUF or Ollama\n"
               "  generate  generate text from a run or a model\n"
               "  embed     Matryoshka embeddings of texts to .npy\n"
               "  ui        the planner and live runs in the browser (loopback, read-only)")

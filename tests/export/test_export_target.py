@@ -166,5 +166,5 @@ def test_adapter_export_of_a_full_fine_tune_is_refused(lora_run, tmp_path, capsy
     (full / "run.json").write_text((lora_run / "run.json").read_text())
     assert main(["export", str(full), "--out", str(tmp_path / "a"), "--format", "adapter"]) == 2
     assert _err(capsys) == (f"error: {full} is a full fine-tune: it has no adapter to export "
-                            "(hint: use --format merged)")
+                            "(hint: use --format merged (or gguf / ollama))")
     assert not (tmp_path / "a").exists()

@@ -1,14 +1,17 @@
 """`maximus export RUN --out PATH --format merged | adapter | gguf | ollama`.
 
 - merged: the adapter merged into its base, a standalone Hugging Face directory (the default);
-- adapter: the PEFT adapter as it is, with a README on loading, serving and merging it.
+- adapter: the PEFT adapter as it is, with a README on loading, serving and merging it;
+- gguf: one GGUF file for llama.cpp / LM Studio (Llama, Mistral, Qwen2; f16 ... q4_0), `to_gguf.py`;
+- ollama: the GGUF plus a Modelfile (template from the chat template, stop tokens), `ollama.py`.
 
 Every format writes through `maximus.export.target`: a new path, an empty directory or, with
 `--overwrite`, a previous export of ours; nothing else is ever replaced.
 """
 from __future__ import annotations
 
+from maximus.export.local import export_gguf, export_ollama
 from maximus.export.merged import export_adapter, export_merged
 from maximus.export.tuned import load_tuned, run_config
 
-__all__ = ["export_adapter", "export_merged", "load_tuned", "run_config"]
+__all__ = ["export_adapter", "export_gguf", "export_merged", "export_ollama", "load_tuned", "run_config"]

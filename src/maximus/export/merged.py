@@ -82,7 +82,7 @@ def export_adapter(run_dir: str | Path, out: str | Path, *, overwrite: bool = Fa
     if not (adapter / "adapter_config.json").is_file():
         if (run_dir / "model").is_dir():
             raise ExportError(f"{run_dir} is a full fine-tune: it has no adapter to export",
-                              "use --format merged")
+                              "use --format merged (or gguf / ollama)")
         raise ExportError(f"{run_dir} has no adapter/ (adapter_config.json missing)", "was the run finished?")
     adapter_cfg = json.loads((adapter / "adapter_config.json").read_text())
     out = Path(out)

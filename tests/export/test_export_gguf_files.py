@@ -1,0 +1,152 @@
+"""GGUF / Ollama exports without llama.cpp: refusals (quant, architecture, tokenizer, target),
+the Modelfile, and the Jinja -> Ollama template translation checked against Transformers' rendering."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from maximus.cli import main
+from maximus.data.templates import CHATML_TEMPLATE, FALLBACK_CHAT_TEMPLATE
+from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+from maximus.errors import ExportError
+from maximus.export.ollama import chat_pieces, modelfile
+from maximus.export.target import GGUF_MARKER_KEY, MARKER
+from maximus.export.to_gguf import check_architecture
+
+CONVERSATIONS = [
+    [{"role": "user", "content": "What is 2+2?"}],
+    [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Hi"},
+     {"role": "assistant", "content": "Hello."}, {"role": "user", "content": "Bye"}],
+    [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}, {"role": "user", "content": "c"},
+     {"role": "assistant", "content": "d"}],
+]
+
+
+def _err(capsys) -> str:
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1, err
+    return err[0]
+
+
+@pytest.mark.parametrize("template", [CHATML_TEMPLATE, FALLBACK_CHAT_TEMPLATE], ids=["chatml", "fallback"])
+def test_template_pieces_reproduce_transformers_rendering(template):
+    tok = build_tiny_tokenizer(vocab_size=300, chat_template=template)
+    pieces = chat_pieces(tok, strip_bos=False)
+    for messages in CONVERSATIONS:
+        for gen in (True, False):
+            assert pieces.render(messages, gen) == tok.apply_chat_template(messages, tokenize=False,
+                                                                           add_generation_prompt=gen)
+
+
+def test_chatml_modelfile_exact():
+    tok = build_tiny_tokenizer(vocab_size=300, chat_template=CHATML_TEMPLATE)
+    user = "<|im_start|>user\n{{ .Content }}<|im_end|>\n"
+    assert modelfile("model.gguf", tok, add_bos=False) == (
+        'FROM ./model.gguf\n\nTEMPLATE """{{ range $i, $_ := .Messages }}{{ $last := eq (len (slice $.Messages $i)) 1 }}'
+        '{{ if eq .Role "system" }}<|im_start|>system\n{{ .Content }}<|im_end|>\n'
+        '{{ else if eq .Role "user" }}{{ if eq $i 0 }}' + user + '{{ else }}' + user + '{{ end }}'
+        '{{ else if eq .Role "assistant" }}<|im_start|>assistant\n{{ .Content }}<|im_end|>\n{{ end }}'
+        '{{ if and $last (ne .Role "assistant") }}<|im_start|>assistant\n{{ end }}{{ end }}"""\n\n'
+        'PARAMETER stop "<|endoftext|>"\nPARAMETER stop "<|im_end|>"\n')
+
+
+def test_template_that_is_not_a_per_message_wrap_is_refused():
+    # numbers each turn: a longer conversation renders differently from its pieces
+    counting = ("{% for m in messages %}{{ loop.length }}:{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}assistant: {% endif %}")
+    tok = build_tiny_tokenizer(vocab_size=300, chat_template=counting)
+    with pytest.raises(ExportError) as info:
+        modelfile("model.gguf", tok, add_bos=False)
+    assert str(info.value) == ("the chat template re-renders earlier messages when one is added (hint: Ollama needs a "
+                               "per-message template; use --format gguf (it keeps the Jinja template))")
+
+
+def test_unsupported_architecture_names_the_supported_ones():
+    from transformers import GPT2Config
+
+    with pytest.raises(ExportError) as info:
+        check_architecture(GPT2Config())
+    assert str(info.value) == ("model type 'gpt2' has no GGUF export (hint: supported: llama, mistral, qwen2; "
+                               "--format merged works for any model)")
+
+
+def test_unsupported_tokenizer_names_the_supported_ones():
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    from maximus.export.gguf_vocab import build_vocab
+
+    backend = Tokenizer(models.WordLevel({"[UNK]": 0, "hello": 1}, unk_token="[UNK]"))
+    backend.pre_tokenizer = pre_tokenizers.Whitespace()
+    with pytest.raises(ExportError) as info:
+        build_vocab(PreTrainedTokenizerFast(tokenizer_object=backend, unk_token="[UNK]"), 2)
+    assert str(info.value) == ("the tokenizer (WordLevel model, Whitespace pre-tokenizer) has no exact llama.cpp "
+                               "equivalent (hint: GGUF export supports byte-level BPE (GPT-2, Llama-3 or Qwen2 "
+                               "pre-tokenizer) and SentencePiece-style BPE with byte fallback)")
+
+
+def test_k_quant_is_refused_naming_what_the_package_writes(lora_run, tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(lora_run), "--format", "gguf", "--quant", "q4_k_m", "--out", str(out)]) == 2
+    assert _err(capsys) == ("error: --quant q4_k_m is not one the gguf package can write (it quantises to: f32, f16, "
+                            "bf16, q8_0, q5_1, q5_0, q4_1, q4_0) (hint: for k-quants such as q4_k_m, run llama.cpp's "
+                            "llama-quantize on an f16 export)")
+    assert not out.exists()
+
+
+def test_quant_with_merged_format_is_an_error(lora_run, tmp_path, capsys):
+    assert main(["export", str(lora_run), "--quant", "q8_0", "--out", str(tmp_path / "m")]) == 2
+    assert _err(capsys) == ("error: --quant applies to --format gguf or ollama, not merged "
+                            "(hint: drop --quant or change --format)")
+
+
+def test_kronecker_run_is_refused(lora_run, tmp_path, capsys):
+    run = tmp_path / "kron-run"
+    run.mkdir()
+    summary = json.loads((lora_run / "run.json").read_text())
+    summary["config"]["optimization"]["kronecker_sketching"] = True
+    (run / "run.json").write_text(json.dumps(summary))
+    assert main(["export", str(run), "--format", "gguf", "--out", str(tmp_path / "k.gguf")]) == 2
+    assert _err(capsys) == (f"error: {run} was trained with Kronecker sketching attention, which llama.cpp does not "
+                            "implement (hint: use --format merged or adapter (they keep the sketch modules))")
+
+
+def test_gguf_target_rules(lora_run, tmp_path, capsys):
+    import gguf
+
+    foreign = tmp_path / "someone-elses.gguf"
+    foreign.write_bytes(b"GGUF but not ours")
+    assert main(["export", str(lora_run), "--format", "gguf", "--out", str(foreign), "--overwrite"]) == 2
+    assert _err(capsys) == (f"error: --out {foreign} already exists and was not written by a Maximus export "
+                            "(hint: give a new file path; nothing was changed)")
+    assert foreign.read_bytes() == b"GGUF but not ours"
+
+    assert main(["export", str(lora_run), "--format", "gguf", "--out", str(tmp_path / "model.bin")]) == 2
+    assert _err(capsys) == (f"error: --out {tmp_path / 'model.bin'} should name a .gguf file "
+                            "(hint: e.g. --out model-q8_0.gguf)")
+
+    out = tmp_path / "model.gguf"
+    assert main(["export", str(lora_run), "--format", "gguf", "--quant", "q8_0", "--out", str(out)]) == 0
+    first = out.read_bytes()
+    fields = gguf.GGUFReader(str(out)).fields
+    assert json.loads(bytes(fields[GGUF_MARKER_KEY].parts[-1]).decode())["quant"] == "q8_0"
+    capsys.readouterr()
+    assert main(["export", str(lora_run), "--format", "gguf", "--out", str(out)]) == 2
+    assert _err(capsys) == f"error: --out {out} holds a previous export (hint: pass --overwrite to replace it)"
+    assert out.read_bytes() == first
+    assert main(["export", str(lora_run), "--format", "gguf", "--out", str(out), "--overwrite"]) == 0
+    reader = gguf.GGUFReader(str(out))
+    assert {t.tensor_type.name for t in reader.tensors} == {"F16", "F32"}
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["model.gguf", "someone-elses.gguf"]
+
+
+def test_ollama_directory(lora_run, tmp_path):
+    from maximus.export import load_tuned
+
+    out = tmp_path / "ollama"
+    assert main(["export", str(lora_run), "--format", "ollama", "--out", str(out)]) == 0
+    assert json.loads((out / MARKER).read_text())["files"] == ["Modelfile", "model.gguf"]
+    _, tok = load_tuned(lora_run)
+    assert (out / "Modelfile").read_text() == modelfile("model.gguf", tok, add_bos=False)
+    assert (out / "Modelfile").read_text().startswith("FROM ./model.gguf\n")
