@@ -73,6 +73,8 @@ def _eval(argv: list[str]) -> int:
     parser = ArgumentParser(prog="maximus eval", description="Exact held-out loss of a finished run vs its base.")
     parser.add_argument("run_dir")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--plot", metavar="PNG", help="also draw the run's loss (with these held-out points) and "
+                        "memory (peak per step, budget, planner prediction) to this file")
     args = parser.parse_args(argv)
     _quiet_libraries()
     import torch
@@ -94,14 +96,30 @@ def _eval(argv: list[str]) -> int:
     if hasattr(model, "disable_adapter"):
         with model.disable_adapter():
             result["before"] = heldout_loss(model, data.eval, **kwargs)
+    summary = json.loads((Path(args.run_dir) / "run.json").read_text())
+    memory = summary.get("memory", {})
+    result["memory"] = {"peak_bytes": memory.get("peak_bytes"), "budget_bytes": memory.get("budget_bytes"),
+                        "predicted_peak_bytes": summary.get("plan", {}).get("peak_bytes")}
+    if args.plot:
+        from maximus.train.progress import plot_loss
+
+        plot_loss(Path(args.run_dir) / "metrics.jsonl", Path(args.plot), title=f"{Path(cfg.model).name} (maximus eval)",
+                  summary={**summary, "eval": {"before": result.get("before", {}), "after": after}})
     if args.json:
         print(json.dumps(result))
     else:
+        from maximus.config import format_bytes
+
         before = result.get("before", {})
         print(f"{'':<20}{'base':>12}{'tuned':>12}")
         for key in ("loss", "perplexity"):
             b = f"{before[key]:.4f}" if key in before else "-"
             print(f"{'held-out ' + key:<20}{b:>12}{after[key]:>12.4f}")
+        m = result["memory"]
+        print(f"training memory: peak {format_bytes(m['peak_bytes'])} measured, budget {format_bytes(m['budget_bytes'])}, "
+              f"planner prediction {format_bytes(m['predicted_peak_bytes'])}")
+        if args.plot:
+            print(f"wrote {args.plot}")
     return 0
 
 

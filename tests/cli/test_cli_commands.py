@@ -5,6 +5,7 @@ import torch
 import yaml
 
 from maximus.cli import main, train_main
+from maximus.config import format_bytes
 
 from tiny import tiny_config
 
@@ -36,6 +37,23 @@ def test_train_then_export_eval_generate(tiny_llama, pc_data, tmp_path, capsys):
     recorded = json.loads((tmp_path / "run" / "run.json").read_text())["eval"]
     assert abs(result["after"]["loss"] - recorded["after"]["loss"]) < 1e-4
     assert abs(result["before"]["loss"] - recorded["before"]["loss"]) < 1e-4
+    summary = json.loads((tmp_path / "run" / "run.json").read_text())
+    predicted = summary["plan"]["peak_bytes"]
+    assert predicted > 0
+    assert result["memory"] == {"peak_bytes": summary["memory"]["peak_bytes"], "budget_bytes": None,
+                                "predicted_peak_bytes": predicted}
+    # The table and the plot: this evaluation's held-out points on the run's loss, and the memory panel.
+    from maximus.train.progress import read_metrics, run_figure
+
+    assert main(["eval", str(tmp_path / "run"), "--plot", str(tmp_path / "eval.png")]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[-2] == (f"training memory: peak {format_bytes(summary['memory']['peak_bytes'])} measured, budget -, "
+                         f"planner prediction {format_bytes(predicted)}")
+    assert lines[-1] == f"wrote {tmp_path / 'eval.png'}" and (tmp_path / "eval.png").stat().st_size > 1000
+    fig = run_figure(read_metrics(tmp_path / "run" / "metrics.jsonl"),
+                     {**summary, "eval": {"before": result["before"], "after": result["after"]}})
+    held_out = next(l for l in fig.axes[0].get_lines() if l.get_label() == "held-out loss (exact)")
+    assert list(held_out.get_xdata()) == [0, 3]
 
     assert main(["generate", str(tmp_path / "run"), "-p", "Reverse: red gold stone\nAnswer:", "--max-new-tokens", "4"]) == 0
     assert capsys.readouterr().out.startswith("Reverse: red gold stone\nAnswer:")

@@ -45,27 +45,62 @@ def read_metrics(path: Path) -> list[dict]:
     return rows
 
 
-def plot_loss(metrics_path: Path, out: Path, title: str = "") -> None:
-    """loss.png: training loss per step (and held-out loss where evaluated)."""
+def run_figure(rows: list[dict], summary: dict | None = None, title: str = ""):
+    """The figure of loss.png, from metrics.jsonl rows and the run summary (run.json's dict).
+
+    Top: train loss per step, and the held-out loss (exact): before training at step 0, every
+    `eval.every` steps, after training at the last step. Bottom: the measured peak memory of each
+    step (MiB) against the budget (`target_vram`) and the planner's predicted peak, where the run
+    has them. Returns a matplotlib Figure (Agg backend)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    rows = read_metrics(metrics_path)
+    summary = summary or {}
     train = [(r["step"], r["loss"]) for r in rows if "loss" in r and r["loss"] is not None and math.isfinite(r["loss"])]
-    evals = [(r["step"], r["eval_loss"]) for r in rows if "eval_loss" in r]
-    fig, ax = plt.subplots(figsize=(7, 4), dpi=110)
+    evals = [(r["step"], r["eval_loss"]) for r in rows if r.get("eval_loss") is not None]
+    before = summary.get("eval", {}).get("before", {}).get("loss")
+    after = summary.get("eval", {}).get("after", {}).get("loss")
+    last = summary.get("steps") or max((s for s, _ in train), default=0)
+    if before is not None:
+        evals.insert(0, (0, before))
+    if after is not None:
+        evals.append((last, after))
+    fig, (ax, mem) = plt.subplots(2, 1, figsize=(7, 6.5), dpi=110, sharex=True, height_ratios=(3, 2))
     if train:
         ax.plot(*zip(*train), label="train loss", linewidth=1.2)
     if evals:
         ax.plot(*zip(*evals), "o-", label="held-out loss (exact)")
-    ax.set_xlabel("optimizer step")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title or "Maximus training loss")
     ax.grid(alpha=0.3)
     ax.legend()
+
+    mib = 2 ** 20
+    peaks = [(r["step"], r["peak_memory_bytes"] / mib) for r in rows if r.get("peak_memory_bytes")]
+    if peaks:
+        mem.plot(*zip(*peaks), ".-", label="measured peak per step", linewidth=1.0)
+    budget = summary.get("memory", {}).get("budget_bytes")
+    predicted = summary.get("plan", {}).get("peak_bytes")
+    if budget:
+        mem.axhline(budget / mib, color="tab:red", linestyle="--", label=f"budget {format_bytes(budget)}")
+    if predicted:
+        mem.axhline(predicted / mib, color="tab:green", linestyle=":", label=f"planner prediction {format_bytes(predicted)}")
+    mem.set_xlabel("optimizer step")
+    mem.set_ylabel("memory (MiB)")
+    mem.grid(alpha=0.3)
+    if mem.get_lines():
+        mem.legend()
     fig.tight_layout()
+    return fig
+
+
+def plot_loss(metrics_path: Path, out: Path, title: str = "", summary: dict | None = None) -> None:
+    """loss.png (written atomically): see `run_figure`."""
+    import matplotlib.pyplot as plt
+
+    fig = run_figure(read_metrics(metrics_path), summary, title)
     tmp = out.with_name(".loss.png.tmp.png")
     fig.savefig(tmp)
     plt.close(fig)

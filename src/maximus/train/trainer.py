@@ -422,11 +422,11 @@ class Trainer:
         bad_in_row = state.get("bad_in_row", 0)
         skipped = state.get("skipped_steps", 0)
         peak = state.get("peak_memory_bytes", 0)
-        self.meter.reset_peak()
         step = start_step
         try:
             for step in range(start_step + 1, self.total_steps + 1):
                 t0 = time.perf_counter()
+                self.meter.reset_peak()  # each row's peak_memory_bytes is that step's own peak
                 with self.meter.track(self.model, self.optimizer):
                     result = self._guarded_step(step, out)
                 elapsed = time.perf_counter() - t0
@@ -435,7 +435,6 @@ class Trainer:
                     change = self._shrink_plan()
                     out.message(f"warning: step {step} peaked at {self.meter.peak_bytes():,} bytes, over the budget of "
                                 f"{self.meter.budget_bytes:,}; re-planned for the next steps: {change or 'nothing left to shrink'}")
-                    self.meter.reset_peak()
                 row = {"step": step, "loss": result["loss"], "lr": self.scheduler.get_last_lr()[0],
                        "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
                        "step_time_s": elapsed, "tokens": result["tokens"], "memory_bytes": self.meter.current_bytes(),
@@ -512,7 +511,8 @@ class Trainer:
         }
         write_json(run_dir / "run.json", summary)
         try:
-            plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"{Path(self.cfg.model).name} ({self.method})")
+            plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"{Path(self.cfg.model).name} ({self.method})",
+                      summary=summary)
         except Exception as exc:  # a plot must never fail a finished run
             print(f"warning: could not draw loss.png: {exc}")
         self._summary = summary
