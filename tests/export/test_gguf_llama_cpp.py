@@ -1,7 +1,7 @@
 """GGUF export checked by llama.cpp itself (llama-cpp-python, built from source): tiny Llama, Mistral
 and Qwen2 models (tied and untied heads) with trained LoRA adapters and real tokenizers (the builtin
-byte-level BPE, and byte-level BPEs with Llama-3 / Qwen2 pre-tokenizers trained here), against the
-merged Hugging Face model:
+byte-level BPE; byte-level BPEs with Llama-3 / Qwen2 pre-tokenizers and a SentencePiece-style BPE with
+byte fallback, trained here; one model with Llama-3 RoPE scaling), against the merged HF model:
 
 - tokenization of 20 held-out strings is equal;
 - the greedy 32-token continuation of 3 prompts is equal for f16;
@@ -91,7 +91,37 @@ def _byte_bpe(pre: str):
     return tok
 
 
-def _model_dir(path: Path, arch: str, tokenizer, tie: bool, extra_rows: int = 0) -> Path:
+# Llama 3.1's RoPE scaling, shrunk so that the tiny head's frequencies span all three bands.
+LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
+               "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+
+
+def _sentencepiece_bpe():
+    """A Llama-2 / Mistral-v0.1 style tokenizer: BPE over '▁'-escaped text with byte fallback
+    (<0x00>..<0xFF> after <unk> <s> </s>), BOS added; trained here, then laid out like the originals."""
+    from tokenizers import Tokenizer, decoders, models, normalizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    norm = normalizers.Sequence([normalizers.Prepend("\u2581"), normalizers.Replace(" ", "\u2581")])
+    trainer_side = Tokenizer(models.BPE())
+    trainer_side.normalizer = norm
+    trainer_side.train_from_iterator(_corpus(), trainers.BpeTrainer(vocab_size=400, show_progress=False))
+    trained = json.loads(trainer_side.to_str())["model"]
+    vocab = {"<unk>": 0, "<s>": 1, "</s>": 2, **{f"<0x{i:02X}>": 3 + i for i in range(256)}}
+    for token, _ in sorted(trained["vocab"].items(), key=lambda kv: kv[1]):
+        vocab.setdefault(token, len(vocab))
+    merges = [tuple(m.split(" ")) if isinstance(m, str) else tuple(m) for m in trained["merges"]]
+    backend = Tokenizer(models.BPE(vocab, merges, byte_fallback=True, unk_token="<unk>", fuse_unk=True))
+    backend.normalizer = norm
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse(),
+                                         decoders.Strip(" ", 1, 0)])
+    backend.post_processor = processors.TemplateProcessing(single="<s> $A", pair="<s> $A <s> $B",
+                                                           special_tokens=[("<s>", 1)])
+    return PreTrainedTokenizerFast(tokenizer_object=backend, bos_token="<s>", eos_token="</s>", unk_token="<unk>",
+                                   pad_token="</s>")
+
+
+def _model_dir(path: Path, arch: str, tokenizer, tie: bool, extra_rows: int = 0, rope: dict | None = None) -> Path:
     """A random 2-layer GQA model of `arch` whose vocabulary is the tokenizer's (+ unused rows, as
     real checkpoints pad their embeddings)."""
     from transformers import (LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM, Qwen2Config,
@@ -103,7 +133,8 @@ def _model_dir(path: Path, arch: str, tokenizer, tie: bool, extra_rows: int = 0)
                     num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                     bos_token_id=tokenizer.bos_token_id, eos_token_id=tokenizer.eos_token_id,
                     pad_token_id=tokenizer.pad_token_id, tie_word_embeddings=tie, rms_norm_eps=1e-5,
-                    rope_parameters={"rope_type": "default", "rope_theta": 500000.0 if arch == "llama" else 10000.0})
+                    rope_parameters=rope or {"rope_type": "default",
+                                             "rope_theta": 500000.0 if arch == "llama" else 10000.0})
     torch.manual_seed(0)
     model = cls[1](config)
     with torch.no_grad():
@@ -124,19 +155,21 @@ CASES = {
     "llama-untied-builtin": ("llama", False, "builtin"),
     "mistral-untied-llama3bpe": ("mistral", False, "llama3"),
     "qwen2-tied-qwen2bpe": ("qwen2", True, "qwen2"),
-    "llama-tied-llama3bpe": ("llama", True, "llama3"),
+    "llama-tied-llama3bpe-llama3rope": ("llama", True, "llama3", LLAMA3_ROPE),
+    "mistral-tied-sentencepiece": ("mistral", True, "sentencepiece"),
 }
 
 
 class Exported:
     """One trained run, its merged HF model, and llama.cpp loaded on its f16 / q8_0 / q4_0 exports."""
 
-    def __init__(self, root: Path, arch: str, tie: bool, tokenizer_kind: str):
+    def __init__(self, root: Path, arch: str, tie: bool, tokenizer_kind: str, rope: dict | None = None):
         from maximus.data.tiny_tokenizer import build_tiny_tokenizer
         from maximus.export import load_tuned
 
-        tok = build_tiny_tokenizer(vocab_size=300) if tokenizer_kind == "builtin" else _byte_bpe(tokenizer_kind)
-        base = _model_dir(root / "base", arch, tok, tie, extra_rows=0 if tokenizer_kind == "builtin" else 13)
+        tok = (build_tiny_tokenizer(vocab_size=300) if tokenizer_kind == "builtin"
+               else _sentencepiece_bpe() if tokenizer_kind == "sentencepiece" else _byte_bpe(tokenizer_kind))
+        base = _model_dir(root / "base", arch, tok, tie, extra_rows=0 if tokenizer_kind == "builtin" else 13, rope=rope)
         self.run = train_tiny_run(base, root / "run", steps=3)
         self.model, self.tokenizer = load_tuned(self.run, merge=True)
         self.files, self.llms = {}, {}
