@@ -47,6 +47,7 @@ def main() -> None:
     parser.add_argument("--heldout", type=int, default=200, help="held-out records")
     parser.add_argument("--out", default="/tmp/maximus-export-bench")
     parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--model", default=None, help="base model directory (default: the reference model)")
     args = parser.parse_args()
     import llama_cpp
 
@@ -57,7 +58,7 @@ def main() -> None:
     torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    base = reference_model_dir()
+    base = Path(args.model) if args.model else reference_model_dir()
     run = out / "run"
     if not (run / "run.json").is_file():
         data = out / "train.jsonl"

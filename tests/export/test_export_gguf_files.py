@@ -150,3 +150,34 @@ def test_ollama_directory(lora_run, tmp_path):
     _, tok = load_tuned(lora_run)
     assert (out / "Modelfile").read_text() == modelfile("model.gguf", tok, add_bos=False)
     assert (out / "Modelfile").read_text().startswith("FROM ./model.gguf\n")
+
+
+def _tiny(cls_config, cls_model, **extra):
+    import torch
+
+    torch.manual_seed(0)
+    return cls_model(cls_config(vocab_size=300, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                num_attention_heads=2, num_key_value_heads=1, max_position_embeddings=256, **extra))
+
+
+def test_mistral_sliding_window_is_a_notice(tmp_path):
+    from transformers import MistralConfig, MistralForCausalLM
+
+    from maximus.export.to_gguf import write_gguf
+
+    model = _tiny(MistralConfig, MistralForCausalLM, sliding_window=64)
+    notices = write_gguf(model, build_tiny_tokenizer(vocab_size=300), tmp_path / "m.gguf", quant="f16")
+    assert notices == ["sliding_window=64 is not representable in llama.cpp's llama architecture: it attends over "
+                       "all 256 positions (identical up to 64 tokens)"]
+
+
+def test_unsupported_rope_scaling_is_refused(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from maximus.export.to_gguf import write_gguf
+
+    model = _tiny(LlamaConfig, LlamaForCausalLM, rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0,
+                                                                  "factor": 2.0})
+    with pytest.raises(ExportError) as info:
+        write_gguf(model, build_tiny_tokenizer(vocab_size=300), tmp_path / "m.gguf", quant="f16")
+    assert str(info.value) == "RoPE scaling 'dynamic' has no GGUF export yet (hint: supported: default, linear, llama3)"

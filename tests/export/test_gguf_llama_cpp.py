@@ -1,7 +1,7 @@
 """GGUF export checked by llama.cpp itself (llama-cpp-python, built from source): tiny Llama, Mistral
 and Qwen2 models (tied and untied heads) with trained LoRA adapters and real tokenizers (the builtin
 byte-level BPE; byte-level BPEs with Llama-3 / Qwen2 pre-tokenizers and a SentencePiece-style BPE with
-byte fallback, trained here; one model with Llama-3 RoPE scaling), against the merged HF model:
+byte fallback, trained here; RoPE scaling linear and Llama-3), against the merged HF model:
 
 - tokenization of 20 held-out strings is equal;
 - the greedy 32-token continuation of 3 prompts is equal for f16;
@@ -94,6 +94,7 @@ def _byte_bpe(pre: str):
 # Llama 3.1's RoPE scaling, shrunk so that the tiny head's frequencies span all three bands.
 LLAMA3_ROPE = {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
                "high_freq_factor": 4.0, "original_max_position_embeddings": 64}
+LINEAR_ROPE = {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}
 
 
 def _sentencepiece_bpe():
@@ -153,7 +154,7 @@ def _model_dir(path: Path, arch: str, tokenizer, tie: bool, extra_rows: int = 0,
 
 CASES = {
     "llama-untied-builtin": ("llama", False, "builtin"),
-    "mistral-untied-llama3bpe": ("mistral", False, "llama3"),
+    "mistral-untied-llama3bpe-linearrope": ("mistral", False, "llama3", LINEAR_ROPE),
     "qwen2-tied-qwen2bpe": ("qwen2", True, "qwen2"),
     "llama-tied-llama3bpe-llama3rope": ("llama", True, "llama3", LLAMA3_ROPE),
     "mistral-tied-sentencepiece": ("mistral", True, "sentencepiece"),
