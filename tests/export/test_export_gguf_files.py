@@ -181,3 +181,51 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
     with pytest.raises(ExportError) as info:
         write_gguf(model, build_tiny_tokenizer(vocab_size=300), tmp_path / "m.gguf", quant="f16")
     assert str(info.value) == "RoPE scaling 'dynamic' has no GGUF export yet (hint: supported: default, linear, llama3)"
+
+
+_GO_RENDER = """package main
+
+import (
+	"encoding/json"
+	"os"
+	"text/template"
+)
+
+type Message struct{ Role, Content string }
+
+func main() {
+	var in struct {
+		Template string
+		Messages []Message
+	}
+	if err := json.NewDecoder(os.Stdin).Decode(&in); err != nil {
+		panic(err)
+	}
+	t := template.Must(template.New("t").Parse(in.Template))
+	if err := t.Execute(os.Stdout, map[string]any{"Messages": in.Messages}); err != nil {
+		panic(err)
+	}
+}
+"""
+
+
+@pytest.mark.skipif(__import__("shutil").which("go") is None and __import__("os").environ.get("CI") != "true",
+                    reason="Go is not installed (apt-get install golang-go); CI installs it")
+@pytest.mark.parametrize("template", [CHATML_TEMPLATE, FALLBACK_CHAT_TEMPLATE], ids=["chatml", "fallback"])
+def test_modelfile_template_runs_in_go_text_template_like_transformers(template, tmp_path):
+    """Ollama executes TEMPLATE with Go's text/template over .Messages; run ours there."""
+    import os
+    import subprocess
+
+    tok = build_tiny_tokenizer(vocab_size=300, chat_template=template)
+    text = modelfile("model.gguf", tok, add_bos=False)
+    go_template = text.split('TEMPLATE """', 1)[1].split('"""', 1)[0]
+    (tmp_path / "render.go").write_text(_GO_RENDER)
+    env = {**os.environ, "GOCACHE": str(tmp_path / "gocache"), "GO111MODULE": "off", "GOFLAGS": ""}
+    binary = tmp_path / "render"
+    subprocess.run(["go", "build", "-o", str(binary), str(tmp_path / "render.go")], check=True, env=env, cwd=tmp_path)
+    for messages in CONVERSATIONS:
+        out = subprocess.run([str(binary)], input=json.dumps({"Template": go_template, "Messages": messages}),
+                             capture_output=True, text=True, check=True).stdout
+        gen = messages[-1]["role"] != "assistant"
+        assert out == tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=gen)
