@@ -132,8 +132,8 @@ def _export(argv: list[str]) -> int:
                         "a .gguf file for --format gguf")
     parser.add_argument("--format", default="merged", choices=["merged", "adapter", "gguf", "ollama"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="merged: weight dtype")
-    parser.add_argument("--quant", default=None, help="gguf / ollama: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 "
-                        "(default f16 for gguf, q8_0 for ollama)")
+    parser.add_argument("--quant", default=None, help="gguf / ollama: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; "
+                        "k-quants (q4_k_m ...) with llama-cpp-python installed (default f16 for gguf, q8_0 for ollama)")
     parser.add_argument("--overwrite", action="store_true", help="replace a previous export at --out (nothing else)")
     args = parser.parse_args(argv)
     if args.quant is not None and args.format not in ("gguf", "ollama"):

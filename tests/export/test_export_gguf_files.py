@@ -86,12 +86,25 @@ def test_unsupported_tokenizer_names_the_supported_ones():
                                "pre-tokenizer) and SentencePiece-style BPE with byte fallback)")
 
 
-def test_k_quant_is_refused_naming_what_the_package_writes(lora_run, tmp_path, capsys):
+def test_unknown_quant_is_refused_naming_the_supported_ones(lora_run, tmp_path, capsys):
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(lora_run), "--format", "gguf", "--quant", "iq2_xxs", "--out", str(out)]) == 2
+    assert _err(capsys) == ("error: --quant iq2_xxs is not supported (the gguf package writes: f32, f16, bf16, q8_0, "
+                            "q5_1, q5_0, q4_1, q4_0; with llama-cpp-python installed, llama.cpp's quantiser adds: "
+                            "q2_k, q3_k_s, q3_k_m, q3_k_l, q4_k_s, q4_k_m, q5_k_s, q5_k_m, q6_k) "
+                            "(hint: pick one of those)")
+    assert not out.exists()
+
+
+def test_k_quant_without_llama_cpp_is_refused(lora_run, tmp_path, capsys, monkeypatch):
+    import maximus.export.to_gguf as to_gguf
+
+    monkeypatch.setattr(to_gguf, "_llama_cpp", lambda: None)  # as on a machine without llama-cpp-python
     out = tmp_path / "m.gguf"
     assert main(["export", str(lora_run), "--format", "gguf", "--quant", "q4_k_m", "--out", str(out)]) == 2
-    assert _err(capsys) == ("error: --quant q4_k_m is not one the gguf package can write (it quantises to: f32, f16, "
-                            "bf16, q8_0, q5_1, q5_0, q4_1, q4_0) (hint: for k-quants such as q4_k_m, run llama.cpp's "
-                            "llama-quantize on an f16 export)")
+    assert _err(capsys) == ("error: --quant q4_k_m needs llama.cpp's own quantiser (llama-cpp-python), which is not "
+                            "installed; the gguf package alone writes: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0 "
+                            "(hint: pip install 'maximusllm[llamacpp]', or pick one of those)")
     assert not out.exists()
 
 

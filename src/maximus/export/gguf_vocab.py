@@ -18,6 +18,7 @@ Merges, special-token ids and the chat template are read by the `gguf` package's
 from __future__ import annotations
 
 import json
+import logging
 import re
 import tempfile
 from dataclasses import dataclass
@@ -158,7 +159,14 @@ def write_vocab(writer, tokenizer, model_config, vocab_rows: int) -> GGUFVocab:
     with tempfile.TemporaryDirectory(prefix="maximus-gguf-vocab-") as scratch:
         tokenizer.save_pretrained(scratch)
         model_config.to_json_file(str(Path(scratch) / "config.json"))
-        special = gguf.SpecialVocab(scratch, load_merges=vocab.model == "gpt2", n_vocab=vocab_rows)
+        # Its warnings concern pair templates (two-sequence inputs), which a causal LM export never uses.
+        vocab_log = logging.getLogger("gguf.vocab")
+        level = vocab_log.level
+        vocab_log.setLevel(logging.ERROR)
+        try:
+            special = gguf.SpecialVocab(scratch, load_merges=vocab.model == "gpt2", n_vocab=vocab_rows)
+        finally:
+            vocab_log.setLevel(level)
     if tokenizer.bos_token_id is None:
         special.special_token_ids.pop("bos", None)
     special.add_special_token = {"bos": vocab.add_bos, "eos": vocab.add_eos}

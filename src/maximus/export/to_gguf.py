@@ -13,6 +13,8 @@ module decides only what goes in, as llama.cpp's loader expects it per family:
 - quantisation (`--quant`): norms and biases stay f32 (llama.cpp's rule); a matrix whose rows do
   not divide into the quant's blocks falls back to f16; under a 4- or 5-bit quant the output
   layer is q8_0, as llama.cpp's own quantiser keeps it at higher precision (6-bit there).
+  K-quants (q4_k_m ...) are not in the package: with llama-cpp-python installed they are made by
+  llama.cpp's own quantiser from an f16 file written first; without it they are refused by name.
 
 A Mistral `sliding_window` shorter than the context is not representable in the `llama` architecture:
 the export notes it, and llama.cpp attends over the whole context.
@@ -38,11 +40,44 @@ QUANTS = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF1
 _LOW_BIT = {"q5_1", "q5_0", "q4_1", "q4_0"}
 
 
+# K-quants: the gguf package has only their dequantisers, so these go through llama.cpp's own C
+# quantiser (llama_model_quantize, from llama-cpp-python) applied to an f16 file we wrote.
+K_QUANTS = ("q2_k", "q3_k_s", "q3_k_m", "q3_k_l", "q4_k_s", "q4_k_m", "q5_k_s", "q5_k_m", "q6_k")
+
+
+def _llama_cpp():
+    try:
+        import llama_cpp
+
+        return llama_cpp
+    except ImportError:
+        return None
+
+
 def check_quant(quant: str) -> None:
     """Raise ExportError naming the supported quant types unless `quant` is one of them."""
-    if quant not in QUANTS:
-        raise ExportError(f"--quant {quant} is not one the gguf package can write (it quantises to: {', '.join(QUANTS)})",
-                          "for k-quants such as q4_k_m, run llama.cpp's llama-quantize on an f16 export")
+    if quant in QUANTS:
+        return
+    if quant in K_QUANTS:
+        if _llama_cpp() is None:
+            raise ExportError(f"--quant {quant} needs llama.cpp's own quantiser (llama-cpp-python), which is not "
+                              f"installed; the gguf package alone writes: {', '.join(QUANTS)}",
+                              "pip install 'maximusllm[llamacpp]', or pick one of those")
+        return
+    raise ExportError(f"--quant {quant} is not supported (the gguf package writes: {', '.join(QUANTS)}; "
+                      f"with llama-cpp-python installed, llama.cpp's quantiser adds: {', '.join(K_QUANTS)})",
+                      "pick one of those")
+
+
+def quantize_with_llama_cpp(f16_path: Path, out: Path, quant: str, threads: int = 0) -> None:
+    """llama.cpp's llama_model_quantize on an f16 GGUF (metadata, marker included, is copied)."""
+    llama_cpp = _llama_cpp()
+    params = llama_cpp.llama_model_quantize_default_params()
+    params.ftype = getattr(llama_cpp, f"LLAMA_FTYPE_MOSTLY_{quant.upper()}")
+    params.nthread = threads
+    code = llama_cpp.llama_model_quantize(str(f16_path).encode(), str(out).encode(), params)
+    if code != 0:
+        raise RuntimeError(f"llama_model_quantize({quant}) failed with code {code}")
 
 
 def check_architecture(config) -> str:
@@ -137,6 +172,14 @@ def write_gguf(model, tokenizer, path: str | Path, *, quant: str = "f16", name: 
     import gguf
 
     check_quant(quant)
+    if quant in K_QUANTS:
+        f16 = Path(path).with_name(Path(path).name + ".f16.tmp")
+        try:
+            notices = write_gguf(model, tokenizer, f16, quant="f16", name=name, source={**(source or {}), "quant": quant})
+            quantize_with_llama_cpp(f16, Path(path), quant)
+        finally:
+            f16.unlink(missing_ok=True)
+        return notices
     config = model.config
     arch = check_architecture(config)
     heads = config.num_attention_heads
