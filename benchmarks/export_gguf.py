@@ -2,9 +2,9 @@
 
 A real user path, end to end: LoRA-tune the reference model on `builtin:reverse-words` (so its
 held-out perplexity means something: the random base sits near the vocabulary size), export it
-with `maximus export --format gguf` at f16, q8_0 and q4_0, then score the same held-out records
-in llama.cpp (llama-cpp-python) and in Transformers (the merged fp32 model). Reports file size,
-export time, held-out perplexity and top-1 agreement with Transformers per quant.
+with `maximus export --format gguf` at f16, q8_0, q4_0 and q4_k_m, then score the same held-out
+records in llama.cpp (llama-cpp-python) and in Transformers (the merged fp32 model). Reports file
+size, export time, held-out perplexity and top-1 agreement with Transformers per quant.
 
     flock /tmp/bench.lock python benchmarks/export_gguf.py --steps 80 --out /tmp/export-bench
 """
@@ -86,7 +86,7 @@ def main() -> None:
     hf_top = np.concatenate(hf_top)
     n_tokens = sum(len(r) - 1 for r in records)
     rows = [("Transformers (merged, fp32)", "-", "-", hf_ppl, "-")]
-    for quant in ("f16", "q8_0", "q4_0"):
+    for quant in ("f16", "q8_0", "q4_0", "q4_k_m"):
         path = out / f"reference-{quant}.gguf"
         t = time.perf_counter()
         export_gguf(run, path, quant=quant, overwrite=True)
