@@ -3,15 +3,21 @@
 Model: the ANCHORS.md reference Llama (vocab 128,256, hidden 512, 8 layers; see
 `_reference_model.py`), random weights. Step: batch 1, one packed row of `seq` random token ids
 (labels = inputs), LoRA r=16 / alpha 32 on every linear layer (PEFT `all-linear`), torch AdamW
-lr 2e-4, bf16 autocast compute with fp32 adapters. QLoRA loads the base in bitsandbytes 4-bit NF4
-with double quantisation and runs PEFT's `prepare_model_for_kbit_training` (both sides).
+lr 2e-4, fp32 adapters. dtype (`--dtype auto`): what `training.dtype: auto` picks on this machine
+(`resolve_dtype`: bf16 where native, else fp32), the same on both sides (bf16: bf16 weights and
+autocast). QLoRA loads the base in bitsandbytes 4-bit NF4 with double quantisation and runs PEFT's
+`prepare_model_for_kbit_training` (both sides).
 
-* (a) Maximus: `maximus.Trainer(Config.from_dict(...))`, `trainer.setup()`, then
-  `trainer.train_step(step)` on synthetic rows (the exact chunked loss: no logits tensor).
+* (a) Maximus: `maximus-train`'s default config (no target_vram: the plan fits the free memory;
+  `gradient_checkpointing: auto`; the exact chunked loss), `trainer.setup()`, then
+  `trainer.train_step(step)` under the trainer's memory meter on synthetic rows. Other variants
+  (`--variants off full`: checkpointing forced) are named in their rows.
 * (b) peer: `model(input_ids, labels=labels).loss.backward()` + `AdamW.step()`.
 
 Each (implementation, setting) runs in a fresh subprocess (`--worker`), so the two never share
-allocator state. Per run:
+allocator state; a round is one peer run then one of ours, and speed ratios are taken within a
+round (median and range over `--rounds`). The bf16 capability and the matmul rate in the run's
+dtype are printed with the tables. Per run:
 
 * training memory growth: peak process RSS during warm-up + measured steps minus RSS right after
   the model, adapter and optimizer were built (peak via VmHWM, reset with /proc/self/clear_refs
@@ -23,7 +29,7 @@ allocator state. Per run:
 * tokens/s: median over the measured steps; the loss of the first step (same data, same init),
   which shows both sides compute the same loss.
 
-    python benchmarks/finetune_vs_peft.py --quick            # QLoRA seq 512 + 2048 (auto row at 2048 only), 1 warm-up + 3 steps
+    python benchmarks/finetune_vs_peft.py --quick            # QLoRA seq 512 + 2048, 1 round, 1 warm-up + 3 steps
     python benchmarks/finetune_vs_peft.py                    # LoRA and QLoRA, seq 512 + 2048, 1 + 5 steps
     python benchmarks/finetune_vs_peft.py --quick --profile  # + top ops of one step of each side (QLoRA, longest seq)
 """
@@ -46,8 +52,10 @@ sys.path.insert(0, str(HERE))
 
 QUICK_SETTINGS = [("qlora", 512), ("qlora", 2048)]
 FULL_SETTINGS = [("lora", 512), ("lora", 2048), ("qlora", 512), ("qlora", 2048)]
-#: (implementation, gradient checkpointing) rows per setting; the peer runs without checkpointing.
-RUNS = [("peft", "off"), ("maximus", "off"), ("maximus", "auto")]
+#: (implementation, gradient checkpointing) rows per setting: the peer (no checkpointing) and
+#: `maximus-train`'s default (`auto`: the plan fitted to the free memory). `--variants off full`
+#: adds our side with checkpointing forced, named as such.
+RUNS = [("peft", "off"), ("maximus", "auto")]
 LORA = dict(r=16, alpha=32.0, dropout=0.0)
 LEARNING_RATE = 2e-4
 DATA_SEED = 1234
@@ -229,14 +237,17 @@ def worker(args) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         if args.impl == "maximus":
             step, model, optimizer, set_rows, info = build_maximus(model_dir, args.method, args.seq, args.checkpointing,
-                                                                   n_rows, Path(tmp), train_mode=args.train_mode)
+                                                                   n_rows, Path(tmp), train_mode=args.train_mode,
+                                                                   dtype=args.dtype)
+            info = {k: v for k, v in info.items() if k != "trainer"}
         else:
-            step, model, optimizer, set_rows, info = build_peft(model_dir, args.method)
+            step, model, optimizer, set_rows, info = build_peft(model_dir, args.method, dtype=args.dtype)
         set_rows(ids)
         load_s = time.perf_counter() - t_load
         base_rss = _trim_and_reset_peak()
         # Warm-up steps run under the live-tensor meter (untimed: the tracker adds Python work per
         # op); the first of them also creates the optimizer state, which the peak then includes.
+        # Our measured steps run under the trainer's own meter, as `maximus-train` runs them.
         meter = MemoryMeter("cpu")
         meter.adopt(model, optimizer)
         before_live = meter.current_bytes()
@@ -253,6 +264,7 @@ def worker(args) -> dict:
         peak_rss = _status_bytes("VmHWM")
         result = {
             "impl": args.impl, "method": args.method, "seq": args.seq, "checkpointing": info["checkpointing"],
+            "dtype": args.dtype, "round": args.round,
             "policy": args.checkpointing + (" + train()" if args.train_mode else ""), "load_s": load_s, "base_rss": base_rss, "peak_rss": peak_rss,
             "rss_growth": peak_rss - base_rss, "live_before": before_live, "live_peak": meter.peak_bytes(),
             "live_growth": meter.peak_bytes() - before_live, "step_s": times, "cpu_s": cpu_times,
@@ -284,7 +296,7 @@ def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:
     policy = policy.removesuffix("+train")
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--checkpointing", policy,
            "--method", method, "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(args.threads)]
+           "--threads", str(args.threads), "--dtype", args.dtype, "--round", str(args.round)]
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
     if train_mode:
@@ -309,9 +321,9 @@ def markdown_table(results: list[dict]) -> str:
             "peak live tensors (MiB) | live growth (MiB) | ratio | tokens/s (median) | ratio | tokens/CPU-s | ratio | "
             "step-1 loss |",
             "|---|---:|---|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
-    peers = {(r["method"], r["seq"]): r for r in results if r["impl"] == "peft"}
+    peers = {(r["method"], r["seq"], r["round"]): r for r in results if r["impl"] == "peft"}
     for r in results:
-        peer = peers.get((r["method"], r["seq"]))
+        peer = peers.get((r["method"], r["seq"], r["round"]))
         name = "Transformers + PEFT" + (" + bnb" if r["method"] == "qlora" else "") if r["impl"] == "peft" else "Maximus"
         ckpt = r["policy"] if not r["policy"].startswith("auto") else f"{r['policy']} ({r['checkpointing']})"
 
@@ -325,6 +337,24 @@ def markdown_table(results: list[dict]) -> str:
                     f"{ratio('live_growth')} | {r['tokens_per_s']:,.0f} | {ratio('tokens_per_s')} | "
                     f"{r['tokens_per_cpu_s']:,.0f} | {ratio('tokens_per_cpu_s')} | {r['losses'][0]:.4f} |")
     return "\n".join(rows).replace("| LORA |", "| LoRA |")
+
+
+def ratio_summary(results: list[dict]) -> str:
+    """Per (method, seq, our variant): the tokens/s ratio to the peer of the same round, median (range)."""
+    peers = {(r["method"], r["seq"], r["round"]): r for r in results if r["impl"] == "peft"}
+    groups: dict[tuple, list[float]] = {}
+    for r in results:
+        peer = peers.get((r["method"], r["seq"], r["round"]))
+        if r["impl"] == "peft" or peer is None:
+            continue
+        groups.setdefault((r["method"], r["seq"], r["policy"], r["checkpointing"]), []).append(
+            r["tokens_per_s"] / peer["tokens_per_s"])
+    lines = ["| method | seq | our checkpointing (plan) | tokens/s ratio to the peer, median (range) | rounds |",
+             "|---|---:|---|---:|---:|"]
+    for (method, seq, policy, plan), ratios in groups.items():
+        lines.append(f"| {'QLoRA' if method == 'qlora' else 'LoRA'} | {seq} | {policy} ({plan}) | "
+                     f"**{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f}) | {len(ratios)} |")
+    return "\n".join(lines)
 
 
 def ops_table(result: dict) -> str:
@@ -349,12 +379,18 @@ def main(argv=None) -> int:
                    help="torch threads per worker (default 1: on a shared, oversubscribed CPU a 2-thread region "
                         "waits for whichever thread is descheduled)")
     p.add_argument("--worker-timeout", type=int, default=900, help="seconds before a worker is killed")
+    p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
+                   help="both sides; auto = what training.dtype: auto picks here (bf16 only where native)")
+    p.add_argument("--rounds", type=int, default=None, help="peer / ours subprocess pairs per setting (1 quick, 2 full)")
+    p.add_argument("--variants", nargs="*", default=[], choices=("off", "full"),
+                   help="also our side with gradient_checkpointing forced to these (named in the rows)")
+    p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     # worker mode (one implementation, one setting, in its own process)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--impl", choices=("maximus", "peft"), help=argparse.SUPPRESS)
     p.add_argument("--method", choices=("lora", "qlora"), help=argparse.SUPPRESS)
     p.add_argument("--seq", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--checkpointing", choices=("off", "auto"), default="off", help=argparse.SUPPRESS)
+    p.add_argument("--checkpointing", choices=("off", "auto", "full"), default="off", help=argparse.SUPPRESS)
     p.add_argument("--train-mode", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
     if args.steps is None:
@@ -366,22 +402,30 @@ def main(argv=None) -> int:
         return 0
 
     from _reference_model import reference_model_dir
+    from speed import bf16_capability, matmul_rate
 
+    args.dtype = compute_dtype(args.dtype)
+    if args.rounds is None:
+        args.rounds = 1 if args.quick else 2
     reference_model_dir(args.model_dir)  # build the cache once, before the workers race for it
     args.settings = QUICK_SETTINGS if args.quick else FULL_SETTINGS
     results = []
     started = time.perf_counter()
-    runs = RUNS + ([("maximus", "auto+train")] if args.preview_train_fix else [])
+    runs = RUNS + [("maximus", v) for v in args.variants] + ([("maximus", "auto+train")] if args.preview_train_fix else [])
     for method, seq in args.settings:
-        for impl, policy in runs:
-            longest = seq == max(s for m, s in args.settings if m == method)
-            if policy == "auto+train" and not longest:
-                continue
-            if policy == "auto" and args.quick and not longest:
-                continue  # quick mode: the `auto` row only at the longest sequence
-            results.append(run_worker(impl, policy, method, seq, args))
-    print(f"\ntotal {time.perf_counter() - started:.0f} s, {args.warmup} warm-up + {args.steps} measured steps per run\n")
+        longest = seq == max(s for m, s in args.settings if m == method)
+        for args.round in range(args.rounds):
+            for impl, policy in runs:
+                if policy == "auto+train" and not longest:
+                    continue
+                results.append(run_worker(impl, policy, method, seq, args))
+    rate = matmul_rate(args.threads, dtype=args.dtype)
+    print(f"\ntotal {time.perf_counter() - started:.0f} s, {args.warmup} warm-up + {args.steps} measured steps per run, "
+          f"{args.rounds} round(s) of peer then ours per setting; dtype {args.dtype} on both sides; {bf16_capability()}; "
+          f"{args.dtype} matmul rate {rate / 1e9:,.0f} GFLOP/s at {args.threads} thread(s)\n")
     print(markdown_table(results))
+    print()
+    print(ratio_summary(results))
     for r in results:
         if "top_ops" in r:
             print()

@@ -1,31 +1,42 @@
 """Training speed of one QLoRA / LoRA step on the reference model: Maximus vs Transformers + PEFT
-(+ bitsandbytes), side by side, with model-FLOPs utilisation (issue 9).
+(+ bitsandbytes), side by side, with model-FLOPs utilisation (issues 9, 23).
 
 Model: the ANCHORS.md reference Llama (`_reference_model.py`: vocab 128,256, hidden 512, 8 layers),
-LoRA r=16 on every linear layer, batch 1, seq 2048, bf16 autocast, AdamW; the exact loss on our side
-(`optimization.loss: exact`, gradient checkpointing off on both sides). The two recipes are
-`finetune_vs_peft.build_maximus` / `build_peft`, each run in its own subprocess, alternating
-peer / ours `--repeats` times so that load on the shared machine hits both alike.
+LoRA r=16 on every linear layer, batch 1, seq 2048, AdamW. Our side runs `maximus-train`'s default
+config (`finetune_vs_peft.build_maximus`): no target_vram (the plan fits the free memory),
+`gradient_checkpointing: auto`, the exact loss, every step under the memory meter as the trainer's
+loop runs it. Any other variant is named in its row (`--variants meter-off checkpointing-off
+checkpointing-full`, `--target-vrams 1.1GB ...` for budgets that force recompute).
 
-Rows are either one 2,048-token document per row (`--doc-len 0`, the ANCHORS protocol) or packed
+dtype: `--dtypes auto` (default) picks what `training.dtype: auto` picks (`resolve_dtype`: bf16
+only where the device runs it natively, else fp32); `--dtypes fp32 bf16` measures both. The peer
+runs in the same dtype (fp32 weights, or bf16 weights with bf16 autocast and fp32 adapters).
+
+Each setting runs in one subprocess holding both sides: rounds of one peer step and one of ours,
+the order flipping every round, so load on the shared machine hits both alike; the ratio (peer
+step time / ours) is taken within each round and reported as median (range).
+
+Rows are either one 2,048-token document per row (`--doc-lens 0`, the ANCHORS protocol) or packed
 documents of `--doc-len` tokens (positions restart per document on both sides; the peer gets the
 labels Transformers' `DataCollatorWithFlattening` would give: -100 at each document start).
 
-MFU = model FLOPs per step / (median step wall time x the bf16 matmul rate measured in the same
-run, same thread count, on a 2048^3 matmul). Model FLOPs per token, for a frozen base (QLoRA/LoRA):
+MFU = model FLOPs per step / (median step wall time x the matmul rate in the step's dtype measured
+in the same run, same thread count, on a 2048^3 matmul). Model FLOPs per token, for a frozen base:
 ``4 x matmul params`` (forward + input gradient; no weight gradient for frozen weights)
 ``+ 6 x LoRA params + 3 x attention forward`` where the attention forward is
 ``4 x (average causal context) x num_heads x head_dim x layers`` and the average context is half the
-document length (only the FLOPs a document needs are counted, whatever the kernel does).
+document length (only the FLOPs a document needs are counted, whatever the kernel does). The CPU's
+bf16 capability (`resolve_dtype`'s verdict and the CPU flags) is printed with the table.
 
-    python benchmarks/speed.py                       # 2 threads, seq 2048, one document per row + 256-token documents
-    python benchmarks/speed.py --quick               # one repeat, one-document rows only
-    python benchmarks/speed.py --method lora --doc-len 0
+    python benchmarks/speed.py                                  # auto dtype, QLoRA + LoRA, 1 x 2048 and 8 x 256
+    python benchmarks/speed.py --dtypes fp32 bf16               # both dtypes (bf16 is slow where emulated)
+    python benchmarks/speed.py --quick                          # QLoRA, one-document rows, 2 rounds
+    python benchmarks/speed.py --methods qlora --doc-lens 0 --target-vrams 1.1GB 0.9GB
 
 On a CUDA GPU (the prepared device check `benchmarks/gpu.sh` runs this): ``--device cuda --shape 8b``
 takes a Llama-3-8B-shaped model (random weights, built on the GPU and saved once), times each step
-between `torch.cuda.synchronize()` calls, measures the matmul rate on an 8192^3 bf16 product, and
-adds each side's peak allocated GPU memory during its steps (`torch.cuda.max_memory_allocated`,
+between `torch.cuda.synchronize()` calls, measures the matmul rate on an 8192^3 product, and adds
+each side's peak allocated GPU memory during its steps (`torch.cuda.max_memory_allocated`,
 weights included). ``--kernels`` picks our `optimization.kernels` (auto = Triton on CUDA).
 
     python benchmarks/speed.py --device cuda --shape 8b --quick
@@ -44,14 +55,16 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def matmul_rate(threads: int, n: int = 2048, repeats: int = 5, device: str = "cpu") -> float:
-    """Best-of-`repeats` bf16 matmul rate in FLOP/s at `threads` threads (n x n x n; 8192 on CUDA)."""
+def matmul_rate(threads: int, n: int = 2048, repeats: int = 5, device: str = "cpu", dtype: str = "bf16") -> float:
+    """Best-of-`repeats` matmul rate in FLOP/s at `threads` threads (n x n x n; 8192 on CUDA), in
+    ``dtype`` (``bf16`` or ``fp32``): the rate the steps of that dtype can reach."""
     import torch
 
     torch.set_num_threads(threads)
     n = 8192 if device == "cuda" else n
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=device)
-    b = torch.randn(n, n, dtype=torch.bfloat16, device=device)
+    dt = torch.bfloat16 if dtype == "bf16" else torch.float32
+    a = torch.randn(n, n, dtype=dt, device=device)
+    b = torch.randn(n, n, dtype=dt, device=device)
     a @ b
     best = float("inf")
     for _ in range(repeats):
@@ -61,6 +74,27 @@ def matmul_rate(threads: int, n: int = 2048, repeats: int = 5, device: str = "cp
         sync(device)
         best = min(best, time.perf_counter() - t)
     return 2 * n ** 3 / best
+
+
+def bf16_capability(device: str = "cpu") -> str:
+    """What the device offers for bf16: `resolve_dtype`'s verdict and, on a CPU, the flags behind it."""
+    import torch
+
+    from maximus.models import bf16_supported
+
+    native = bf16_supported(torch.device(device))
+    if device != "cpu":
+        return f"bf16 {'native' if native else 'not native'} on {device}"
+    flags = set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                flags = set(line.split(":", 1)[1].split())
+                break
+    except OSError:
+        pass
+    have = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f in flags]
+    return f"bf16 {'native' if native else 'emulated'} (CPU flags: {', '.join(have) or 'unknown'})"
 
 
 def sync(device: str) -> None:
@@ -98,65 +132,69 @@ def synthetic_rows(n_rows: int, seq: int, vocab: int, doc_len: int):
 
 
 def worker(args) -> dict:
+    """One setting, both sides in this process: rounds of one peer step and one of ours (the order
+    flips every round), so load on a shared machine hits both alike; ratios are taken per round."""
     import torch
 
     import finetune_vs_peft as fvp
     from _reference_model import SHAPES, shaped_model_dir
 
     torch.set_num_threads(args.threads)
-    rate = matmul_rate(args.threads, device=args.device)  # per worker, next to its steps: the load changes
+    rate = matmul_rate(args.threads, device=args.device, dtype=args.dtype)
     model_dir = shaped_model_dir(args.shape, args.model_dir, args.device)
     n_rows = args.warmup + args.steps
     ids, pos = synthetic_rows(n_rows, args.seq, SHAPES[args.shape]["vocab_size"], args.doc_len)
     cuda = args.device == "cuda"
     with tempfile.TemporaryDirectory() as tmp:
-        if args.impl == "maximus":
-            step, model, optimizer, set_rows, info = fvp.build_maximus(model_dir, args.method, args.seq, "off", n_rows,
-                                                                       Path(tmp), train_mode=True, device=args.device,
-                                                                       kernels=args.kernels)
-            set_rows(ids, pos.tolist())
-            kernels = info["kernels"]
-        else:
-            model, optimizer, kernels = _peft(model_dir, args.method, args.device)
-            step = _peft_step(model, optimizer, ids.to(args.device), pos.to(args.device), args.device)
-        if cuda:
-            torch.cuda.reset_peak_memory_stats()
-        losses, times, cpu = [], [], []
+        ours, _, _, set_rows, info = fvp.build_maximus(model_dir, args.method, args.seq, args.checkpointing, n_rows,
+                                                       Path(tmp), device=args.device, kernels=args.kernels,
+                                                       dtype=args.dtype, meter=not args.no_meter,
+                                                       target_vram=args.target_vram)
+        set_rows(ids, pos.tolist())
+        trainer = info["trainer"]
+        plan = {"checkpointing": info["checkpointing"], "loss_chunk": trainer.plan.get("loss_chunk_size"),
+                "budget_bytes": trainer.plan.get("budget_bytes"),
+                "predicted_step_s": args.seq / trainer.plan["tokens_per_s_guess"]
+                if trainer.plan.get("tokens_per_s_guess") else None}
+        model, optimizer, kernels = _peft(model_dir, args.method, args.device, args.dtype)
+        peer = _peft_step(model, optimizer, ids.to(args.device), pos.to(args.device), args.device, args.dtype)
+        sides = {"peft": peer, "maximus": ours}
+        times = {k: [] for k in sides}
+        losses = {k: [] for k in sides}
+        peaks = {k: 0 for k in sides}
         for i in range(1, n_rows + 1):
-            sync(args.device)
-            t0, c0 = time.perf_counter(), time.process_time()
-            losses.append(step(i))
-            sync(args.device)
-            if i > args.warmup:
-                times.append(time.perf_counter() - t0)
-                cpu.append(time.process_time() - c0)
-        peak = torch.cuda.max_memory_allocated() if cuda else None
-    predicted = None
-    if cuda and args.impl == "maximus":  # the planner's estimate of this very step, to check it on a GPU
-        from maximus.memory import estimate_peak
-
-        predicted = estimate_peak(SHAPES[args.shape], method=args.method, seq_len=args.seq, checkpointing="off",
-                                  loss_mode="exact", device="cuda").peak_bytes
-    return {"impl": args.impl, "step_s": times, "cpu_s": cpu, "losses": losses, "kernels": kernels,
-            "threads": torch.get_num_threads(), "peak_bytes": peak, "predicted_peak_bytes": predicted,
-            "rate": max(rate, matmul_rate(args.threads, device=args.device))}
+            order = ("peft", "maximus") if i % 2 else ("maximus", "peft")
+            for impl in order:
+                if cuda:
+                    torch.cuda.reset_peak_memory_stats()
+                sync(args.device)
+                t0 = time.perf_counter()
+                losses[impl].append(sides[impl](i))
+                sync(args.device)
+                if i > args.warmup:
+                    times[impl].append(time.perf_counter() - t0)
+                if cuda:
+                    peaks[impl] = max(peaks[impl], torch.cuda.max_memory_allocated())
+    return {"step_s": times, "losses": losses, "plan": plan, "kernels": {"maximus": info["kernels"], "peft": kernels},
+            "peak_bytes": peaks if cuda else None, "threads": torch.get_num_threads(),
+            "rate": max(rate, matmul_rate(args.threads, device=args.device, dtype=args.dtype))}
 
 
-def _peft(model_dir: Path, method: str, device: str):
+def _peft(model_dir: Path, method: str, device: str, dtype: str):
     import finetune_vs_peft as fvp
 
-    _, model, optimizer, _, _ = fvp.build_peft(model_dir, method, device)
+    _, model, optimizer, _, _ = fvp.build_peft(model_dir, method, device, dtype)
     return model, optimizer, {"attention": model.config._attn_implementation}
 
 
-def _peft_step(model, optimizer, ids, pos, device: str):
+def _peft_step(model, optimizer, ids, pos, device: str, dtype: str):
     import torch
 
     def step(i: int) -> float:
         row, p = ids[i - 1:i], pos[i - 1:i]
         labels = row.clone()
         labels[p == 0] = -100  # DataCollatorWithFlattening: no target across a document start
-        with torch.autocast(device, dtype=torch.bfloat16):
+        with torch.autocast(device, dtype=torch.bfloat16, enabled=dtype == "bf16"):
             loss = model(input_ids=row, position_ids=p, labels=labels, use_cache=False).loss
         loss.backward()
         optimizer.step()
@@ -166,28 +204,54 @@ def _peft_step(model, optimizer, ids, pos, device: str):
     return step
 
 
-def run_worker(impl: str, doc_len: int, args) -> dict:
-    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--method", args.method,
-           "--seq", str(args.seq), "--doc-len", str(doc_len), "--steps", str(args.steps), "--warmup", str(args.warmup),
-           "--threads", str(args.threads), "--device", args.device, "--shape", args.shape, "--kernels", args.kernels]
+def run_worker(setting: dict, args) -> dict:
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", setting["method"],
+           "--dtype", setting["dtype"], "--seq", str(args.seq), "--doc-len", str(setting["doc_len"]),
+           "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
+           "--device", args.device, "--shape", args.shape, "--kernels", args.kernels,
+           "--checkpointing", setting.get("checkpointing", "auto")]
+    if setting.get("target_vram"):
+        cmd += ["--target-vram", setting["target_vram"]]
+    if setting.get("no_meter"):
+        cmd.append("--no-meter")
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
     from finetune_vs_peft import launch_worker
 
-    result = launch_worker(cmd, args.threads, args.worker_timeout, f"{impl} doc {doc_len}")
-    print(f"  {impl:<8} doc {doc_len or args.seq:>5}: steps {[round(t, 2) for t in result['step_s']]} s, "
-          f"loss {result['losses'][0]:.4f}", file=sys.stderr, flush=True)
+    label = setting_label(setting, args.seq)
+    result = launch_worker(cmd, args.threads, args.worker_timeout, label)
+    print(f"  {label}: peer {[round(t, 2) for t in result['step_s']['peft']]} s, "
+          f"ours {[round(t, 2) for t in result['step_s']['maximus']]} s ({result['plan']['checkpointing']}), "
+          f"loss {result['losses']['peft'][0]:.4f} / {result['losses']['maximus'][0]:.4f}", file=sys.stderr, flush=True)
     return result
+
+
+def setting_label(s: dict, seq: int) -> str:
+    docs = f"1 x {seq}" if not s["doc_len"] else f"{seq // s['doc_len']} x {s['doc_len']}"
+    variant = "default config"
+    if s.get("target_vram"):
+        variant = f"target_vram {s['target_vram']}"
+    elif s.get("checkpointing", "auto") != "auto":
+        variant = f"gradient_checkpointing {s['checkpointing']}"
+    if s.get("no_meter"):
+        variant += ", meter off"
+    return f"{s['dtype']} {s['method']} {docs} [{variant}]"
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--quick", action="store_true", help="one repeat, one-document rows only, 1 warm-up + 2 steps")
-    p.add_argument("--method", choices=("qlora", "lora"), default="qlora")
+    p.add_argument("--quick", action="store_true", help="QLoRA, one-document rows only, 1 warm-up + 2 rounds")
+    p.add_argument("--methods", nargs="+", choices=("qlora", "lora"), default=["qlora", "lora"])
+    p.add_argument("--method", choices=("qlora", "lora"), default=None, help="one method (same as --methods M)")
+    p.add_argument("--dtypes", nargs="+", choices=("auto", "fp32", "bf16"), default=["auto"],
+                   help="auto = what training.dtype: auto picks here (bf16 only where native); both sides alike")
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--doc-lens", type=int, nargs="+", default=[0, 256], help="0 = one document per row")
-    p.add_argument("--repeats", type=int, default=2, help="alternating peer/ours runs per setting")
-    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--target-vrams", nargs="*", default=[],
+                   help="also run our side under these budgets (e.g. 1.1GB), to show each plan's speed")
+    p.add_argument("--variants", nargs="*", default=[], choices=("meter-off", "checkpointing-off", "checkpointing-full"),
+                   help="named non-default variants of our side")
+    p.add_argument("--steps", type=int, default=3, help="measured rounds (one step per side each)")
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model-dir", type=Path, default=None)
@@ -197,72 +261,76 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", choices=("auto", "triton", "compile", "eager"), default="auto",
                    help="our optimization.kernels")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--worker-timeout", type=int, default=1200)
+    p.add_argument("--worker-timeout", type=int, default=1800)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--impl", choices=("maximus", "peft"), help=argparse.SUPPRESS)
+    p.add_argument("--dtype", default="bf16", help=argparse.SUPPRESS)
     p.add_argument("--doc-len", type=int, default=0, help=argparse.SUPPRESS)
+    p.add_argument("--checkpointing", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--target-vram", default=None, help=argparse.SUPPRESS)
+    p.add_argument("--no-meter", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if args.method:
+        args.methods = [args.method]
     if args.worker:
+        args.method = args.methods[0] if not args.method else args.method
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
     if args.quick:
-        args.repeats, args.doc_lens, args.steps = 1, [0], 2
+        args.doc_lens, args.steps, args.methods = [0], 2, [args.method or "qlora"]
 
     from _reference_model import SHAPES, shaped_model_dir
+    from finetune_vs_peft import compute_dtype
 
+    dtypes = list(dict.fromkeys(compute_dtype(d, args.device) for d in args.dtypes))
     t0 = time.perf_counter()
     shaped_model_dir(args.shape, args.model_dir, args.device)  # built once, before the workers time anything
     print(f"model {args.shape}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    rate = matmul_rate(args.threads, device=args.device)
-    where = "CUDA" if args.device == "cuda" else f"{args.threads} threads"
-    print(f"bf16 matmul rate, {where}: {rate / 1e9:.0f} GFLOP/s", file=sys.stderr)
-    rows = []
-    for doc_len in args.doc_lens:
-        runs = {"peft": [], "maximus": []}
-        for _ in range(args.repeats):
-            for impl in ("peft", "maximus"):
-                runs[impl].append(run_worker(impl, doc_len, args))
-        flops = model_flops_per_token(SHAPES[args.shape], args.seq, doc_len, 16) * args.seq
-        summary = {}
-        for impl, results in runs.items():
-            steps = [t for r in results for t in r["step_s"]]
-            cpu = [t for r in results for t in r["cpu_s"]]
-            med = statistics.median(steps)
-            # MFU against the best matmul rate seen anywhere in this run (the machine's capability).
-            peak = max([rate] + [r["rate"] for rs in runs.values() for r in rs])
-            summary[impl] = {"tokens_per_s": args.seq / med, "tokens_per_cpu_s": args.seq / statistics.median(cpu),
-                             "mfu": flops / med / peak, "loss": results[0]["losses"][0], "step_s": med,
-                             "kernels": results[0]["kernels"], "peak_rate": peak,
-                             "peak_bytes": max((r["peak_bytes"] or 0) for r in results) or None,
-                             "predicted_peak_bytes": results[0].get("predicted_peak_bytes")}
-        rows.append((doc_len, summary))
-    rate = max(s["peak_rate"] for _, summary in rows for s in summary.values())
-    where = "on CUDA" if args.device == "cuda" else f"at {args.threads} threads"
-    print(f"\nbf16 matmul rate (best seen) {rate / 1e9:,.0f} GFLOP/s {where}; {args.shape} shape, {args.method}, "
-          f"seq {args.seq}, {args.repeats} x ({args.warmup} warm-up + {args.steps} steps) per side\n")
+    print(bf16_capability(args.device), file=sys.stderr)
+    settings = []
+    for dtype in dtypes:
+        for method in args.methods:
+            for doc_len in args.doc_lens:
+                base = {"dtype": dtype, "method": method, "doc_len": doc_len}
+                settings.append(base)
+                for v in args.variants:
+                    settings.append({**base, **{"meter-off": {"no_meter": True},
+                                                "checkpointing-off": {"checkpointing": "off"},
+                                                "checkpointing-full": {"checkpointing": "full"}}[v]})
+                for budget in args.target_vrams:
+                    settings.append({**base, "target_vram": budget})
+    results = [(s, run_worker(s, args)) for s in settings]
     cuda = args.device == "cuda"
-    # On CUDA the CPU time says little; the peak GPU memory of the steps takes its columns.
-    extra = ("peak GPU memory GiB", lambda s: s["peak_bytes"] / 2**30) if cuda else \
-        ("tokens/CPU-s", lambda s: s["tokens_per_cpu_s"])
-    print(f"| documents per row | implementation | step s (median) | tokens/s | ratio | {extra[0]} | ratio | MFU | step-1 loss |")
-    print("|---|---|---:|---:|---:|---:|---:|---:|---:|")
-    for doc_len, summary in rows:
-        peer = summary["peft"]
-        docs = f"1 x {args.seq}" if not doc_len else f"{args.seq // doc_len} x {doc_len}"
-        for impl in ("peft", "maximus"):
-            s = summary[impl]
-            name = "Transformers + PEFT" + (" + bnb" if args.method == "qlora" else "") if impl == "peft" else "Maximus"
-            value, base = extra[1](s), extra[1](peer)
-            print(f"| {docs} | {name} | {s['step_s']:.2f} | {s['tokens_per_s']:,.0f} | {s['tokens_per_s'] / peer['tokens_per_s']:.2f}x | "
-                  f"{value:,.1f} | {value / base:.2f}x | {s['mfu']:.1%} | {s['loss']:.4f} |")
-    for doc_len, summary in rows:
-        ours = summary["maximus"]
-        if ours.get("predicted_peak_bytes") and ours.get("peak_bytes"):
-            print(f"\nplanner check ({doc_len or args.seq}-token documents): predicted peak "
-                  f"{ours['predicted_peak_bytes'] / 2**30:.2f} GiB, measured {ours['peak_bytes'] / 2**30:.2f} GiB "
-                  f"({ours['predicted_peak_bytes'] / ours['peak_bytes'] - 1:+.1%})")
+    where = "on CUDA" if cuda else f"at {args.threads} threads"
+    rates = {}
+    for s, r in results:
+        rates[s["dtype"]] = max(rates.get(s["dtype"], 0), r["rate"])
+    print(f"\n{bf16_capability(args.device)}; matmul rate (best seen) {where}: "
+          + ", ".join(f"{d} {v / 1e9:,.0f} GFLOP/s" for d, v in rates.items())
+          + f"; {args.shape} shape, seq {args.seq}, {args.warmup} warm-up + {args.steps} rounds "
+            "(one peer step and one of ours per round, order alternating)\n")
+    extra = "| peak GPU GiB peer / ours " if cuda else ""
+    print("| dtype | method | documents per row | our config (plan) | peer step s | our step s | "
+          "ratio, median (range) | MFU peer / ours | step-1 loss peer / ours " + extra + "|")
+    print("|---|---|---|---|---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""))
+    for s, r in results:
+        flops = model_flops_per_token(SHAPES[args.shape], args.seq, s["doc_len"], 16) * args.seq
+        peer, ours = r["step_s"]["peft"], r["step_s"]["maximus"]
+        ratios = [a / b for a, b in zip(peer, ours)]
+        mp, mo = statistics.median(peer), statistics.median(ours)
+        rate = rates[s["dtype"]]
+        label = setting_label(s, args.seq)
+        variant = label[label.index("[") + 1:-1]
+        plan = r["plan"]["checkpointing"] + (f", chunk {r['plan']['loss_chunk']}" if r["plan"]["loss_chunk"] else "")
+        docs = f"1 x {args.seq}" if not s["doc_len"] else f"{args.seq // s['doc_len']} x {s['doc_len']}"
+        row = (f"| {s['dtype']} | {'QLoRA' if s['method'] == 'qlora' else 'LoRA'} | {docs} | {variant} ({plan}) | "
+               f"{mp:.2f} | {mo:.2f} | **{statistics.median(ratios):.2f}x** ({min(ratios):.2f}-{max(ratios):.2f}) | "
+               f"{flops / mp / rate:.0%} / {flops / mo / rate:.0%} | "
+               f"{r['losses']['peft'][0]:.4f} / {r['losses']['maximus'][0]:.4f} |")
+        if cuda:
+            row += f" {r['peak_bytes']['peft'] / 2**30:.2f} / {r['peak_bytes']['maximus'] / 2**30:.2f} |"
+        print(row)
     if args.json:
-        args.json.write_text(json.dumps({"rate": rate, "rows": rows}, indent=1))
+        args.json.write_text(json.dumps([{"setting": s, **r} for s, r in results], indent=1))
     return 0
 
 
