@@ -238,7 +238,8 @@ def worker(args) -> dict:
         if args.impl == "maximus":
             step, model, optimizer, set_rows, info = build_maximus(model_dir, args.method, args.seq, args.checkpointing,
                                                                    n_rows, Path(tmp), train_mode=args.train_mode,
-                                                                   dtype=args.dtype)
+                                                                   dtype=args.dtype, target_vram=args.target_vram)
+            info["budget"] = args.target_vram or f"none (free memory {_free_gb()})"
             info = {k: v for k, v in info.items() if k != "trainer"}
         else:
             step, model, optimizer, set_rows, info = build_peft(model_dir, args.method, dtype=args.dtype)
@@ -265,7 +266,9 @@ def worker(args) -> dict:
         result = {
             "impl": args.impl, "method": args.method, "seq": args.seq, "checkpointing": info["checkpointing"],
             "dtype": args.dtype, "round": args.round,
-            "policy": args.checkpointing + (" + train()" if args.train_mode else ""), "load_s": load_s, "base_rss": base_rss, "peak_rss": peak_rss,
+            "policy": args.checkpointing + (" + train()" if args.train_mode else "")
+                      + (f", target_vram {args.target_vram}" if args.target_vram else ""),
+            "budget": info.get("budget", "-"), "load_s": load_s, "base_rss": base_rss, "peak_rss": peak_rss,
             "rss_growth": peak_rss - base_rss, "live_before": before_live, "live_peak": meter.peak_bytes(),
             "live_growth": meter.peak_bytes() - before_live, "step_s": times, "cpu_s": cpu_times,
             "tokens_per_s": args.seq / statistics.median(times),
@@ -294,9 +297,14 @@ def launch_worker(cmd: list[str], threads: int, timeout: int, label: str) -> dic
 def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:
     train_mode = policy.endswith("+train")
     policy = policy.removesuffix("+train")
+    vram = None
+    if policy not in ("off", "auto", "full"):  # a target_vram variant: `auto` under that budget
+        vram, policy = policy, "auto"
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--impl", impl, "--checkpointing", policy,
            "--method", method, "--seq", str(seq), "--steps", str(args.steps), "--warmup", str(args.warmup),
            "--threads", str(args.threads), "--dtype", args.dtype, "--round", str(args.round)]
+    if vram:
+        cmd += ["--target-vram", vram]
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
     if train_mode:
@@ -310,6 +318,12 @@ def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:
           f"{result['live_growth'] / 2**20:7.0f} MiB live, {result['tokens_per_s']:6.0f} tok/s, "
           f"loss {result['losses'][0]:.4f} ({result['wall_s']:.0f} s)", file=sys.stderr, flush=True)
     return result
+
+
+def _free_gb() -> str:
+    import psutil
+
+    return f"{psutil.virtual_memory().available / 1e9:.1f} GB"
 
 
 def _mib(n: float) -> str:
@@ -382,8 +396,10 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", choices=("auto", "fp32", "bf16"), default="auto",
                    help="both sides; auto = what training.dtype: auto picks here (bf16 only where native)")
     p.add_argument("--rounds", type=int, default=None, help="peer / ours subprocess pairs per setting (1 quick, 2 full)")
-    p.add_argument("--variants", nargs="*", default=[], choices=("off", "full"),
-                   help="also our side with gradient_checkpointing forced to these (named in the rows)")
+    p.add_argument("--variants", nargs="*", default=[],
+                   help="also our side with gradient_checkpointing forced (off, full) or under a target_vram "
+                        "(a size such as 0.75GB); named in the rows")
+    p.add_argument("--target-vram", default=None, help=argparse.SUPPRESS)
     p.add_argument("--round", type=int, default=0, help=argparse.SUPPRESS)
     # worker mode (one implementation, one setting, in its own process)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)

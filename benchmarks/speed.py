@@ -298,7 +298,12 @@ def main(argv=None) -> int:
                                                 "checkpointing-full": {"checkpointing": "full"}}[v]})
                 for budget in args.target_vrams:
                     settings.append({**base, "target_vram": budget})
-    results = [(s, run_worker(s, args)) for s in settings]
+    results = []
+    for s in settings:
+        try:
+            results.append((s, run_worker(s, args)))
+        except RuntimeError as exc:  # e.g. a budget nothing fits: report it, keep the other rows
+            print(f"  {setting_label(s, args.seq)}: failed: {str(exc).splitlines()[-1]}", file=sys.stderr, flush=True)
     cuda = args.device == "cuda"
     where = "on CUDA" if cuda else f"at {args.threads} threads"
     rates = {}
