@@ -73,7 +73,8 @@ def test_qlora_weights_match_a_real_bitsandbytes_model(tmp_path):
 def _saved_bytes_per_token(config, method, dtype, tokens=64):
     """Bytes autograd saves for backward, per token, counted with saved_tensors_hooks."""
     torch.manual_seed(0)
-    model = LlamaForCausalLM(config).to(dtype)
+    # full fine-tuning keeps float32 master weights and computes under autocast, as the trainer does
+    model = LlamaForCausalLM(config).to(torch.float32 if method == "full" else dtype)
     if method == "lora":
         model = get_peft_model(model, LoraConfig(r=8, target_modules="all-linear"))
     params = {p.untyped_storage().data_ptr() for p in model.parameters()}
@@ -104,6 +105,8 @@ def test_layer_activation_coefficients_match_autograd(method, dtype):
     predicted = layer_activation_bytes_per_token(shape, method, b, lora_r=8, n_targets=7)
     if method == "lora" and b == 2:  # autocast's 16-bit copies of the float32 adapters, per layer
         predicted += 2 * 8 * sum(i + o for i, o in shape.linear_shapes().values()) / 64
+    if method == "full" and b == 2:  # and of the float32 master weights
+        predicted += 2 * shape.layer_linear_params / 64
     assert predicted == pytest.approx(two - one, rel=0.02)
 
 
@@ -117,8 +120,8 @@ def _measured_peak(config, tmp_path, *, method, checkpointing, loss_mode, seq_le
         quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                    bnb_4bit_compute_dtype=torch.bfloat16)
         model = AutoModelForCausalLM.from_pretrained(tmp_path, quantization_config=quant, dtype=torch.bfloat16)
-    else:
-        model = LlamaForCausalLM(config).to(torch.bfloat16)
+    else:  # full fine-tuning: float32 master weights (models.load_base_model)
+        model = LlamaForCausalLM(config).to(torch.float32 if method == "full" else torch.bfloat16)
     if method != "full":
         model = get_peft_model(model, LoraConfig(r=16, target_modules="all-linear"))
     if checkpointing == "full":
@@ -190,11 +193,12 @@ def test_checkpointing_reduces_activations():
 
 def test_qlora_lora_full_weights_and_static_memory_are_ordered():
     e = {m: estimate_peak(EIGHT_B, method=m, seq_len=1024, checkpointing="full") for m in ("qlora", "lora", "full")}
-    assert e["qlora"].breakdown["weights"] < e["lora"].breakdown["weights"] == e["full"].breakdown["weights"]
+    # full fine-tuning keeps float32 master weights (models.load_base_model), LoRA a bf16 base
+    assert e["qlora"].breakdown["weights"] < e["lora"].breakdown["weights"] == e["full"].breakdown["weights"] // 2
     assert e["qlora"].peak_bytes < e["lora"].peak_bytes < e["full"].peak_bytes
-    # full fine-tuning in bf16 with AdamW: 2 (weights) + 2 (grads) + 4 (two states) bytes per parameter
+    # full fine-tuning in bf16 with AdamW: 4 (master weights) + 4 (grads) + 8 (two states) bytes per parameter
     shape = model_shape(EIGHT_B)
-    assert e["full"].breakdown["optimizer"] == 4 * shape.num_params
+    assert e["full"].breakdown["optimizer"] == 8 * shape.num_params
     eight_bit = estimate_peak(EIGHT_B, method="full", seq_len=1024, checkpointing="full", optimizer="adamw_8bit")
     assert eight_bit.breakdown["optimizer"] == 2 * shape.num_params
 

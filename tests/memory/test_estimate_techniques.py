@@ -58,9 +58,9 @@ def tiny(tmp_path_factory):
 
 
 def _config(tiny: Path, out: Path, *, fmt: str = "text", objective: str = "sft", optimization: dict | None = None,
-            **sections) -> maximus.Config:
+            method: str = "lora", **sections) -> maximus.Config:
     d = {"model": str(tiny / "model"), "dataset": {"path": str(tiny / f"{fmt}.jsonl"), "format": fmt},
-         "objective": objective, "method": "lora", "output_dir": str(out), "device": "cpu",
+         "objective": objective, "method": method, "output_dir": str(out), "device": "cpu",
          "lora": {"r": 4, "alpha": 8},
          # PEFT's own LoRA forward: lean LoRA layers are estimated and tested with issue 17's work
          "optimization": {"gradient_checkpointing": "off", "lean_lora": False, **(optimization or {})},
@@ -150,6 +150,13 @@ def test_matryoshka_auxiliary_pass(tiny, tmp_path, plain):
     cfg = _config(tiny, tmp_path, optimization={"matryoshka": {"dims": [32, 64], "token_fraction": 1.0}})
     predicted, measured, _ = _run(cfg)
     _check(predicted, measured, plain, min_change=0.1)
+
+
+@pytest.mark.parametrize("method", ["qlora", "full"])
+def test_qlora_and_full_fine_tuning(tiny, tmp_path, method):
+    """QLoRA (NF4 base) and full fine-tuning (float32 master weights under bf16 autocast)."""
+    predicted, measured, _ = _run(_config(tiny, tmp_path, method=method))
+    assert predicted == pytest.approx(measured, rel=0.15)
 
 
 def test_parameter_offload_on_cpu_saves_nothing_and_says_so(tiny, tmp_path, plain):

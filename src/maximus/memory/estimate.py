@@ -241,11 +241,14 @@ def model_shape(model_config: Any) -> ModelShape:
 #                 + 4*r per LoRA-targeted linear (its float32 down-projection output).
 # "adapter" = LoRA/QLoRA (frozen base, float32 adapters); "full" = every weight trainable.
 # 16-bit rows are measured under `torch.autocast`, as the trainer runs them (issue 16: 20 random
-# shapes each, hidden 128-512, intermediate 256-1536; worst error 2 %). Without autocast PEFT
+# shapes each, hidden 128-512, intermediate 256-1536; worst error 2 %); full fine-tuning keeps
+# float32 master weights (`models.load_base_model`), so its 16-bit row is a float32 model under
+# 16-bit autocast: the residual stream stays float32 (26 bytes per hidden unit), plus a 16-bit
+# copy of every linear weight per layer (a per-layer constant; a pure bf16 model keeps (16, 8, 4, 4)). Without autocast PEFT
 # casts each adapter input to float32 and a LoRA layer keeps (28, 10, 8, 4): bare Transformers
 # steps outside autocast keep ~20 % more than the trainer's.
 _LAYER_COEF = {  # (trainable, dtype bytes) -> (ch, ci, cq, ckv)
-    ("full", 2): (16, 8, 4, 4),
+    ("full", 2): (26, 8, 4, 4),
     ("full", 4): (24, 16, 8, 8),
     ("adapter", 2): (18, 8, 6, 4),
     ("adapter", 4): (16, 16, 8, 8),
@@ -423,7 +426,7 @@ def kronecker_layout(kronecker: Any = None) -> KroneckerLayout:
 #   with C = detail tokens + slots, K = slots, L = block, S = sub-slots.
 # Worst error on the fitted layers: 7 % of the layer's total (mean 1.5 %).
 _KRONECKER_COEF = {  # (trainable, dtype bytes) -> coefficients of the terms above
-    ("full", 2): (6.1, 1.8, 0.8, 11.4, -0.6, 6.8, 4.4),
+    ("full", 2): (6.0, 3.5, 1.0, 3.0, -0.1, 1.3, 13.8),  # float32 master weights, 16-bit autocast
     ("adapter", 2): (5.9, 2.9, 1.4, 3.4, -1.1, 4.6, 4.4),
     ("full", 4): (4.0, 8.0, 1.1, 0.3, 0.0, 8.1, 2.0),
     ("adapter", 4): (4.0, 8.0, 1.1, 0.3, 0.0, 8.1, 2.0),
@@ -636,6 +639,10 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     lin = shape.linear_shapes()
 
     # -- static: weights, adapters, optimizer state ---------------------------------------------
+    # Full fine-tuning in 16-bit keeps float32 master weights (models.load_base_model) and
+    # computes under autocast; LoRA / QLoRA keep the frozen base in the compute dtype.
+    master = method == "full" and b < 4
+    wb = 4 if master else b
     non_linear = L * shape.layer_other_params + shape.embedding_params + shape.head_params + h
     linear = L * shape.layer_linear_params
     if method == "qlora":
@@ -643,18 +650,18 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         # 256 with a float32 absmax (double quantisation): 0.127 extra bits per weight.
         weights = int(linear * (0.5 + 1 / 64 + 4 / (64 * 256))) + non_linear * b
     else:
-        weights = (linear + non_linear) * b
+        weights = (linear + non_linear) * wb
     if sharded is None:
         sharded = world_size > 1
     shard = world_size if (sharded and world_size > 1 and method != "qlora") else 1
     # A head tied to the embedding stays whole on every rank (maximus.train.distributed).
     whole = shape.embedding_params if (shard > 1 and shape.tied_embeddings) else 0
-    weights_dev = (weights - whole * b) // shard + whole * b
+    weights_dev = (weights - whole * wb) // shard + whole * wb
     if shard > 1:
         # Gathered at once: two decoder layers (the running one, the prefetched one), the root
         # unit (embedding, final norm) for the whole step, the head while the loss runs.
         weights_dev += (2 * (shape.layer_linear_params + shape.layer_other_params)
-                        + (shape.embedding_params + shape.head_params if not whole else 0)) * b
+                        + (shape.embedding_params + shape.head_params if not whole else 0)) * wb
 
     if offload_params:
         weights_dev -= _streamed_weight_bytes(shape, method, b, device_type, notes)
@@ -669,7 +676,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         if adapter:
             n_adapter += n_sketch
             trainable += n_sketch
-    p_bytes = 4 if adapter else b
+    p_bytes = 4 if adapter else wb
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
         state_bytes = 2  # per trainable parameter
     elif optimizer == "adamw":
@@ -694,6 +701,9 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         cast_copies = 2 * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets) / T
         per_off += cast_copies
         per_sel += cast_copies
+    if master:  # autocast's 16-bit copies of the float32 linear weights, saved for backward
+        per_off += 2 * shape.layer_linear_params / T
+        per_sel += 2 * shape.layer_linear_params / T
     if layout is not None:
         extra = kronecker_saved_bytes_per_token(shape, method, b, layout, seq_len)
         per_off += extra
@@ -737,7 +747,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     # incoming hidden-state gradient.
     grad_work = 2 * b * (h + shape.intermediate_size) + 2 * h * b + attn_work
     # Embedding output, final norm (float32 copy) and the head's input.
-    head_acts = (2 * b + 4) * h
+    head_acts = (2 * wb + 4) * h  # a float32 master model keeps a float32 residual stream
     acts = int(T * (stored + head_acts))
 
     # -- loss working set -----------------------------------------------------------------------
@@ -751,6 +761,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         if matryoshka_dims and objective == "sft":
             loss = matryoshka_loss_bytes(shape, loss, loss_mode, T, b, trainable_head=not adapter,
                                          dims=matryoshka_dims, token_fraction=matryoshka_token_fraction)
+        if master:  # the loss casts the float32 head to the 16-bit matmul dtype once per call
+            loss += V * h * 2
 
     # -- workspace ------------------------------------------------------------------------------
     workspace = 0
