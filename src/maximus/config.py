@@ -332,8 +332,10 @@ class GrpoConfig(_Section):
 class LoggingConfig(_Section):
     """Where progress goes besides the terminal and metrics.jsonl."""
 
-    tensorboard: bool = Field(False, description="Also write TensorBoard events (extra `tensorboard`).")
-    wandb: bool = Field(False, description="Also log to Weights & Biases (extra `wandb`).")
+    tensorboard: bool = Field(False, description="Also write TensorBoard events under `<output_dir>/tensorboard`: loss, lr, tokens/s, memory and budget per step, held-out metrics before / during / after training (extra `tensorboard`).")
+    wandb: bool = Field(False, description="Also log the same to Weights & Biases, project `maximus`, files under `<output_dir>/wandb` (`WANDB_MODE=offline` keeps it local; extra `wandb`).")
+    mlflow: bool = Field(False, description="Also log the same to MLflow, experiment `maximus` (extra `mlflow`).")
+    mlflow_uri: str | None = Field(None, description="MLflow tracking URI for `logging.mlflow`; default a local SQLite store `sqlite:///<output_dir>/mlflow.db`.")
     progress: Literal["auto", "rich", "plain", "none"] = Field("auto", description="Progress display: rich bar on a terminal, plain lines otherwise.")
 
 

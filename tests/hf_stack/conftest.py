@@ -7,15 +7,12 @@ import random
 import pytest
 import torch
 
-from tiny import _WORDS
+from tiny import _WORDS, one_thread  # noqa: F401  (a fixture)
 
 
 @pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+def _tiny_shapes_one_thread(one_thread):
+    """Every test here runs tiny shapes: one thread (see tiny.one_thread)."""
 
 
 def lora_model(model_dir, *, dora: bool = False, init: bool = True, seed: int = 0, qlora: bool = False):

@@ -114,8 +114,7 @@ def _hf_trainer(model, out, rows, **kw):
     from datasets import Dataset
     from transformers import Trainer, TrainingArguments
 
-    args = TrainingArguments(output_dir=str(out), max_steps=4, gradient_accumulation_steps=2,
-                             **{**COMMON, **kw})
+    args = TrainingArguments(output_dir=str(out), **{**COMMON, "max_steps": 4, "gradient_accumulation_steps": 2, **kw})
     return Trainer(model=model, args=args, train_dataset=Dataset.from_list(rows))
 
 

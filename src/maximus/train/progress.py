@@ -15,8 +15,9 @@ class MetricsLog:
     """Append-only metrics.jsonl: one JSON object per optimizer step, flushed as written so a killed
     run keeps every step it finished. On resume, lines past the resumed step are dropped."""
 
-    def __init__(self, path: Path, resume_step: int = 0):
+    def __init__(self, path: Path, resume_step: int = 0, sinks=None):
         self.path = path
+        self.sinks = sinks  # `maximus.train.sinks.Sinks`: every row also goes there
         rows = read_metrics(path)
         kept = [r for r in rows if r.get("step", 0) <= resume_step]
         tmp = path.with_name(".metrics.jsonl.tmp")
@@ -29,6 +30,8 @@ class MetricsLog:
     def write(self, row: dict) -> None:
         self._file.write(json.dumps(row) + "\n")
         self._file.flush()
+        if self.sinks:
+            self.sinks.step(row)
 
     def close(self) -> None:
         self._file.close()

@@ -30,6 +30,7 @@ import platform
 import random
 import shutil
 import signal
+import sys
 import time
 from contextlib import nullcontext
 from pathlib import Path
@@ -46,6 +47,7 @@ from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_che
 from maximus.train.lock import RunLock
 from maximus.train.objective import ObjectiveModule, build_objective
 from maximus.train.progress import MetricsLog, ProgressDisplay, plot_loss
+from maximus.train.sinks import open_sinks
 
 PREEMPTED_EXIT_CODE = 75
 
@@ -411,11 +413,15 @@ class Trainer:
             out.message(f"resuming from {ckpt.path} (step {start_step}/{self.total_steps})")
         out.start = start_step
         self._print_header(out)
-        # Rank 0 alone owns metrics.jsonl (another rank re-creating it would cut rank 0's file).
-        metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step) if self.dist.is_main else None
+        # Rank 0 alone owns metrics.jsonl (another rank re-creating it would cut rank 0's file) and the sinks.
+        sinks = (open_sinks(cfg.logging, run_dir, resume_step=start_step, budget_bytes=self.plan.get("budget_bytes"),
+                            config=cfg.model_dump(mode="json")) if self.dist.is_main else None)
+        metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step, sinks=sinks) if self.dist.is_main else None
 
         if start_step == 0 and cfg.eval.enabled and cfg.eval.before:
             state["eval_before"] = self.evaluate()
+            if sinks:
+                sinks.eval("before", 0, state["eval_before"])
             if "loss" in state["eval_before"]:
                 out.message(f"base model: held-out loss {state['eval_before']['loss']:.4f}")
         previous = self._install_signal_handlers()
@@ -471,8 +477,13 @@ class Trainer:
             self._restore_signal_handlers(previous)
             if metrics is not None:
                 metrics.close()
+            if sinks is not None and sys.exc_info()[1] is not None:
+                sinks.close()  # a failed or stopped run still ends its W&B / MLflow run
             out.close()
         eval_after = self.evaluate() if cfg.eval.enabled else {}
+        if sinks is not None:
+            sinks.eval("after", step, eval_after)
+            sinks.close()
         if self.dist.is_main:
             self._write_outputs(state, eval_after, peak, skipped, started)
             self._print_summary(state.get("eval_before", {}), eval_after, out)
