@@ -516,13 +516,14 @@ def ghost_loss_bytes(shape: ModelShape, T: int, b: int, trainable_head: bool, ch
 
 
 def matryoshka_loss_bytes(shape: ModelShape, main_loss: int, loss_mode: str, T: int, b: int, trainable_head: bool,
-                          dims: Sequence[int], token_fraction: float) -> int:
+                          dims: Sequence[int], token_fraction: float, chunk_tokens: int | None = None) -> int:
     """The loss working set with the SFT Matryoshka auxiliary pass (bytes).
 
     With every token (fraction 1) and the exact loss, main and prefix losses share one nested
     chunked pass whose chunk holds one more stored C x V gradient per prefix. Otherwise the prefix
     levels run after the main loss, over the sampled tokens gathered together (`sampled_tokens`:
-    ceil(fraction x 64) of every 64), while the main loss's hidden-state gradient is still held."""
+    ceil(fraction x 64) of every 64), while the main loss's hidden-state gradient is still held.
+    A chunk the plan sets (`loss_chunk_size`) is the nested pass's chunk too (the trainer passes it)."""
     from maximus.losses.matryoshka import SAMPLE_GROUP_TOKENS, default_nested_chunk_size
 
     V, h = shape.vocab_size, shape.hidden_size
@@ -531,10 +532,10 @@ def matryoshka_loss_bytes(shape: ModelShape, main_loss: int, loss_mode: str, T: 
         return main_loss
     per_token = lambda n: V * (b + max(b, 4) + (n - 1) * b)  # noqa: E731  (default_nested_chunk_size's)
     if token_fraction >= 1.0 and loss_mode == "exact":
-        chunk = default_nested_chunk_size(T, V, b, levels + 1, trainable_head)
+        chunk = min(T, chunk_tokens or default_nested_chunk_size(T, V, b, levels + 1, trainable_head))
         return int(chunk * per_token(levels + 1) + 2 * T * h * b + (V * h * 4 if trainable_head else 0) + T * 24)
     sampled = min(T, math.ceil(T / SAMPLE_GROUP_TOKENS) * math.ceil(token_fraction * SAMPLE_GROUP_TOKENS))
-    chunk = default_nested_chunk_size(sampled, V, b, levels, trainable_head)
+    chunk = min(sampled, chunk_tokens or default_nested_chunk_size(sampled, V, b, levels, trainable_head))
     aux = chunk * per_token(levels) + sampled * h * (2 * b + 4) + (V * h * 4 if trainable_head else 0)
     return int(max(main_loss, 2 * T * h * b + T * 24 + aux))
 
@@ -760,7 +761,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                                default_chunk=default_chunk, ghost_candidates=ghost_candidates)
         if matryoshka_dims and objective == "sft":
             loss = matryoshka_loss_bytes(shape, loss, loss_mode, T, b, trainable_head=not adapter,
-                                         dims=matryoshka_dims, token_fraction=matryoshka_token_fraction)
+                                         dims=matryoshka_dims, token_fraction=matryoshka_token_fraction,
+                                         chunk_tokens=loss_chunk_tokens)
         if master:  # the loss casts the float32 head to the 16-bit matmul dtype once per call
             loss += V * h * 2
 
