@@ -255,16 +255,50 @@ _LAYER_COEF = {  # (trainable, dtype bytes) -> (ch, ci, cq, ckv)
 }
 
 
+def lean_layer_bytes_per_token(shape: ModelShape, dtype_bytes: int, lora_r: int, n_targets: int,
+                               n_mlp_targets: int, lora_bytes: int | None = None) -> tuple[float, float]:
+    """(whole layer, its MLP): bytes a LoRA / QLoRA decoder layer with lean LoRA projections
+    (`maximus.kernels.lean_lora`) keeps for backward, per token, with autocast or without.
+
+    Measured with saved_tensors_hooks on Transformers 5 LlamaDecoderLayer (SDPA, CPU), varying one
+    dimension at a time, bf16 and fp32 (docs/benchmarks/long_context.md): exact on every shape
+    measured. Each projection keeps its input once in the compute dtype (q/k/v and gate/up share
+    one) and its rank-r product; the MLP keeps its input, gate, up, act(gate) and the product.
+    `lora_bytes`: bytes per element of the rank-r products, the adapters' compute dtype (default
+    `dtype_bytes`: the trainer runs 16-bit steps under autocast; 4 for float32 adapters without it).
+    """
+    b = dtype_bytes
+    rb = b if lora_bytes is None else lora_bytes
+    h, i = shape.hidden_size, shape.intermediate_size
+    whole = ((2 * b + 4) * h + 4 * b * i + 2 * b * (shape.q_dim + shape.kv_dim) + 4 * shape.num_heads
+             + 2 * b * shape.head_dim + rb * lora_r * n_targets + 4)
+    mlp = b * h + 4 * b * i + rb * lora_r * n_mlp_targets
+    return float(whole), float(mlp)
+
+
+def tiled_layer_bytes_per_token(whole: float, mlp: float, dtype_bytes: int, hidden_size: int,
+                                tile_fraction: float) -> float:
+    """Bytes per token a recomputed layer holds in backward when its MLP runs over tiles that are
+    `tile_fraction` of the tokens: everything but the MLP for all tokens, the MLP's input for all
+    tokens, the rest of the MLP for one tile."""
+    tile_fraction = min(1.0, max(0.0, tile_fraction))
+    return whole - (mlp - dtype_bytes * hidden_size) * (1.0 - tile_fraction)
+
+
 def layer_activation_bytes_per_token(shape: ModelShape, method: str, dtype_bytes: int, lora_r: int,
-                                     n_targets: int, policy: str = "off") -> float:
+                                     n_targets: int, policy: str = "off", lean_lora: bool = False,
+                                     n_mlp_targets: int = 3) -> float:
     """Bytes one decoder layer keeps for backward, per token, under a checkpointing policy.
 
     ``off``: everything autograd saves; ``full``: the layer input only; ``selective``: the
-    outputs of matmuls and attention (the cheap element-wise ops are recomputed).
+    outputs of matmuls and attention (the cheap element-wise ops are recomputed). `lean_lora`:
+    the adapters' projections are Maximus' lean ones (`lean_layer_bytes_per_token`), else PEFT's.
     """
     b = dtype_bytes
     if policy == "full":
         return shape.hidden_size * b
+    if policy == "off" and lean_lora and method != "full":
+        return lean_layer_bytes_per_token(shape, b, lora_r, n_targets, n_mlp_targets)[0]
     if policy == "selective":
         h, i = shape.hidden_size, shape.intermediate_size
         kept = h + shape.q_dim + 2 * shape.kv_dim + shape.q_dim + h + 2 * i + h
@@ -570,7 +604,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   ghost_candidates: int = 1024, device: str = "cuda", sharded: bool | None = None,
                   attention: Attention = "sdpa", kronecker: Any = None, objective: Objective = "sft",
                   dpo_reference: DpoReference = "adapter_off", matryoshka_dims: Sequence[int] | None = None,
-                  matryoshka_token_fraction: float = 0.0625, offload_params: bool = False) -> Estimate:
+                  matryoshka_token_fraction: float = 0.0625, offload_params: bool = False,
+                  tile_tokens: int | None = None, lean_lora: bool = False) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -612,6 +647,10 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             losses over a sampled share of the tokens); None = off.
         offload_params: frozen decoder weights stream from host memory one layer ahead
             (`optimization.offload.params: on`).
+        tile_tokens: the MLP of each fully recomputed layer runs over tiles of this many tokens
+            in backward (`optimization.tile_tokens`); None: untiled.
+        lean_lora: the adapters' projections are Maximus' lean ones (the input kept once, in the
+            compute dtype); False: PEFT's own layers (what a plain Transformers + PEFT step keeps).
 
     Returns:
         An `Estimate` whose breakdown (weights, adapters, gradients, optimizer, activations,
@@ -692,11 +731,13 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
 
     # -- activations ----------------------------------------------------------------------------
     n_t = len(targets)
-    per_off = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "off")
+    n_mlp_t = sum(1 for t in targets if t in ("gate_proj", "up_proj", "down_proj"))
+    lean = lean_lora and adapter
+    per_off = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "off", lean, n_mlp_t)
     per_full = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "full")
     per_sel = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "selective")
     attn_work = 0.0
-    if adapter and b < 4:
+    if adapter and b < 4 and not lean:
         # Autocast caches a 16-bit copy of each float32 adapter weight per forward, saved for
         # backward: a per-layer constant (measured; it dominates short sequences).
         cast_copies = 2 * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets) / T
@@ -735,18 +776,33 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     recomputing = any(p != "off" for p in policy)
     in_flight = 2 * per_full if (offload_activations and recomputing) else 0.0  # prefetch one layer ahead
     stored = sum(per_layer) + in_flight
+    # Tiling: a fully recomputed layer's MLP holds one tile of its intermediate tensors.
+    tile_fraction = 1.0
+    if tile_tokens is not None and "full" in policy:
+        tile_fraction = min(1.0, max(1, int(tile_tokens)) / T)
+    if lean:
+        mlp_part = lean_layer_bytes_per_token(shape, b, lora_r, n_t, n_mlp_t)[1]
+    else:  # PEFT: gate and up each keep a float32 copy of the input (adapters) or share it (full)
+        mlp_part = 4 * b * shape.intermediate_size + (8 * h + 12 * lora_r * n_mlp_t if adapter else b * h)
+    per_recomputed = tiled_layer_bytes_per_token(per_off, mlp_part, b, h, tile_fraction)
     # Backward walks the layers from the last: at layer l, the layers below still hold what they
-    # kept, and a recomputed layer holds its full set of saved tensors again.
+    # kept, and a recomputed layer holds its full set of saved tensors again (one MLP tile of it
+    # when tiled).
     below = stored
     bwd_layers = 0.0
     for l in range(L - 1, -1, -1):
         below -= per_layer[l]
-        here = per_off if policy[l] != "off" else per_layer[l]
+        if policy[l] == "full":
+            here = per_recomputed
+        elif policy[l] != "off":
+            here = per_off
+        else:
+            here = per_layer[l]
         bwd_layers = max(bwd_layers, below + here)
     # Backward of one layer also holds the gradients flowing through it (hidden and MLP
     # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
-    # incoming hidden-state gradient.
-    grad_work = 2 * b * (h + shape.intermediate_size) + 2 * h * b + attn_work
+    # incoming hidden-state gradient; tiled, the intermediate part exists for one tile.
+    grad_work = 2 * b * (h + shape.intermediate_size * tile_fraction) + 2 * h * b + attn_work
     # Embedding output, final norm (float32 copy) and the head's input.
     head_acts = (2 * wb + 4) * h  # a float32 master model keeps a float32 residual stream
     acts = int(T * (stored + head_acts))
@@ -810,13 +866,14 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
 
     chunk_used = None if loss_mode == "naive" else max(1, min(loss_chunk_tokens or default_chunk, T))
     flops, tps = _throughput(shape, method, T, seq_len, policy, offload_activations, offload_optimizer,
-                             loss_mode, trainable, grad_accum, device_type, b, chunk_used, lora_r, len(targets))
+                             loss_mode, trainable, grad_accum, device_type, b, chunk_used, lora_r, len(targets),
+                             tile_fraction)
     settings = dict(method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,
                     checkpointing=checkpointing if isinstance(checkpointing, (str, int)) else list(checkpointing),
                     offload_activations=offload_activations, offload_optimizer=offload_optimizer,
                     loss_mode=loss_mode, loss_chunk_tokens=loss_chunk_tokens if loss_mode != "naive" else None,
                     optimizer=optimizer, lora_r=lora_r if adapter else None, world_size=world_size, sharded=shard > 1,
-                    device=device_type)
+                    device=device_type, tile_tokens=tile_tokens if tile_fraction < 1.0 else None, lean_lora=lean)
     settings.update(attention=attention, objective=objective)
     if layout is not None:
         settings["kronecker"] = layout.to_dict()
@@ -849,7 +906,7 @@ def _optimizer_temporaries(trainable: int, p_bytes: int, optimizer: str, device_
 def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: list[str], offload_act: bool,
                 offload_opt: bool, loss_mode: str, trainable: int, grad_accum: int, device_type: str,
                 dtype_bytes: int = 2, loss_chunk: int | None = None, lora_r: int = 16,
-                lora_targets: int = 7) -> tuple[float, float]:
+                lora_targets: int = 7, tile_fraction: float = 1.0) -> tuple[float, float]:
     """(training FLOPs per token, a tokens/s guess) used to rank plans against each other. The
     time is `maximus.memory.step_time.step_seconds`: op class by op class, measured rates."""
     from maximus.memory.step_time import step_seconds
@@ -870,6 +927,9 @@ def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: li
                          dtype_bytes=dtype_bytes, device=device_type, loss_mode=loss_mode, loss_chunk=loss_chunk,
                          offload_activations=offload_act)
     seconds = sum(parts.values())
+    if tile_fraction < 1.0:
+        # Tiles run smaller MLP matmuls (the MLP forward is not repeated: see kernels/tiled_mlp.py).
+        seconds *= 1.01 + 0.01 * math.log2(1.0 / tile_fraction)
     # The optimizer step is memory-bound: ~16 bytes touched per trainable parameter, once per
     # optimizer step (spread over grad_accum micro-steps of T tokens).
     bandwidth = 2e12 if device_type == "cuda" else 20e9

@@ -9,7 +9,9 @@ Only config.json is read (a local directory, a config.json path, a hub id from
 The "requested setting" is the run as asked: micro-batch = batch (no accumulation) unless
 ``--micro-batch`` says otherwise, full checkpointing unless ``--checkpointing`` says otherwise,
 no offload. For every card in `maximus.config.GPU_CARDS` the planner then finds the fastest plan
-that fits that card (keeping the effective batch), and the cheapest fitting card is named.
+that fits that card (keeping the effective batch), and the cheapest fitting card is named; beside
+each card's plan stands the longest context that card fits (`max_seq_len_for_budget`, one
+sequence per forward pass unless ``--micro-batch`` says otherwise, every memory knob allowed).
 """
 from __future__ import annotations
 
@@ -22,7 +24,7 @@ from maximus.arguments import ArgumentParser
 from maximus.config import GPU_CARDS, Config, format_bytes, parse_bytes
 from maximus.errors import BudgetError, ConfigError
 from maximus.memory.estimate import DEVICE_FLOPS, estimate_peak, load_model_config, model_shape, technique_kwargs
-from maximus.memory.planner import Plan, plan_for_budget
+from maximus.memory.planner import Plan, max_seq_len_for_budget, plan_for_budget
 
 __all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS"]
 
@@ -56,7 +58,7 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
     """Merge the YAML config (if any) with command-line flags; flags win."""
     s: dict[str, Any] = dict(model=None, method="lora", seq_len=2048, batch_size=8, micro_batch=None, budget=None,
                              lora_r=16, lora_targets="all-linear", optimizer="adamw", dtype="bf16", loss_mode="exact",
-                             checkpointing="auto", techniques={})
+                             checkpointing="auto", techniques={}, tile_tokens="auto", lean_lora=True)
     if args.config:
         cfg = Config.from_yaml(args.config)
         s.update(model=cfg.model, method=cfg.method, seq_len=cfg.training.seq_len, batch_size=cfg.training.batch_size,
@@ -65,7 +67,8 @@ def _settings(args: argparse.Namespace) -> dict[str, Any]:
                  checkpointing=cfg.optimization.gradient_checkpointing,
                  techniques=technique_kwargs(cfg),  # what the config switches on, as the trainer plans it
                  dtype=cfg.training.dtype if cfg.training.dtype != "auto" else "bf16",
-                 budget=cfg.optimization.target_vram)
+                 budget=cfg.optimization.target_vram, tile_tokens=cfg.optimization.tile_tokens,
+                 lean_lora=cfg.optimization.lean_lora)
         if "method" not in cfg.model_fields_set and cfg.optimization.target_vram is not None:
             # A config that names a budget but no method (the article's) asks Maximus to choose.
             s["method"] = "auto"
@@ -97,11 +100,14 @@ def plan_report(s: dict[str, Any]) -> dict[str, Any]:
     micro = s["micro_batch"] or max(1, s["batch_size"] // s["world_size"])
     checkpointing = "full" if s["checkpointing"] == "auto" else s["checkpointing"]
     requested = estimate_peak(shape, method=requested_method, micro_batch=micro, seq_len=s["seq_len"],
-                              checkpointing=checkpointing, loss_mode=s["loss_mode"],
+                              checkpointing=checkpointing, loss_mode=s["loss_mode"], lean_lora=s["lean_lora"],
                               **s["techniques"], **common)
     plan_kw = dict(method=s["method"], batch_size=s["batch_size"], seq_len=s["seq_len"], loss_mode=s["loss_mode"],
                    micro_batch_size=s["micro_batch"] or "auto", gradient_checkpointing=s["checkpointing"],
-                   **s["techniques"], **common)
+                   tile_tokens=s["tile_tokens"], lean_lora=s["lean_lora"], **s["techniques"], **common)
+    longest_kw = dict(method=requested_method, micro_batch=s["micro_batch"] or 1, loss_mode=s["loss_mode"],
+                      tile_tokens=s["tile_tokens"], lean_lora=s["lean_lora"], **s["techniques"],
+                      **{k: v for k, v in common.items() if k != "world_size"})
 
     def plan_or_none(budget: int) -> tuple[Plan | None, str | None]:
         try:
@@ -115,8 +121,9 @@ def plan_report(s: dict[str, Any]) -> dict[str, Any]:
         speed = None
         if plan is not None and name in CARD_TFLOPS:
             speed = plan.tokens_per_s_guess * CARD_TFLOPS[name] * 1e12 / DEVICE_FLOPS["cuda"]
+        longest = max_seq_len_for_budget(shape, memory, **longest_kw) if s["world_size"] == 1 else None
         cards.append({"card": name, "memory_bytes": memory, "price_per_hour": price, "fits": plan is not None,
-                      "plan": plan.to_dict() if plan else None, "why_not": why,
+                      "plan": plan.to_dict() if plan else None, "why_not": why, "longest_context_tokens": longest,
                       "tokens_per_s_guess": speed,
                       "usd_per_million_tokens": price / (speed * 3600) * 1e6 if speed else None})
     fitting = [c for c in cards if c["fits"]]
@@ -133,6 +140,7 @@ def plan_report(s: dict[str, Any]) -> dict[str, Any]:
         "breakdown": requested.breakdown,
         "cards": cards,
         "cheapest_card": cheapest,
+        "longest_context_micro_batch": longest_kw["micro_batch"],
     }
     budget = s.get("budget")
     if budget == "auto":
@@ -165,23 +173,28 @@ def _print_tables(report: dict[str, Any]) -> None:
     for note in report.get("notes", []):
         console.print(f"note: {note}")
 
-    cards = Table(title="best plan per card")
+    cards = Table(title="best plan per card; longest context: tokens per sequence that fit the card at micro-batch "
+                        f"{report['longest_context_micro_batch']}")
     for col in ("card", "memory", "$/hour", "plan", "predicted peak", "tokens/s (guess)", "$/M tokens"):
         cards.add_column(col, justify="right" if col not in ("card", "plan") else "left")
+    cards.add_column("longest context", justify="right", no_wrap=True)
     for c in report["cards"]:
         p = c["plan"]
+        longest = f"{c['longest_context_tokens']:,}" if c.get("longest_context_tokens") is not None else "-"
         if p:
             gc = p["gradient_checkpointing"]
             gc = gc if isinstance(gc, str) else f"{sum(gc)}/{len(gc)} layers"
             offload = "+".join(n for n, k in (("act", "offload_activations"), ("opt", "offload_optimizer")) if p[k])
             desc = (f"{p['method']} mb {p['micro_batch_size']} x acc {p['grad_accum']}, ckpt {gc}"
                     + (f", offload {offload}" if offload else ""))
+            if p.get("tile_tokens"):
+                desc += f", tiles {p['tile_tokens']}"
             cards.add_row(c["card"], format_bytes(c["memory_bytes"]), f"{c['price_per_hour']:.2f}", desc,
                           format_bytes(p["peak_bytes"]), f"{c['tokens_per_s_guess'] or 0:.0f}",
-                          f"{c['usd_per_million_tokens']:.2f}" if c["usd_per_million_tokens"] else "-")
+                          f"{c['usd_per_million_tokens']:.2f}" if c["usd_per_million_tokens"] else "-", longest)
         else:
             cards.add_row(c["card"], format_bytes(c["memory_bytes"]), f"{c['price_per_hour']:.2f}",
-                          "does not fit", "-", "-", "-")
+                          "does not fit", "-", "-", "-", longest)
     console.print(cards)
     if report["cheapest_card"]:
         console.print(f"cheapest card that fits: [bold]{report['cheapest_card']}[/bold]")

@@ -9,7 +9,9 @@
   that fits: recompute only what the budget requires);
 * activation offload (checkpointed layer inputs in host memory) and optimizer-state offload;
 * the lean loss's chunk size (the loss mode itself is the user's: exact by default; ghost and
-  naive only when asked for).
+  naive only when asked for);
+* the tile of the sequence-tiled MLP recompute in fully checkpointed layers (`TILE_CHOICES`,
+  or untiled): tiles cost a little speed, so a plan tiles only when untiled plans do not fit.
 
 Among the plans whose predicted peak is at most ``budget x (1 - margin)`` it keeps the one with
 the highest predicted tokens/s (ties: the smaller peak). When none fits it raises `BudgetError`
@@ -36,7 +38,10 @@ DEFAULT_MARGIN = 0.10
 #: (a numerics change, hence opt-in).
 #: ``checkpointing`` = full and per-layer (first k layers) recompute; ``selective`` = per-op.
 DEFAULT_ALLOW = frozenset({"checkpointing", "selective", "offload_activations", "offload_optimizer", "micro_batch",
-                           "loss_chunk"})
+                           "loss_chunk", "tile_tokens"})
+
+#: Tile sizes (tokens) the planner tries for `optimization.tile_tokens: auto`, largest first.
+TILE_CHOICES = (8192, 4096, 2048, 1024, 512, 256)
 
 BREAKDOWN_ROWS = ("weights", "adapters", "gradients", "optimizer", "activations", "loss", "workspace")
 
@@ -64,6 +69,7 @@ class Plan:
     lora_r: int | None = 16
     tokens_per_s_guess: float = 0.0
     notes: list[str] = field(default_factory=list)
+    tile_tokens: int | None = None
 
     @property
     def effective_batch(self) -> int:
@@ -109,6 +115,7 @@ class Plan:
             ("offload", ", ".join(n for n, on in (("activations", self.offload_activations),
                                                     ("optimizer", self.offload_optimizer)) if on) or "none"),
             ("loss", self.loss_mode + (f" (chunk {self.loss_chunk_size} tokens)" if self.loss_chunk_size else "")),
+            ("MLP tiles", f"{self.tile_tokens} tokens" if self.tile_tokens else "off"),
             ("optimizer", self.optimizer),
         ]
         rows += [(name, format_bytes(self.breakdown.get(name, 0))) for name in BREAKDOWN_ROWS]
@@ -160,12 +167,14 @@ def _describe(plan_kwargs: dict, seq_len: int, num_layers: int) -> str:
         parts.append("activation offload")
     if plan_kwargs.get("offload_optimizer"):
         parts.append("optimizer offload")
+    if plan_kwargs.get("tile_tokens"):
+        parts.append(f"MLP tiles of {plan_kwargs['tile_tokens']} tokens")
     parts.append(f"seq {seq_len}")
     return ", ".join(parts)
 
 
 def _candidates(shape, *, methods, micro_batches, checkpointings, offload_act_options, offload_opt_options,
-                optimizers, loss_mode, chunks_for):
+                optimizers, loss_mode, chunks_for, tiles_for):
     """Every combination the planner may pick, cheapest knobs first (see `plan_for_budget`)."""
     for method in methods:
         for mb in micro_batches:
@@ -177,9 +186,11 @@ def _candidates(shape, *, methods, micro_batches, checkpointings, offload_act_op
                     for off_opt in offload_opt_options:
                         for opt in optimizers:
                             for chunk in chunks_for(mb, method):
-                                yield dict(method=method, micro_batch=mb, checkpointing=gc, offload_activations=off_act,
-                                           offload_optimizer=off_opt, optimizer=opt, loss_mode=loss_mode,
-                                           loss_chunk_tokens=chunk)
+                                # Only fully recomputed layers are tiled.
+                                for tile in (tiles_for(mb) if gc == "full" else [None]):
+                                    yield dict(method=method, micro_batch=mb, checkpointing=gc,
+                                               offload_activations=off_act, offload_optimizer=off_opt, optimizer=opt,
+                                               loss_mode=loss_mode, loss_chunk_tokens=chunk, tile_tokens=tile)
 
 
 def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str = "lora", batch_size: int = 8,
@@ -189,7 +200,8 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                     micro_batch_size: int | str = "auto", gradient_checkpointing: str = "auto",
                     offload_activations: str | bool = "auto", offload_optimizer: str | bool = "auto",
                     margin: float = DEFAULT_MARGIN, device: str = "cuda", sharded: bool | None = None,
-                    free_memory: bool = False, **techniques: Any) -> Plan:
+                    free_memory: bool = False, tile_tokens: int | str | None = "auto", lean_lora: bool = True,
+                    **techniques: Any) -> Plan:
     """The fastest plan whose predicted peak is at most ``budget_bytes * (1 - margin)``.
 
     Fixed settings (an int micro-batch, ``gradient_checkpointing: full``, ``offload_*: on/off``,
@@ -201,6 +213,10 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     dpo_reference, matryoshka_*, offload_params, ghost_candidates), passed to every estimate:
     `maximus.memory.estimate.technique_kwargs(cfg)` reads them from a Config.
 
+    ``tile_tokens``: ``auto`` (searched, `TILE_CHOICES`, when ``allow`` has ``tile_tokens``), ``off``
+    / None, or a tile size (a tile of at least the micro-batch's tokens is one tile: untiled, noted).
+    ``lean_lora``: adapters run as Maximus' lean projections (`optimization.lean_lora`), else PEFT's.
+
     ``free_memory=True`` says ``budget_bytes`` is not the user's budget but the device's free
     memory (no ``target_vram``): the fastest plan that fits it, and when none does, the plan that
     needs the least memory, with a note (a run the user did not bound is attempted, not refused).
@@ -208,9 +224,14 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     Raises:
         BudgetError: nothing fits (and not ``free_memory``); the message names the smallest
             budget that would work.
-        ConfigError: the batch cannot be split evenly over the ranks, or a setting is unknown.
+        ConfigError: the batch cannot be split evenly over the ranks, or a setting is unknown
+            (a tile_tokens below 1).
     """
     allow = DEFAULT_ALLOW if allow is None else frozenset(allow)
+    if isinstance(tile_tokens, bool) or (isinstance(tile_tokens, int) and tile_tokens < 1) or (
+            not isinstance(tile_tokens, int) and tile_tokens not in ("auto", "off", None)):
+        raise ConfigError(f"optimization.tile_tokens must be a positive number of tokens, auto or off, got {tile_tokens!r}",
+                          "use e.g. tile_tokens: 4096, or off")
     shape = model_shape(model_config)
     if dtype not in DTYPE_BYTES:
         raise ConfigError(f"unknown dtype {dtype!r}", "use bf16, fp16 or fp32")
@@ -256,9 +277,16 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
         smaller = [c for c in (1024, 512, 256, 128, 64, 32) if c < default]
         return [default] + smaller
 
+    def tiles_for(mb: int) -> list[int | None]:
+        if isinstance(tile_tokens, int):
+            return [tile_tokens]
+        if tile_tokens != "auto" or "tile_tokens" not in allow:
+            return [None]
+        return [None] + [t for t in TILE_CHOICES if t < mb * seq_len]
+
     usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     common = dict(dtype=dtype, seq_len=seq_len, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
-                  device=device, sharded=sharded, **techniques)
+                  device=device, sharded=sharded, lean_lora=lean_lora, **techniques)
 
     def est(kw: dict, mb: int) -> Estimate:
         return estimate_peak(shape, grad_accum=per_rank // mb, **common, **kw)
@@ -267,7 +295,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     smallest: tuple[int, dict, Estimate] | None = None
     for kw in _candidates(shape, methods=methods, micro_batches=micro_batches, checkpointings=checkpointings,
                           offload_act_options=off_act, offload_opt_options=off_opt, optimizers=optimizers,
-                          loss_mode=loss_mode, chunks_for=chunks_for):
+                          loss_mode=loss_mode, chunks_for=chunks_for, tiles_for=tiles_for):
         mb = kw["micro_batch"]
         e = est(kw, mb)
         if usable is not None and e.peak_bytes > usable and kw["checkpointing"] == "off" and "checkpointing" in allow \
@@ -343,29 +371,38 @@ def _to_plan(kw: dict, e: Estimate, shape, budget: int | None, margin: float, pe
                      f"({e.peak_bytes / budget:.0%}), {format_bytes(margin_bytes)} kept as margin")
     if isinstance(gc, int):
         notes.append(f"{gc} of {shape.num_layers} layers fully checkpointed: the fewest that fit")
+    tile = kw.get("tile_tokens")
+    if tile and tile >= mb * seq_len:
+        notes.append(f"tile_tokens {tile} >= the micro-batch's {mb * seq_len} tokens: one tile (the MLP runs untiled)")
+    elif tile:
+        notes.append(f"the MLP of each fully recomputed layer runs over {math.ceil(mb * seq_len / tile)} tiles of "
+                     f"{tile} tokens in backward")
     notes += [n for n in e.notes if n not in notes]
     return Plan(method=kw["method"], micro_batch_size=mb, grad_accum=per_rank // mb, gradient_checkpointing=gc_value,
                 offload_activations=kw["offload_activations"], offload_optimizer=kw["offload_optimizer"],
                 optimizer=kw["optimizer"], loss_mode=kw["loss_mode"], loss_chunk_size=kw["loss_chunk_tokens"],
                 peak_bytes=e.peak_bytes, breakdown=dict(e.breakdown), budget_bytes=budget, margin_bytes=margin_bytes,
                 seq_len=seq_len, world_size=world_size, dtype=dtype, lora_r=lora_r if kw["method"] != "full" else None,
-                tokens_per_s_guess=e.tokens_per_s_guess, notes=notes)
+                tokens_per_s_guess=e.tokens_per_s_guess, notes=notes, tile_tokens=tile)
 
 
 def max_seq_len_for_budget(model_config: Any, budget_bytes: int, *, method: str = "qlora", micro_batch: int = 1,
                            dtype: str = "bf16", optimizer: str = "adamw", lora_r: int = 16,
                            lora_targets: str | Sequence[str] = "all-linear", loss_mode: str = "exact",
                            allow: Iterable[str] | None = None, margin: float = DEFAULT_MARGIN, device: str = "cuda",
-                           limit: int = 1 << 22) -> int:
+                           limit: int = 1 << 22, tile_tokens: int | str | None = "auto", lean_lora: bool = True,
+                           **techniques: Any) -> int:
     """The longest sequence (tokens) for which some plan with this micro-batch fits the budget;
     0 if not even one token fits. Every knob in ``allow`` may be used (full checkpointing,
-    activation offload, small loss chunks)."""
+    activation offload, small loss chunks, the MLP tile: `plan_for_budget` searches it when
+    ``tile_tokens`` is ``auto``); ``lean_lora`` and ``techniques`` as in `plan_for_budget`."""
 
     def fits(seq: int) -> bool:
         try:
             plan_for_budget(model_config, budget_bytes, method=method, batch_size=micro_batch, seq_len=seq,
                             micro_batch_size=micro_batch, allow=allow, dtype=dtype, optimizer=optimizer,
-                            lora_r=lora_r, lora_targets=lora_targets, loss_mode=loss_mode, margin=margin, device=device)
+                            lora_r=lora_r, lora_targets=lora_targets, loss_mode=loss_mode, margin=margin, device=device,
+                            tile_tokens=tile_tokens, lean_lora=lean_lora, **techniques)
             return True
         except BudgetError:
             return False

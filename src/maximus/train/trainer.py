@@ -139,7 +139,7 @@ class Trainer:
             "offload_optimizer": opt.offload.optimizer == "on",
             "optimizer": cfg.training.optimizer,
             "budget_bytes": None,
-            # Tiled MLP recompute: only when asked for by size (auto without a budget: off).
+            # Tiled MLP recompute: the planner's choice below; unplanned, only when asked for by size.
             "tile_tokens": opt.tile_tokens if isinstance(opt.tile_tokens, int) else None,
         }
         from maximus.errors import ModelError
@@ -175,6 +175,7 @@ class Trainer:
                       gradient_checkpointing=opt.gradient_checkpointing, loss_mode=plan["loss_mode"],
                       loss_chunk_size=opt.loss_chunk_size, offload_activations=opt.offload.activations,
                       offload_optimizer=opt.offload.optimizer, device=self.device.type, free_memory=free_memory,
+                      tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
                       **technique_kwargs(cfg))  # Kronecker, ghost candidates, DPO / contrastive rows, ...
         if world == 1 or strategy != "auto":
             sharded = None if world == 1 else strategy == "fsdp"

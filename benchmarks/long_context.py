@@ -1,0 +1,247 @@
+"""Longest context in the memory you have (issue 17): predicted for Llama-3.1-8B, measured on this CPU.
+
+Predicted: `max_seq_len_for_budget` for Llama-3.1-8B QLoRA r=32, batch 1 (default 10 % margin) on
+8 / 16 / 24 / 80 GB cards, before (untiled, PEFT's LoRA layers) and now (tiled MLP recompute, lean
+LoRA projections), beside Unsloth's published figures.
+
+Measured: the reference model of shared/ANCHORS.md, QLoRA r=16, batch 1, full checkpointing, one
+training run per (length, setup) in a fresh process, through `Trainer` (peak = run.json
+``memory.peak_bytes``, the CPU meter), for three setups:
+
+* ``tiled``: Maximus, MLP tiles of ``--tile`` tokens, lean LoRA;
+* ``untiled``: Maximus, ``tile_tokens: off``, lean LoRA;
+* ``peer``: Transformers + PEFT + bitsandbytes, gradient checkpointing, Transformers' loss,
+  peak from the same meter (`measure_step_peak`); skipped where its logits alone pass ``--peer-max-gib``.
+
+plus ``budget``: 16,384 tokens under ``target_vram: 1.5GB`` (the planner chooses). Each peak sits
+beside `estimate_peak` for the same settings.
+
+    flock /tmp/bench.lock python benchmarks/long_context.py                 # everything (~20 min, 2 cores)
+    python benchmarks/long_context.py --predicted-only                      # the 8B table (1 s)
+    flock /tmp/bench.lock python benchmarks/long_context.py --lengths 4096 16384
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+EIGHT_B = "meta-llama/Llama-3.1-8B"
+#: Unsloth's published longest context, Llama 3.1 8B QLoRA r=32 batch 1 (README / docs
+#: "unsloth-benchmarks"), and Hugging Face + FA2 beside it (None: OOM).
+UNSLOTH = {"8GB": (2972, None), "16GB": (40724, 2551), "24GB": (78475, 5789), "80GB": (342733, 28454)}
+GIB = 2**30
+
+
+def predicted_table() -> list[str]:
+    from maximus.memory.planner import max_seq_len_for_budget, plan_for_budget, resolve_budget
+
+    lines = ["| card | Maximus before (untiled, PEFT layers) | Maximus now (tiled + lean LoRA) | plan at that length "
+             "| Unsloth | HF + FA2 (Unsloth's figure) | now / Unsloth |", "|---|---|---|---|---|---|---|"]
+    for card, (unsloth, hf) in UNSLOTH.items():
+        budget = resolve_budget(card)
+        before = max_seq_len_for_budget(EIGHT_B, budget, method="qlora", lora_r=32, tile_tokens="off", lean_lora=False)
+        now = max_seq_len_for_budget(EIGHT_B, budget, method="qlora", lora_r=32)
+        plan = plan_for_budget(EIGHT_B, budget, method="qlora", lora_r=32, batch_size=1, seq_len=now)
+        knobs = [plan.checkpointing_label] + [n for n, on in (("activation offload", plan.offload_activations),
+                                                              ("optimizer offload", plan.offload_optimizer)) if on]
+        knobs.append(f"tiles {plan.tile_tokens}" if plan.tile_tokens else "untiled")
+        lines.append(f"| {card} | {before:,} | **{now:,}** | {', '.join(knobs)} | {unsloth:,} | "
+                     f"{'OOM' if hf is None else f'{hf:,}'} | {now / unsloth:.2f}x |")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------
+# One measured run (in a child process)
+
+
+def _data(path: Path, tokens_needed: int) -> Path:
+    rng = random.Random(0)
+    words = "red green blue gold stone river cloud tiger eagle maple north south seven quiet bright".split()
+    with open(path, "w", encoding="utf-8") as f:
+        chars = 0
+        while chars < tokens_needed * 4:
+            text = " ".join(rng.choice(words) for _ in range(2000))
+            f.write(json.dumps({"text": text}) + "\n")
+            chars += len(text)
+    return path
+
+
+def _prediction(setup: str, seq_len: int, tile: int | None) -> int:
+    from _reference_model import REFERENCE_CONFIG
+
+    from maximus.memory.estimate import estimate_peak
+
+    if setup == "peer":
+        return estimate_peak(REFERENCE_CONFIG, method="qlora", lora_r=16, seq_len=seq_len, checkpointing="full",
+                             loss_mode="naive", device="cpu").peak_bytes
+    return estimate_peak(REFERENCE_CONFIG, method="qlora", lora_r=16, seq_len=seq_len, checkpointing="full",
+                         tile_tokens=tile, lean_lora=True, device="cpu").peak_bytes
+
+
+def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path) -> dict:
+    from _reference_model import reference_model_dir
+
+    from maximus import Config, Trainer
+
+    opt: dict = {"gradient_checkpointing": "full", "tile_tokens": tile if setup == "tiled" else "off"}
+    if setup == "budget":
+        opt = {"target_vram": "1.5GB"}
+    cfg = {"model": str(reference_model_dir()), "method": "qlora", "output_dir": str(work / "run"),
+           "dataset": {"path": str(_data(work / "data.jsonl", seq_len * (steps + 1))), "format": "text"},
+           "lora": {"r": 16, "alpha": 32}, "optimization": opt,
+           "training": {"batch_size": 1, "micro_batch_size": 1, "max_steps": steps, "seq_len": seq_len,
+                        "dtype": "bf16", "warmup_steps": 0, "learning_rate": 1e-4},
+           "eval": {"enabled": False, "before": False}, "logging": {"progress": "none"}}
+    Trainer(Config.from_dict(cfg)).train()
+    summary = json.loads((work / "run" / "run.json").read_text())
+    metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
+    steps_ = [m for m in metrics if "step_time_s" in m]
+    plan = summary.get("plan", {})
+    chosen_tile = plan.get("tile_tokens") if setup == "budget" else (tile if setup == "tiled" else None)
+    if setup == "budget":
+        from _reference_model import REFERENCE_CONFIG
+
+        from maximus.memory.estimate import estimate_peak
+
+        gc = plan.get("gradient_checkpointing")
+        gc = [g == "full" for g in gc] if isinstance(gc, list) else gc
+        predicted = estimate_peak(REFERENCE_CONFIG, method="qlora", lora_r=16, seq_len=seq_len, checkpointing=gc,
+                                  tile_tokens=chosen_tile, lean_lora=True, device="cpu",
+                                  loss_chunk_tokens=plan.get("loss_chunk_size")).peak_bytes
+    else:
+        predicted = _prediction(setup, seq_len, chosen_tile)
+    return {"setup": setup, "seq_len": seq_len, "peak_bytes": summary["memory"]["peak_bytes"], "predicted": predicted,
+            "step_time_s": [m["step_time_s"] for m in steps_], "losses": [m.get("loss") for m in steps_],
+            "tile": chosen_tile, "plan": {k: plan.get(k) for k in ("gradient_checkpointing", "tile_tokens",
+                                                                   "loss_chunk_size", "budget_bytes")}}
+
+
+def run_peer(seq_len: int, steps: int) -> dict:
+    import torch
+    from _reference_model import reference_model_dir
+    from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
+    from transformers import AutoModelForCausalLM, BitsAndBytesConfig
+
+    from maximus.memory import measure_step_peak
+
+    quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
+                               bnb_4bit_compute_dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_pretrained(str(reference_model_dir()), quantization_config=quant,
+                                                 dtype=torch.bfloat16, device_map={"": "cpu"})
+    model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
+                                            gradient_checkpointing_kwargs={"use_reentrant": False})
+    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model.train()
+    optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
+    ids = torch.randint(0, 300, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    times = []
+
+    def step():
+        start = time.perf_counter()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        times.append(time.perf_counter() - start)
+
+    peak, _ = measure_step_peak(step, model, optimizer, device="cpu", warmup=steps - 1)
+    return {"setup": "peer", "seq_len": seq_len, "peak_bytes": peak, "predicted": _prediction("peer", seq_len, None),
+            "step_time_s": times, "losses": [], "tile": None, "plan": {}}
+
+
+def _child(spec: dict) -> dict:
+    import torch
+
+    torch.set_num_threads(spec["threads"])
+    with tempfile.TemporaryDirectory() as work:
+        if spec["setup"] == "peer":
+            return run_peer(spec["seq_len"], spec["steps"])
+        return run_ours(spec["setup"], spec["seq_len"], spec["tile"], spec["steps"], Path(work))
+
+
+def measure(spec: dict) -> dict:
+    env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), HF_HUB_OFFLINE="1")
+    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
+                         env=env)
+    for line in reversed(out.stdout.splitlines()):
+        if line.startswith("RESULT "):
+            return json.loads(line[len("RESULT "):])
+    raise RuntimeError(f"{spec} failed:\n{out.stderr[-3000:]}")
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--predicted-only", action="store_true")
+    parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
+    parser.add_argument("--tile", type=int, default=1024, help="tile of the tiled setup (tokens)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peer-max-gib", type=float, default=8.0,
+                        help="skip the peer where its float32 logits and their gradients (12 B per logit) pass this")
+    parser.add_argument("--speed-length", type=int, default=16384, help="length of the 2-step tiled/untiled timing")
+    parser.add_argument("--child", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.child:
+        print("RESULT " + json.dumps(_child(json.loads(args.child))), flush=True)
+        return 0
+
+    print("## Predicted: Llama-3.1-8B QLoRA r=32, batch 1, 10 % margin (`max_seq_len_for_budget`)\n")
+    print("\n".join(predicted_table()), flush=True)
+    if args.predicted_only:
+        return 0
+
+    import torch
+
+    from maximus.models import bf16_supported
+
+    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    torch.set_num_threads(args.threads)
+    start = time.perf_counter()
+    for _ in range(5):
+        a @ a
+    rate = 5 * 2 * 2048**3 / (time.perf_counter() - start)
+    print(f"\nCPU: native bf16 {bf16_supported(torch.device('cpu'))}, bf16 matmul {rate / 1e9:.0f} GFLOP/s "
+          f"({args.threads} threads)\n", flush=True)
+    rows = []
+    for seq in args.lengths:
+        specs = []
+        for setup in ("tiled", "untiled"):
+            specs.append(dict(setup=setup, seq_len=seq, tile=args.tile, steps=2 if seq == args.speed_length else 1))
+        if seq == 16384:
+            specs.append(dict(setup="budget", seq_len=seq, tile=args.tile, steps=1))
+        if seq * 128256 * 12 <= args.peer_max_gib * GIB:
+            specs.append(dict(setup="peer", seq_len=seq, tile=None, steps=2))
+        for spec in specs:
+            spec["threads"] = args.threads
+            r = measure(spec)
+            rows.append(r)
+            print(f"  {r['setup']:8s} {seq:6d}: peak {r['peak_bytes'] / 2**20:8.0f} MiB, predicted "
+                  f"{r['predicted'] / 2**20:8.0f} MiB ({r['predicted'] / r['peak_bytes'] - 1:+.1%}), "
+                  f"steps {['%.1f' % t for t in r['step_time_s']]} s, tile {r['tile']}, plan {r['plan']}", flush=True)
+    print("\n| tokens | setup | measured peak | predicted | error | step (s) | tokens/s |")
+    print("|---|---|---|---|---|---|---|")
+    for r in rows:
+        t = r["step_time_s"][-1]
+        print(f"| {r['seq_len']:,} | {r['setup']}{' (tiles %d)' % r['tile'] if r['tile'] else ''} "
+              f"| {r['peak_bytes'] / 2**20:,.0f} MiB | {r['predicted'] / 2**20:,.0f} MiB "
+              f"| {r['predicted'] / r['peak_bytes'] - 1:+.1%} | {t:.1f} | {r['seq_len'] / t:,.0f} |")
+    pair = {r["setup"]: r for r in rows if r["seq_len"] == args.speed_length and r["setup"] in ("tiled", "untiled")}
+    if len(pair) == 2:
+        ratio = pair["tiled"]["step_time_s"][-1] / pair["untiled"]["step_time_s"][-1]
+        print(f"\nspeed at {args.speed_length}: tiled step / untiled step = {ratio:.3f} (second step of each; "
+              f"losses tiled {pair['tiled']['losses']} untiled {pair['untiled']['losses']})")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
