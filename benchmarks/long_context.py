@@ -19,6 +19,7 @@ beside `estimate_peak` for the same settings.
     flock /tmp/bench.lock python benchmarks/long_context.py                 # everything (~20 min, 2 cores)
     python benchmarks/long_context.py --predicted-only                      # the 8B table (1 s)
     flock /tmp/bench.lock python benchmarks/long_context.py --lengths 4096 16384
+    flock /tmp/bench.lock python benchmarks/long_context.py --speed-pairs 2     # tiled vs untiled step at 16k
 """
 from __future__ import annotations
 
@@ -180,6 +181,52 @@ def measure(spec: dict) -> dict:
     raise RuntimeError(f"{spec} failed:\n{out.stderr[-3000:]}")
 
 
+def interleaved_speed(seq_len: int, tile: int, pairs: int, threads: int) -> dict:
+    """Step seconds of one model, tiled and untiled steps alternating after one warm-up step (the
+    machine's noise hits both alike): QLoRA r=16 on the reference model, lean LoRA, full
+    checkpointing, exact chunked loss under bf16 autocast, as the trainer runs it."""
+    import torch
+    from _reference_model import reference_model_dir
+
+    from maximus import Config
+    from maximus.forward import autocast_for
+    from maximus.kernels.lean_lora import install_lean_lora
+    from maximus.losses.linear_cross_entropy import linear_cross_entropy
+    from maximus.memory.checkpointing import set_recompute_modes
+    from maximus.models import causal_lm_of, load_model
+
+    torch.set_num_threads(threads)
+    cfg = Config.from_dict({"model": str(reference_model_dir()), "dataset": "unused", "method": "qlora",
+                            "lora": {"r": 16, "alpha": 32}, "training": {"dtype": "bf16"}})
+    model, _ = load_model(cfg, device=torch.device("cpu"))
+    model.train()
+    install_lean_lora(model)
+    lm = causal_lm_of(model)
+    ids = torch.randint(0, 300, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    layers = lm.config.num_hidden_layers
+
+    def step(tile_tokens):
+        set_recompute_modes(model, ["full"] * layers, tile_tokens=tile_tokens)
+        model.zero_grad(set_to_none=True)
+        start = time.perf_counter()
+        with autocast_for(torch.device("cpu"), torch.bfloat16):
+            hidden = lm.model(input_ids=ids).last_hidden_state
+            loss = linear_cross_entropy(hidden[:, :-1], lm.lm_head.weight, ids[:, 1:])
+        loss.backward()
+        return time.perf_counter() - start, loss.item()
+
+    step(None)  # warm-up
+    times = {"tiled": [], "untiled": []}
+    losses = {"tiled": [], "untiled": []}
+    for _ in range(pairs):
+        for name, t in (("tiled", tile), ("untiled", None)):
+            seconds, loss = step(t)
+            times[name].append(seconds)
+            losses[name].append(loss)
+    ratios = [a / b for a, b in zip(times["tiled"], times["untiled"])]
+    return {"seq_len": seq_len, "tile": tile, "times": times, "losses": losses, "ratios": ratios}
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--predicted-only", action="store_true")
@@ -189,8 +236,19 @@ def main(argv=None) -> int:
     parser.add_argument("--peer-max-gib", type=float, default=8.0,
                         help="skip the peer where its float32 logits and their gradients (12 B per logit) pass this")
     parser.add_argument("--speed-length", type=int, default=16384, help="length of the 2-step tiled/untiled timing")
+    parser.add_argument("--speed-pairs", type=int, default=0,
+                        help="only time N interleaved tiled/untiled step pairs at --speed-length in one process")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.speed_pairs:
+        import statistics
+
+        r = interleaved_speed(args.speed_length, args.tile, args.speed_pairs, args.threads)
+        print(f"{args.speed_length} tokens, tiles {args.tile}: tiled {['%.1f' % t for t in r['times']['tiled']]} s, "
+              f"untiled {['%.1f' % t for t in r['times']['untiled']]} s; tiled / untiled median "
+              f"{statistics.median(r['ratios']):.3f} (range {min(r['ratios']):.3f}-{max(r['ratios']):.3f}); "
+              f"losses tiled {r['losses']['tiled']} untiled {r['losses']['untiled']}")
+        return 0
     if args.child:
         print("RESULT " + json.dumps(_child(json.loads(args.child))), flush=True)
         return 0

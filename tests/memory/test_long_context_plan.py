@@ -71,9 +71,10 @@ def test_lean_layer_bytes_are_what_autograd_saves(dims, dtype, autocast):
 def test_longest_context_of_the_8b_beats_unsloth_and_the_old_estimate():
     def longest(budget, **kw):
         return max_seq_len_for_budget(EIGHT_B, resolve_budget(budget), method="qlora", lora_r=32, **kw)
-    # the figures of issue 17 before this work: untiled, PEFT's layers
-    assert longest("16GB", tile_tokens="off", lean_lora=False) == 19486
-    assert longest("8GB", tile_tokens="off", lean_lora=False) == 1595
+    # untiled with PEFT's layers (19,486 and 1,595 when issue 17 was filed; the estimator has been
+    # refined since) stays below Unsloth
+    assert longest("16GB", tile_tokens="off", lean_lora=False) == 24142
+    assert longest("8GB", tile_tokens="off", lean_lora=False) == 1961
     sixteen, eight = longest("16GB"), longest("8GB")
     assert sixteen >= 60000 and eight >= 3000  # goals; Unsloth: 40,724 and 2,972
     assert (sixteen, eight) == (75488, 5788)
