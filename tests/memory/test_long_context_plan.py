@@ -127,3 +127,16 @@ def test_plan_command_prints_the_longest_context_per_card(capsys):
     text = capsys.readouterr().out
     assert "longest context: tokens per sequence that fit the card at micro-batch 1" in " ".join(text.split())
     assert f"{by_card['A100-80GB']:,}" in text
+
+
+def test_a_context_that_fits_no_plan_names_the_longest_that_would():
+    with pytest.raises(BudgetError) as err:
+        plan_for_budget(EIGHT_B, resolve_budget("16GB"), method="qlora", lora_r=32, batch_size=1, seq_len=100000)
+    assert err.value.message.endswith("; the longest sequence that fits is 75,488 tokens at micro-batch 1")
+    plan_for_budget(EIGHT_B, resolve_budget("16GB"), method="qlora", lora_r=32, batch_size=1, seq_len=75488)
+    # with the user's fixed settings: untiled, the longest is shorter
+    with pytest.raises(BudgetError) as err:
+        plan_for_budget(EIGHT_B, resolve_budget("16GB"), method="qlora", lora_r=32, batch_size=1, seq_len=100000,
+                        tile_tokens="off")
+    n = max_seq_len_for_budget(EIGHT_B, resolve_budget("16GB"), method="qlora", lora_r=32, tile_tokens="off")
+    assert n < 75488 and err.value.message.endswith(f"; the longest sequence that fits is {n:,} tokens at micro-batch 1")

@@ -213,3 +213,15 @@ def test_trainer_tiles_when_asked_and_trains_the_same(tiny_llama, pc_data, tmp_p
     assert tiled["checkpointing"]["tile_tokens"] == 16 and untiled["checkpointing"]["tile_tokens"] is None
     assert len(tiled_losses) == 2
     torch.testing.assert_close(torch.tensor(tiled_losses), torch.tensor(untiled_losses), rtol=1e-5, atol=1e-6)
+
+
+def test_tiling_composes_with_activation_offload(tiny_llama):
+    """Checkpointed layer inputs moved to host memory and back (the offloader), MLP tiled on top."""
+    expected = _step(_lora(tiny_llama, "lora"))
+    model = _lora(tiny_llama, "lora")
+    report = apply_checkpointing(model, "full", micro_batch=BATCH, seq_len=SEQ, tile_tokens=TILE,
+                                 offload_activations=True)
+    assert report.offload_activations and report.tile_tokens == TILE
+    _assert_same(_step(model), expected)
+    _, layers = find_decoder_layers(model)
+    assert layers[0]._maximus_offloader.stats.offloaded_tensors == len(layers)

@@ -201,7 +201,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                     offload_activations: str | bool = "auto", offload_optimizer: str | bool = "auto",
                     margin: float = DEFAULT_MARGIN, device: str = "cuda", sharded: bool | None = None,
                     free_memory: bool = False, tile_tokens: int | str | None = "auto", lean_lora: bool = True,
-                    **techniques: Any) -> Plan:
+                    name_longest: bool = True, **techniques: Any) -> Plan:
     """The fastest plan whose predicted peak is at most ``budget_bytes * (1 - margin)``.
 
     Fixed settings (an int micro-batch, ``gradient_checkpointing: full``, ``offload_*: on/off``,
@@ -216,6 +216,8 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     ``tile_tokens``: ``auto`` (searched, `TILE_CHOICES`, when ``allow`` has ``tile_tokens``), ``off``
     / None, or a tile size (a tile of at least the micro-batch's tokens is one tile: untiled, noted).
     ``lean_lora``: adapters run as Maximus' lean projections (`optimization.lean_lora`), else PEFT's.
+    ``name_longest``: when nothing fits, the error also names the longest sequence that would fit
+    with the same settings (`max_seq_len_for_budget`, which turns it off for its own search).
 
     ``free_memory=True`` says ``budget_bytes`` is not the user's budget but the device's free
     memory (no ``target_vram``): the fastest plan that fits it, and when none does, the plan that
@@ -320,8 +322,19 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
         hint = "raise target_vram, lower training.seq_len, or use method: qlora"
         if "qlora" in methods:
             hint = "raise target_vram or lower training.seq_len"
+        longest = ""
+        if name_longest and world_size == 1 and budget_bytes is not None:
+            mb = min(micro_batches)
+            n = max_seq_len_for_budget(
+                shape, budget_bytes, method=method, micro_batch=mb, dtype=dtype, optimizer=optimizer, lora_r=lora_r,
+                lora_targets=lora_targets, loss_mode=loss_mode, allow=allow, margin=margin, device=device,
+                limit=max(1, seq_len - 1), tile_tokens=tile_tokens, lean_lora=lean_lora,
+                gradient_checkpointing=gradient_checkpointing, offload_activations=offload_activations,
+                offload_optimizer=offload_optimizer, loss_chunk_size=loss_chunk_size, **techniques)
+            longest = (f"; the longest sequence that fits is {n:,} tokens at micro-batch {mb}" if n
+                       else "; not even one token fits")
         raise BudgetError(f"nothing fits in {format_bytes(budget_bytes)}: the smallest plan needs "
-                          f"{format_bytes(needed)} ({_describe(smallest[1], seq_len, shape.num_layers)})", hint)
+                          f"{format_bytes(needed)} ({_describe(smallest[1], seq_len, shape.num_layers)}){longest}", hint)
     _, _, kw, e = best
     plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r)
     if free_memory:
@@ -395,14 +408,15 @@ def max_seq_len_for_budget(model_config: Any, budget_bytes: int, *, method: str 
     """The longest sequence (tokens) for which some plan with this micro-batch fits the budget;
     0 if not even one token fits. Every knob in ``allow`` may be used (full checkpointing,
     activation offload, small loss chunks, the MLP tile: `plan_for_budget` searches it when
-    ``tile_tokens`` is ``auto``); ``lean_lora`` and ``techniques`` as in `plan_for_budget`."""
+    ``tile_tokens`` is ``auto``); ``lean_lora`` and ``techniques`` (any other `plan_for_budget`
+    keyword: fixed checkpointing, offload, loss chunk, Kronecker, ...) as in `plan_for_budget`."""
 
     def fits(seq: int) -> bool:
         try:
             plan_for_budget(model_config, budget_bytes, method=method, batch_size=micro_batch, seq_len=seq,
                             micro_batch_size=micro_batch, allow=allow, dtype=dtype, optimizer=optimizer,
                             lora_r=lora_r, lora_targets=lora_targets, loss_mode=loss_mode, margin=margin, device=device,
-                            tile_tokens=tile_tokens, lean_lora=lean_lora, **techniques)
+                            tile_tokens=tile_tokens, lean_lora=lean_lora, name_longest=False, **techniques)
             return True
         except BudgetError:
             return False
