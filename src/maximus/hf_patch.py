@@ -177,6 +177,9 @@ def unpatch(model):
     lm.__class__ = report.base_class
     del lm.__dict__["_maximus_patch"]
     remove_checkpointing(lm)
+    from maximus.kernels.lean_lora import uninstall_lean_lora
+
+    uninstall_lean_lora(lm)  # apply_kernels routed the LoRA linears through lean projections
     _, layers = find_decoder_layers(lm)
     for layer, was_on in zip(layers, report.hf_checkpointing):
         if hasattr(layer, "gradient_checkpointing"):

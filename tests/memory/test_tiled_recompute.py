@@ -225,3 +225,28 @@ def test_tiling_composes_with_activation_offload(tiny_llama):
     _assert_same(_step(model), expected)
     _, layers = find_decoder_layers(model)
     assert layers[0]._maximus_offloader.stats.offloaded_tensors == len(layers)
+
+
+def test_tiling_keeps_kronecker_attention(tiny_llama):
+    """Attention stays Kronecker Sketching (past its detail budget, so the sketch runs), MLP tiled."""
+    from transformers import AutoModelForCausalLM
+
+    from maximus.attention import install_kronecker
+    from maximus.config import KroneckerConfig
+
+    def build():
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+        model = install_kronecker(model, KroneckerConfig(detail_tokens=8, sketch_slots=4, block=4))
+        torch.manual_seed(0)
+        return get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "gate_proj", "down_proj"],
+                                                init_lora_weights=False)).train()
+    untiled = build()
+    apply_checkpointing(untiled, "full", micro_batch=BATCH, seq_len=SEQ)
+    expected = _step(untiled)
+    tiled = build()
+    apply_checkpointing(tiled, "full", micro_batch=BATCH, seq_len=SEQ, tile_tokens=TILE)
+    got = _step(tiled)
+    torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+    assert got[1].keys() == expected[1].keys() and len(expected[1]) == 12
+    for name, grad in expected[1].items():
+        torch.testing.assert_close(got[1][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
