@@ -250,3 +250,27 @@ def test_tiling_keeps_kronecker_attention(tiny_llama):
     assert got[1].keys() == expected[1].keys() and len(expected[1]) == 12
     for name, grad in expected[1].items():
         torch.testing.assert_close(got[1][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
+
+
+def test_trainer_tiles_when_the_budget_needs_it_and_stays_under_it(tiny_llama, pc_data, tmp_path):
+    """tile_tokens: auto with a budget that untiled plans miss: the planner's tile reaches the layers."""
+    import json
+
+    from maximus import Trainer
+    from maximus.errors import BudgetError
+    from maximus.memory.estimate import load_model_config
+    from maximus.memory.planner import plan_for_budget
+    from tiny import tiny_config
+
+    budget = 3_300_000
+    kw = dict(method="lora", batch_size=2, seq_len=256, micro_batch_size=2, dtype="fp32", lora_r=4, device="cpu")
+    with pytest.raises(BudgetError):
+        plan_for_budget(load_model_config(str(tiny_llama)), budget, tile_tokens="off", **kw)
+    cfg = tiny_config(tiny_llama, pc_data, tmp_path / "run", eval={"before": False},
+                      training={"max_steps": 1, "seq_len": 256, "batch_size": 2, "micro_batch_size": 2},
+                      optimization={"gradient_checkpointing": "auto", "target_vram": budget})
+    Trainer(Config.from_dict(cfg)).train()
+    summary = json.loads((tmp_path / "run" / "run.json").read_text())
+    assert summary["plan"]["tile_tokens"] == 256 and summary["checkpointing"]["tile_tokens"] == 256
+    assert "the MLP of each fully recomputed layer runs over 2 tiles of 256 tokens in backward" in summary["plan"]["notes"]
+    assert summary["memory"]["peak_bytes"] <= budget
