@@ -188,3 +188,15 @@ def test_trainer_routes_lora_through_lean_unless_turned_off(tiny_llama, pc_data,
                         if '"loss"' in line]
     assert counts == {True: 14, False: 0}
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=1e-5, atol=1e-6)
+
+
+def test_gpt2_conv1d_takes_peft_forward():
+    """GPT-2's Conv1D keeps its weight transposed (fan_in_fan_out): not the lean case."""
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    torch.manual_seed(0)
+    model = GPT2LMHeadModel(GPT2Config(vocab_size=300, n_embd=32, n_layer=1, n_head=2, n_positions=64))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules=["c_attn"], fan_in_fan_out=True,
+                                             init_lora_weights=False)).train()
+    assert len(install_lean_lora(model)) == 1  # routed, but the plain-case check declines it
+    assert "_LeanLoRAFunctionBackward" not in _nodes(model)

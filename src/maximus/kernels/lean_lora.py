@@ -119,6 +119,10 @@ def _plain_adapter(layer, args, kwargs) -> str | None:
     if not getattr(layer, "cast_input_dtype_enabled", True):
         return None
     base = layer.get_base_layer()
+    # A plain (out, in) weight: nn.Linear or bitsandbytes' 4-bit subclass of it; not GPT-2's
+    # transposed Conv1D (fan_in_fan_out), whose backward the hand-derived one does not cover.
+    if not isinstance(base, torch.nn.Linear) or getattr(layer, "fan_in_fan_out", False):
+        return None
     if base.weight.requires_grad or (getattr(base, "bias", None) is not None and base.bias.requires_grad):
         return None
     return name
