@@ -542,8 +542,15 @@ def ghost_loss_bytes(shape: ModelShape, T: int, b: int, trainable_head: bool, ch
     V, h = shape.vocab_size, shape.hidden_size
     chunk = max(1, min(chunk_tokens or DEFAULT_GHOST_CHUNK_TOKENS, T))
     K = min(V, candidates + chunk)
-    scan = min(V, max(1, SCAN_BLOCK_BYTES // (chunk * b))) * chunk * b  # one block of prefix scores
-    loss = 2 * T * h * b + V * (64 * b + b + 8) + scan + K * h * b + chunk * (K + 1) * (8 + 2 * b)
+    # The candidate scan runs over blocks of vocabulary rows; the next block's scores exist
+    # before the previous block's are freed.
+    block_rows = max(1, SCAN_BLOCK_BYTES // (chunk * b))
+    scan = min(V, block_rows) * chunk * b * (2 if V > block_rows else 1)
+    # per call: centred prefix rows, best score (16-bit and float32), position, the scan;
+    # per chunk: gathered rows, C x K logits and gradients; the hidden-state gradient
+    loss = 2 * T * h * b + V * (64 * b + b + 4 + 8) + scan + K * h * b + chunk * (K + 1) * (8 + 2 * b)
+    # The vocabulary statistics pass before it: two float32 blocks of weight rows (measured).
+    loss = max(loss, 2 * min(V * h * 4, SCAN_BLOCK_BYTES))
     if trainable_head:
         loss += V * h * 4
     return int(loss)
