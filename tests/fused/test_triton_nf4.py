@@ -166,3 +166,17 @@ def test_matches_peft_linear4bit_layer(qlora_llama):
     ref = run(lambda x_: type(layer).forward(layer, x_))
     for got, want in zip(ours, ref):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_bf16_input_is_saved_as_it_came_not_as_a_float32_copy():
+    """Lean (issue 17): with bf16 activations and fp32 adapters the node keeps the input itself
+    (so projections fed the same tensor share it), not a float32 copy of it."""
+    packed, state = _quantize((48, 128), torch.bfloat16, True)
+    x = torch.randn(3, 128, dtype=torch.bfloat16, requires_grad=True)
+    a, b = torch.randn(4, 128, requires_grad=True), torch.randn(48, 4, requires_grad=True)
+    q = lora_linear_4bit(x, packed, state, a, b, 1.0, compute_dtype=torch.bfloat16)
+    k = lora_linear_4bit(x, packed, state, a, b, 1.0, compute_dtype=torch.bfloat16)
+    saved_q, saved_k = q.grad_fn.saved_tensors, k.grad_fn.saved_tensors
+    assert saved_q[0].dtype == torch.bfloat16 and saved_q[0].untyped_storage().data_ptr() == x.untyped_storage().data_ptr()
+    assert saved_k[0].untyped_storage().data_ptr() == saved_q[0].untyped_storage().data_ptr()
+    assert not any(t.dtype == torch.float32 and t.shape == (3, 128) for t in saved_q)
