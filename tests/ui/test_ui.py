@@ -151,7 +151,7 @@ def _assert_page_equals_cli(driver, cli: dict) -> None:
         assert row["peak"] == (str(card["plan"]["peak_bytes"]) if card["plan"] else ""), card["card"]
         assert row["usd"] == (repr(card["usd_per_million_tokens"]) if card["usd_per_million_tokens"] is not None
                               else ""), card["card"]
-        assert row["max_seq"] == (str(card["max_seq_len"]) if card.get("max_seq_len") is not None else "")
+        assert row["max_seq"] == (str(card["longest_context_tokens"]) if card.get("longest_context_tokens") is not None else "")
         assert row["cells"][1] == format_bytes(card["memory_bytes"])
         assert row["cells"][4] == (format_bytes(card["plan"]["peak_bytes"]) if card["plan"] else "-")
     assert driver.find_element(By.ID, "requested-peak").get_attribute("data-bytes") == str(cli["peak_bytes"])
@@ -168,6 +168,7 @@ def test_planner_page_equals_maximus_plan_json(browser, server, tmp_path):
     _fill_planner(browser, server.url, model="meta-llama/Llama-3.1-8B", budget="16GB")
     _assert_page_equals_cli(browser, cli)
     assert cli["budget"]["fits"]
+    assert all(isinstance(c["longest_context_tokens"], int) for c in cli["cards"] if c["fits"])
     assert browser.find_element(By.ID, "budget-plan").text.startswith("fits: qlora mb ")
     # The YAML on the page is a valid maximus-train config for that plan.
     from maximus.config import Config
