@@ -49,7 +49,7 @@ def test_prompt_completion_pairs_are_the_documents_prompts(tiny_llama, tmp_path)
     assert len(prompt_completion_pairs(data.train, 5)) == 5
 
 
-def test_exact_match_on_plain_text_is_null_with_a_note(tiny_llama, tmp_path):
+def test_exact_match_on_plain_text_is_null_with_a_note(tiny_llama, tmp_path, capsys):
     data = _write_text(tmp_path / "t.jsonl")
     cfg = tiny_config(tiny_llama, data, tmp_path / "run", dataset={"path": str(data), "format": "text"},
                       eval={"exact_match": 4, "split": 0.25}, training={"max_steps": 1})
@@ -58,6 +58,7 @@ def test_exact_match_on_plain_text_is_null_with_a_note(tiny_llama, tmp_path):
     for when in ("before", "after"):
         assert info["eval"][when]["exact_match"] is None
         assert info["eval"][when]["exact_match_note"] == NO_PROMPT_NOTE
+    assert f"held-out exact_match: none scored: {NO_PROMPT_NOTE}" in capsys.readouterr().out.splitlines()
 
 
 def _write_chat(path, n=24):
@@ -70,7 +71,7 @@ def _write_chat(path, n=24):
     return path
 
 
-def test_chat_runs_generate_through_the_chat_template(tiny_llama, tmp_path):
+def test_chat_runs_generate_through_the_chat_template(tiny_llama, tmp_path, capsys):
     """Oracle: Transformers' apply_chat_template(add_generation_prompt=True) on one user turn."""
     import torch
 
@@ -90,6 +91,12 @@ def test_chat_runs_generate_through_the_chat_template(tiny_llama, tmp_path):
         out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=6, do_sample=False,
                              pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id)
     assert summary["eval"]["after"]["generations"] == [tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)]
+    # `maximus generate RUN` on the saved run does the same (it reads the run's data formats from run.json).
+    from maximus.cli import main
+
+    capsys.readouterr()
+    assert main(["generate", str(tmp_path / "run"), "-p", prompt, "--max-new-tokens", "6"]) == 0
+    assert capsys.readouterr().out == prompt + summary["eval"]["after"]["generations"][0] + "\n"
     # Text and prompt/completion runs keep the raw prompt.
     from maximus.evaluate import generate_text
 
