@@ -344,7 +344,7 @@ class Config(_Section):
 
     model: str = Field(description="Hugging Face hub id or local model directory.")
     dataset: Union[str, DatasetSpec, list[Union[str, DatasetSpec]]] = Field(description="A path, a hub name, a mapping ({path:, format:, split:, ...}) or a list of those.")
-    method: Literal["full", "lora", "qlora", "auto"] = Field("lora", description="Full fine-tune, LoRA, QLoRA (4-bit NF4 base), or `auto` (the planner picks from target_vram).")
+    method: Literal["full", "lora", "qlora", "auto"] = Field("lora", description="Full fine-tune, LoRA, QLoRA (4-bit NF4 base), or `auto` (the planner picks LoRA or QLoRA from target_vram; full fine-tuning only when asked).")
     objective: Literal["sft", "dpo", "contrastive", "grpo"] = Field("sft", description="Supervised fine-tuning, preference tuning on (prompt, chosen, rejected), embedding training on (query, positive) pairs, or reinforcement learning from reward functions on prompts (GRPO).")
     output_dir: str | None = Field(None, description="Run directory; default runs/<model name>.")
     tokenizer: str | None = Field(None, description="Tokenizer id or directory; default: the model's.")

@@ -242,7 +242,9 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                           f"use a batch_size divisible by {world_size}")
     per_rank = batch_size // world_size
 
-    methods = ["qlora", "lora", "full"] if method == "auto" else [method]
+    # `auto` chooses between the adapter methods (the product's promise: LoRA or QLoRA, an adapter per
+    # task); full fine-tuning only when asked. On a tiny model full would rank fastest by a hair.
+    methods = ["qlora", "lora"] if method == "auto" else [method]
     if isinstance(micro_batch_size, int):
         if per_rank % micro_batch_size:
             raise ConfigError(f"training.micro_batch_size {micro_batch_size} does not divide the per-rank batch {per_rank}",
