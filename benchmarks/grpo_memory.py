@@ -1,0 +1,243 @@
+"""Peak memory and time of one GRPO step: ours against TRL's GRPOTrainer, in one run.
+
+Both sides take the same LoRA model (r=16 on all linear layers, fp32), the same prompt
+(`--prompt-tokens` tokens, sampled `--group` times), `--completion` new tokens per completion
+(the random model never says EOS, so every completion is that long), the same reward function,
+the same intra-op thread count (`--threads`),
+beta 0 (no reference pass), one update per generation (loss_type dapo, TRL's default), and run one
+optimizer step through their own trainer's entry point:
+
+- ours: `maximus.Trainer(cfg).train()` with `objective: grpo` (sampling with the KV cache, one
+  batch per group; log-probs through the chunked head; `micro_batch_size` completions per
+  backward; the planner's checkpointing choice, or `--checkpointing`);
+- TRL: `GRPOTrainer(...).train()` for one step (`per_device_train_batch_size` = the group, its
+  own generation with the KV cache, its fused LM head, its default gradient checkpointing
+  unless `--checkpointing off`).
+
+Memory is `maximus.memory.meter.MemoryMeter("cpu")` (live tensor storages) over the step, with
+the loaded model (and our optimizer) adopted first: "step" = peak minus what was live before the
+step (generation, log-probs, backward, optimizer state and step: everything the step adds),
+"total" = the peak with the weights. The sides
+alternate (`--repeats` rounds, ours first in odd rounds, TRL first in even ones); the table
+shows medians and the ratio ours / TRL with its range. The CPU's bf16 flags and measured fp32 /
+bf16 matmul rates are printed first. Model: the reference Llama of shared/ANCHORS.md.
+
+    python benchmarks/grpo_memory.py [--group 8] [--completion 256] [--repeats 2] [--quick]
+    python benchmarks/grpo_memory.py --plot runs/grpo/metrics.jsonl --out docs/benchmarks/grpo_reward.png
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def constant_reward(prompts, completions, **columns):
+    """Any reward: the step's memory and time do not depend on its values."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def cpu_report() -> str:
+    flags = ""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    have = [f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f" {f}" in flags]
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 1024
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        best = min(_timed(lambda: a @ b) for _ in range(3))
+        rates.append(f"{str(dtype).replace('torch.', '')} {2 * n ** 3 / best / 1e9:.0f} GFLOP/s")
+    return (f"cpu: bf16 flags {', '.join(have) or 'none (bf16 is emulated)'}; matmul {'; '.join(rates)} "
+            f"({torch.get_num_threads()} threads)")
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def build(root: Path, quick: bool, prompt_tokens: int) -> tuple[Path, Path, str]:
+    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+
+    if quick:
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        tok = build_tiny_tokenizer()
+        config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+        torch.manual_seed(0)
+        model_dir = root / "model"
+        LlamaForCausalLM(config).save_pretrained(str(model_dir), safe_serialization=True)
+        tok.save_pretrained(str(model_dir))
+    else:
+        from _reference_model import reference_model_dir
+
+        model_dir = reference_model_dir()
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    words = "reverse the list of words and answer in order please".split()
+    text, i = "", 0
+    while len(tok(text)["input_ids"]) < prompt_tokens:
+        text += words[i % len(words)] + " "
+        i += 1
+    data = root / "prompts.jsonl"
+    data.write_text(json.dumps({"prompt": text.strip(), "answer": "x"}) + "\n")
+    return model_dir, data, text.strip()
+
+
+def measure(run, *adopt) -> dict:
+    """Peak live tensor bytes and wall time of `run()`, the `adopt`-ed objects counted as live."""
+    from maximus.memory.meter import MemoryMeter
+
+    meter = MemoryMeter("cpu")
+    with meter.track(*adopt):
+        before = meter.current_bytes()
+        meter.reset_peak()
+        t = time.perf_counter()
+        extra = run() or {}
+        seconds = time.perf_counter() - t
+    return {"step_bytes": meter.peak_bytes() - before, "total_bytes": meter.peak_bytes(), "step_seconds": seconds, **extra}
+
+
+def ours(model_dir: Path, data: Path, out: Path, args) -> dict:
+    import maximus
+
+    cfg = {"model": str(model_dir), "dataset": {"path": str(data), "format": "prompt"}, "method": "lora",
+           "objective": "grpo", "output_dir": str(out), "lora": {"r": 16, "alpha": 32},
+           "optimization": {"gradient_checkpointing": args.checkpointing if args.checkpointing != "default" else "auto"},
+           "training": {"batch_size": 1, "micro_batch_size": args.micro if args.micro == "auto" else int(args.micro), "max_steps": 1, "seq_len": args.prompt_tokens + 8,
+                        "dtype": "fp32", "warmup_steps": 0},
+           "grpo": {"group_size": args.group, "max_completion_tokens": args.completion, "beta": 0.0, "loss_type": "dapo",
+                    "rewards": [f"{Path(__file__).resolve()}:constant_reward"]},
+           "eval": {"enabled": False}, "logging": {"progress": "none"}}
+    trainer = maximus.Trainer(maximus.Config.from_dict(cfg))
+    trainer.setup()
+    trainer.objective.prepare(trainer)
+
+    def run():
+        trainer.train_step(1)
+        return {"completion_length": trainer.objective.generation.metrics["completion_length"],
+                "checkpointing": str(trainer.plan["gradient_checkpointing"])}
+
+    return measure(run, trainer.model, trainer.optimizer)
+
+
+def trl(model_dir: Path, prompt: str, out: Path, args) -> dict:
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    checkpointing = {"default": True, "off": False, "full": True}.get(args.checkpointing, True)
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    config = GRPOConfig(output_dir=str(out), per_device_train_batch_size=args.group, num_generations=args.group,
+                        max_completion_length=args.completion, beta=0.0, loss_type="dapo", max_steps=1,
+                        gradient_checkpointing=checkpointing, use_cpu=True, report_to=[], bf16=False, save_strategy="no",
+                        logging_steps=1, seed=0)
+    trainer = GRPOTrainer(model=model, reward_funcs=[constant_reward], args=config,
+                          train_dataset=Dataset.from_list([{"prompt": prompt, "answer": "x"}] * 4),
+                          processing_class=tok,
+                          peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+
+    def run():
+        trainer.train()
+        logged = next((h for h in trainer.state.log_history if "completions/mean_length" in h), {})
+        return {"completion_length": logged.get("completions/mean_length"),
+                "checkpointing": "full" if checkpointing else "off"}
+
+    return measure(run, trainer.model)
+
+
+def plot_rewards(metrics: Path, out: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    rows = [json.loads(line) for line in metrics.read_text().splitlines()]
+    rows = [r for r in rows if r.get("reward") is not None]
+    steps = [r["step"] for r in rows]
+    fig, ax = plt.subplots(figsize=(7, 3.5))
+    names = sorted(k for k in rows[0] if k.startswith("reward/"))
+    ax.plot(steps, [r["reward"] for r in rows], label="reward (sum)", linewidth=1.4)
+    for name in names:
+        ax.plot(steps, [r[name] for r in rows], label=name, linewidth=1.0, alpha=0.8)
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("mean reward of the sampled group")
+    ax.set_title("examples/grpo.yaml: reward of the sampled completions")
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out)
+    print(f"wrote {out}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--group", type=int, default=8)
+    parser.add_argument("--completion", type=int, default=256)
+    parser.add_argument("--prompt-tokens", type=int, default=64)
+    parser.add_argument("--micro", default="auto", help="our completions per backward (auto: the planner picks)")
+    parser.add_argument("--checkpointing", default="default", choices=["default", "off", "full"],
+                        help="default: each side's own default (ours: the planner; TRL: on)")
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="intra-op threads, the same for both sides")
+    parser.add_argument("--quick", action="store_true", help="a small model (vocab 32,000, hidden 256, 4 layers)")
+    parser.add_argument("--plot", type=Path, help="only draw the reward curve of this metrics.jsonl")
+    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/grpo_reward.png"))
+    args = parser.parse_args()
+    if args.plot:
+        plot_rewards(args.plot, args.out)
+        return
+    # One thread count for both sides (our trainer would otherwise pick one from the machine's load).
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    torch.set_num_threads(args.threads)
+    print(cpu_report(), flush=True)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        model_dir, data, prompt = build(root, args.quick, args.prompt_tokens)
+        results = {"ours": [], "trl": []}
+        for r in range(args.repeats):
+            order = ("ours", "trl") if r % 2 == 0 else ("trl", "ours")
+            for side in order:
+                out = root / f"{side}{r}"
+                res = ours(model_dir, data, out, args) if side == "ours" else trl(model_dir, prompt, out, args)
+                results[side].append(res)
+                print(json.dumps({"round": r, "side": side, **res}), flush=True)
+    print(f"\ngroup {args.group} x completion {args.completion} tokens, prompt {args.prompt_tokens} tokens, LoRA r=16, fp32")
+    print("| side | checkpointing | step peak (MiB) | total peak (MiB) | step time (s) | completion tokens |")
+    print("|---|---|---:|---:|---:|---:|")
+    for side, rows in results.items():
+        med = {k: statistics.median(x[k] for x in rows) for k in ("step_bytes", "total_bytes", "step_seconds")}
+        print(f"| {side} | {rows[0]['checkpointing']} | {med['step_bytes'] / 2**20:.1f} | {med['total_bytes'] / 2**20:.1f} "
+              f"| {med['step_seconds']:.1f} | {rows[0]['completion_length']} |")
+    for key, label in (("step_bytes", "step peak"), ("total_bytes", "total peak"), ("step_seconds", "step time")):
+        ratios = [o[key] / t[key] for o, t in zip(results["ours"], results["trl"])]
+        print(f"ours / TRL {label}: median {statistics.median(ratios):.2f}x (range {min(ratios):.2f}-{max(ratios):.2f})")
+
+
+if __name__ == "__main__":
+    main()
