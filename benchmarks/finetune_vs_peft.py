@@ -165,7 +165,7 @@ def _checkpointing_summary(trainer) -> str:
         for m in modes:
             counts[m] = counts.get(m, 0) + 1
         return ", ".join(f"{n}x {m}" for m, n in counts.items())
-    return str(trainer.plan.get("gradient_checkpointing"))
+    return trainer.plan.checkpointing_label
 
 
 def build_peft(model_dir: Path, method: str, device: str = "cpu", dtype: str = "bf16"):

@@ -319,12 +319,11 @@ def trainer_runs(args) -> int:
             ok = tm <= budget
             over += not ok
             plan = tight["plan"]
-            gc = plan["gradient_checkpointing"]
-            gc = gc if isinstance(gc, str) else f"{sum(x == 'full' for x in gc)}/{len(gc)} layers"
+            gc = plan["checkpointing_label"]
             cells = (f"{budget / 2**20:.0f} MiB | {plan['peak_bytes'] / 2**20:.0f} MiB (micro {plan['micro_batch_size']},"
                      f" ckpt {gc}) | {tm / 2**20:.0f} MiB {'yes' if ok else 'NO'} | {tm / budget:.0%} |")
         print(f"| {line['name']} | {pred / 2**20:.0f} MiB | {meas / 2**20:.0f} MiB | {err:+.1%} | "
-              f"{free['plan'].get('phase', '')} | {cells}")
+              f"{free['plan'].get('peak_phase', '')} | {cells}")
     print()
     print(f"worst |error|: {worst:.1%} over {len(results)} runs (goal <= 10 %: {'met' if worst <= 0.10 else 'MISSED'}); "
           f"over budget or refused at 0.6x: {over} (goal 0)")

@@ -152,10 +152,10 @@ def worker(args) -> dict:
                                                        target_vram=args.target_vram)
         set_rows(ids, pos.tolist())
         trainer = info["trainer"]
-        plan = {"checkpointing": info["checkpointing"], "loss_chunk": trainer.plan.get("loss_chunk_size"),
-                "budget_bytes": trainer.plan.get("budget_bytes"),
-                "predicted_step_s": args.seq / trainer.plan["tokens_per_s_guess"]
-                if trainer.plan.get("tokens_per_s_guess") else None}
+        plan = {"checkpointing": info["checkpointing"], "loss_chunk": trainer.plan.loss_chunk_size,
+                "budget_bytes": trainer.plan.budget_bytes,
+                "predicted_step_s": args.seq / trainer.plan.tokens_per_s_guess
+                if trainer.plan.tokens_per_s_guess else None}
         model, optimizer, kernels = _peft(model_dir, args.method, args.device, args.dtype)
         peer = _peft_step(model, optimizer, ids.to(args.device), pos.to(args.device), args.device, args.dtype)
         sides = {"peft": peer, "maximus": ours}

@@ -192,12 +192,12 @@ class OptimizationConfig(_Section):
     """How Maximus fits the job into memory."""
 
     target_vram: Any = Field(None, description="Memory budget: `16GB`, `16 GiB`, `16000MB`, bytes, a card name (`T4`, `RTX4090`, `A100-40GB`, ...), `auto` (free memory of the device) or null (no budget: the plan is still fitted to the device's free memory, read as `auto` reads it, but the run is not held to it).")
-    use_ghost_logit: bool = Field(False, description="Train with the Ghost Logit sampled loss (evaluation always uses the exact loss).")
+    use_ghost_logit: bool = Field(False, description="Train with the Ghost Logit sampled loss (evaluation always uses the exact loss): the article's spelling of `loss: ghost` (an error together with `loss: naive`).")
     ghost_logit: GhostLogitConfig = Field(default_factory=GhostLogitConfig, description="Ghost Logit loss details.")
     kronecker_sketching: Union[bool, KroneckerConfig] = Field(False, description="Kronecker Sketching attention: `true` for defaults or a mapping of its settings.")
     gradient_checkpointing: Literal["off", "full", "selective", "auto"] = Field("auto", description="Activation recomputation: none, every layer, per-op selective, or `auto`: the fastest plan that fits `target_vram` (no budget: the free memory of the device), which recomputes only what that memory requires. Unquoted YAML `off` / `false` mean `off`, `on` / `true` mean `full`.")
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Smart Memory offload settings.")
-    loss: Literal["exact", "naive"] = Field("exact", description="`exact`: chunked cross-entropy that never holds tokens x vocabulary logits; `naive`: full logits (reference).")
+    loss: Literal["exact", "naive", "ghost"] = Field("exact", description="`exact`: chunked cross-entropy that never holds tokens x vocabulary logits; `naive`: full logits (reference); `ghost`: the Ghost Logit sampled loss (`use_ghost_logit: true` is the article's spelling of the same).")
     loss_chunk_size: Union[Literal["auto"], int] = Field("auto", description="Tokens per chunk in the lean loss; `auto` = 256 tokens in bf16 / fp16 and 512 in fp32 (fewer when that passes 192 / 256 MiB of logits; measured per dtype, docs/benchmarks/planner.md), smaller chunks when the planner needs the memory for `target_vram`.")
     kernels: Literal["auto", "triton", "compile", "eager"] = Field("auto", description="How the step runs: `triton` = fused Triton kernels (RMSNorm, RoPE, SwiGLU, QLoRA projection with NF4 dequantisation; CUDA only), `compile` = torch.compile of each decoder layer, `eager` = plain PyTorch, `auto` = triton on CUDA when available, else eager. Unavailable choices fall back to eager with a notice. Every mode uses padding-free attention over packed documents.")
     matryoshka: MatryoshkaConfig | None = Field(None, description="Matryoshka auxiliary loss; null = off.")
@@ -229,6 +229,24 @@ class OptimizationConfig(_Section):
         if isinstance(v, int) and v < 1:
             raise ValueError("must be a positive integer or auto")
         return v
+
+    @model_validator(mode="after")
+    def _one_loss(self):
+        # `use_ghost_logit: true` is the article's spelling of `loss: ghost`; beside `loss: naive`
+        # it is a contradiction, not something for one key to win silently. `loss: exact` is the
+        # default (and what an older run.json holds beside it): the article's key names the loss.
+        if self.use_ghost_logit and self.loss == "naive":
+            raise ConfigError("optimization.use_ghost_logit: true contradicts optimization.loss: naive",
+                              "keep one of them: loss: ghost (or use_ghost_logit: true) for the Ghost Logit loss, "
+                              "or use_ghost_logit: false for loss: naive")
+        if self.use_ghost_logit:
+            object.__setattr__(self, "loss", "ghost")  # one spelling from here on (run.json, model_dump)
+        return self
+
+    @property
+    def loss_mode(self) -> Literal["exact", "naive", "ghost"]:
+        """The training loss, whichever key named it: ``ghost`` when `use_ghost_logit` is true."""
+        return "ghost" if self.use_ghost_logit else self.loss
 
     @property
     def kronecker(self) -> KroneckerConfig | None:

@@ -236,13 +236,7 @@ def _plan(model, lm, policy, target_vram, seq_len, micro_batch_size, device):
                            lora_r=int(getattr(peft_cfg, "r", 16) or 16), gradient_checkpointing=fixed,
                            offload_activations=False, offload_optimizer=False,
                            allow={"checkpointing", "selective", "loss_chunk"}, device=device.type)
-    gc = plan.gradient_checkpointing
-    if isinstance(policy, list):
-        chosen = policy
-    elif isinstance(gc, str):
-        chosen = gc
-    else:
-        chosen = ["full" if on else "none" for on in gc]
+    chosen = policy if isinstance(policy, list) else list(plan.recompute)  # one mode per decoder layer
     return chosen, plan.loss_chunk_size, plan
 
 

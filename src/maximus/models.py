@@ -14,6 +14,7 @@ import torch
 
 from maximus.config import Config
 from maximus.errors import ConfigError, ModelError
+from maximus.memory.run_plan import bf16_supported, resolve_dtype  # noqa: F401 - the plan decides the dtype
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -34,25 +35,6 @@ def resolve_device(name: str = "auto") -> torch.device:
     if name == "mps" and not (getattr(torch.backends, "mps", None) and torch.backends.mps.is_available()):
         raise ModelError("device: mps was requested but MPS is not available", "set device: auto or cpu")
     return torch.device(name)
-
-
-def bf16_supported(device: torch.device) -> bool:
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    if device.type == "cpu":
-        # bf16 matmuls are fast only with native support (AVX512-BF16 / AMX); elsewhere they are emulated.
-        try:
-            return bool(torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported())
-        except Exception:  # pragma: no cover - older builds
-            return False
-    return device.type == "mps"
-
-
-def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """Compute dtype: `auto` = bf16 where supported, else fp32 (fp16 only on request)."""
-    if name == "auto":
-        return torch.bfloat16 if bf16_supported(device) else torch.float32
-    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
 
 def check_model_source(cfg: Config) -> None:

@@ -119,9 +119,7 @@ def test_target_vram_sizes_checkpointing_and_chunk(tiny_llama):
     report = maximus.patch_report(model)
     assert report.plan is not None and report.plan.budget_bytes == 10**9
     assert report.chunk_size == report.plan.loss_chunk_size
-    gc = report.plan.gradient_checkpointing
-    assert report.checkpointing == ([gc] * 2 if gc in ("full", "selective") else
-                                    ["none"] * 2 if gc == "off" else ["full" if on else "none" for on in gc])
+    assert report.checkpointing == list(report.plan.recompute)  # the plan's per-layer modes, applied
 
 
 def test_bad_options_are_one_line_errors(tiny_llama):

@@ -85,7 +85,7 @@ def test_the_planner_tiles_only_when_the_budget_needs_it():
     roomy = plan_for_budget(EIGHT_B, resolve_budget("80GB"), method="qlora", lora_r=32, batch_size=1, seq_len=16384)
     assert roomy.tile_tokens is None
     tight = plan_for_budget(EIGHT_B, resolve_budget("16GB"), method="qlora", lora_r=32, batch_size=1, seq_len=60000)
-    assert tight.tile_tokens is not None and tight.gradient_checkpointing == "full"
+    assert tight.tile_tokens is not None and set(tight.recompute) == {"full"}
     assert f"runs over {-(-60000 // tight.tile_tokens)} tiles of {tight.tile_tokens} tokens" in tight.notes[-1]
     again = estimate_peak(EIGHT_B, method="qlora", lora_r=32, seq_len=60000, checkpointing="full",
                           offload_activations=tight.offload_activations, offload_optimizer=tight.offload_optimizer,

@@ -29,7 +29,7 @@ def test_plan_fits_the_budget_with_margin_and_keeps_the_effective_batch(budget_g
     # the plan's peak is what the estimator predicts for exactly these settings
     again = estimate_peak(EIGHT_B, method=plan.method, micro_batch=plan.micro_batch_size, seq_len=2048,
                           grad_accum=plan.grad_accum,
-                          checkpointing=plan.gradient_checkpointing, offload_activations=plan.offload_activations,
+                          checkpointing=list(plan.recompute), offload_activations=plan.offload_activations,
                           offload_optimizer=plan.offload_optimizer, loss_chunk_tokens=plan.loss_chunk_size,
                           tile_tokens=plan.tile_tokens, lean_lora=True)  # the planner plans Maximus' lean LoRA
     assert again.peak_bytes == plan.peak_bytes
@@ -50,7 +50,7 @@ def test_auto_method_uses_qlora_when_tight_and_lora_when_roomy():
 def test_fixed_settings_are_honoured():
     plan = plan_for_budget(EIGHT_B, 80 * GiB, method="qlora", batch_size=8, seq_len=2048, micro_batch_size=2,
                            gradient_checkpointing="full", offload_activations="off", loss_chunk_size=256)
-    assert (plan.micro_batch_size, plan.grad_accum, plan.gradient_checkpointing) == (2, 4, "full")
+    assert (plan.micro_batch_size, plan.grad_accum, plan.recompute) == (2, 4, ("full",) * 32)
     assert (plan.offload_activations, plan.loss_chunk_size) == (False, 256)
 
 
@@ -60,8 +60,9 @@ def test_partial_checkpointing_picks_the_fewest_layers_that_fit():
     full = estimate_peak(EIGHT_B, method="qlora", micro_batch=4, seq_len=2048, checkpointing="full")
     budget = int((full.peak_bytes + off.peak_bytes) / 2 / 0.9)
     plan = plan_for_budget(EIGHT_B, budget, method="qlora", batch_size=4, seq_len=2048, micro_batch_size=4, allow=allow)
-    k = sum(plan.gradient_checkpointing)
-    assert 0 < k < 32 and plan.gradient_checkpointing == [True] * k + [False] * (32 - k)
+    k = plan.recompute.count("full")
+    assert 0 < k < 32 and plan.recompute == ("full",) * k + ("none",) * (32 - k)
+    assert plan.checkpointing_label == f"full {k}/32 layers"
     fewer = estimate_peak(EIGHT_B, method="qlora", micro_batch=4, seq_len=2048, checkpointing=k - 1,
                           loss_chunk_tokens=plan.loss_chunk_size)
     assert fewer.peak_bytes > budget * 0.9 >= plan.peak_bytes
@@ -103,7 +104,7 @@ def test_plan_to_dict_and_table():
 
 def test_no_budget_gives_the_fastest_plan():
     plan = plan_for_budget(EIGHT_B, None, method="qlora", batch_size=8, seq_len=2048)
-    assert plan.budget_bytes is None and plan.micro_batch_size == 8 and plan.gradient_checkpointing == "off"
+    assert plan.budget_bytes is None and plan.micro_batch_size == 8 and plan.recompute == ("none",) * 32
 
 
 def test_resolve_budget():
@@ -194,12 +195,11 @@ def _run(config, plan, batch, seq):
     torch.manual_seed(0)
     model = get_peft_model(LlamaForCausalLM(config).to(torch.bfloat16), LoraConfig(r=16, target_modules="all-linear"))
     lm = model.get_base_model()
-    gc = plan.gradient_checkpointing
-    if gc != "off":
+    assert "selective" not in plan.recompute  # not in `allow`: plain Transformers runs none / full per layer
+    if "full" in plan.recompute:
         lm.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
-        flags = [True] * config.num_hidden_layers if gc == "full" else gc
-        for layer, on in zip(lm.model.layers, flags):
-            layer.gradient_checkpointing = on
+        for layer, mode in zip(lm.model.layers, plan.recompute):
+            layer.gradient_checkpointing = mode == "full"
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
     data = torch.randint(0, config.vocab_size, (batch, seq))
     meter = MemoryMeter("cpu")
@@ -248,7 +248,7 @@ def test_free_memory_default_recomputes_nothing_when_the_activations_fit():
     # activations of all 8 layers fit many times over, so `auto` keeps them all.
     plan = plan_for_budget(REFERENCE, 20 * 10**9, method="qlora", batch_size=1, seq_len=2048, dtype="fp32",
                            device="cpu", free_memory=True)
-    assert plan.gradient_checkpointing == "off"
+    assert plan.recompute == ("none",) * 8
     assert (plan.offload_activations, plan.offload_optimizer) == (False, False)  # a CPU's host is its device
     assert plan.notes[-1] == "no target_vram: fitted to the 18.63 GiB of free memory"
     # Less free memory: only as many layers recompute as that memory requires.
@@ -257,7 +257,7 @@ def test_free_memory_default_recomputes_nothing_when_the_activations_fit():
     tight = int(off.peak_bytes * 0.8 / 0.9)
     partial = plan_for_budget(REFERENCE, tight, method="qlora", batch_size=1, seq_len=2048, dtype="fp32",
                               device="cpu", free_memory=True)
-    assert partial.gradient_checkpointing not in ("off", "full") and partial.peak_bytes <= tight * 0.9
+    assert partial.recompute == ("selective",) * 8 and partial.peak_bytes <= tight * 0.9
     assert partial.checkpointing_label == "selective"  # per-op recompute of the cheap ops fits; no layer recomputes fully
 
 
@@ -268,6 +268,6 @@ def test_free_memory_that_fits_nothing_runs_the_smallest_plan_with_a_note():
                            free_memory=True)
     # the smallest plan tiles the MLP recompute as finely as the planner goes; backward then no longer
     # dominates, so the loss chunk shrinks too
-    assert plan.gradient_checkpointing == "full" and plan.tile_tokens == 256 and plan.loss_chunk_size == 64
+    assert plan.recompute == ("full",) * 8 and plan.tile_tokens == 256 and plan.loss_chunk_size == 64
     assert plan.notes[-1] == ("no plan fits the 95.37 MiB of free memory; running the smallest (qlora, micro_batch 1, "
                               "full checkpointing, MLP tiles of 256 tokens, seq 2048)")

@@ -23,7 +23,8 @@ from safetensors.torch import load_file
 
 from maximus import Config, Trainer
 from maximus.errors import ConfigError
-from maximus.train.distributed import QLORA_FSDP_NOTICE, DistEnv, choose_strategy
+from maximus.memory.run_plan import QLORA_FSDP_NOTICE, choose_strategy
+from maximus.train.distributed import DistEnv
 
 from tiny import build_tiny_model_dir, tiny_config, write_prompt_completion
 from two_ranks import rank_report, run_two_ranks

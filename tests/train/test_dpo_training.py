@@ -7,6 +7,7 @@ reference when LoRA B starts at zero).
 import json
 import math
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import maximus
 from maximus.data import build_datasets, collate
 from maximus.errors import ConfigError
 from maximus.losses.preference import dpo_loss
+from maximus.memory import plan_run
 from maximus.train.preference import CACHE_FILE, PreferenceObjective, pair_keys, row_lengths
 from tiny import build_tiny_model_dir, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
@@ -113,8 +115,8 @@ def test_loss_sum_matches_transformers_logits_and_peft_disable_adapter(tiny, los
     data = build_datasets(cfg.datasets, tok, seq_len=32, objective="dpo", eval_split=0.0)
     rows = data.train[:3]
     batch = collate(rows, tok.pad_token_id)
-    objective = PreferenceObjective(cfg, {"micro_batch_size": 3, "loss_chunk_size": 5, "loss_mode": mode},
-                                    tok.pad_token_id)
+    plan = replace(plan_run(cfg, device="cpu"), micro_batch_size=3, loss_chunk_size=5, loss_mode=mode)
+    objective = PreferenceObjective(cfg, plan, tok.pad_token_id)
     loss_sum, sums = objective.loss_sum(model, batch)
 
     # One sequence at a time, unpadded: no padding can leak into the oracle.

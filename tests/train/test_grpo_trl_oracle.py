@@ -11,6 +11,8 @@ both clip edges are hit, and both losses and their LoRA gradients are compared.
 import pytest
 import torch
 
+from maximus.memory import Plan
+
 from tiny import build_tiny_model_dir, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
 trl = pytest.importorskip("trl")
@@ -79,7 +81,10 @@ def test_loss_and_gradients_equal_trl_grpo_trainer(model_dir, tmp_path, loss_typ
                  "epsilon": 0.2, "epsilon_high": 0.28, "updates_per_generation": 2, "loss_type": loss_type,
                  "kl_ratio_correction": kl_correction,
                  "scale_rewards": scale, "rewards": [f"{__file__}:length_reward"]}})
-    objective = GRPOObjective(cfg, {"micro_batch_size": 3, "loss_mode": "exact", "loss_chunk_size": 5}, tok.pad_token_id)
+    plan = Plan(method="lora", micro_batch_size=3, grad_accum=1, recompute=(), offload_activations=False,
+                offload_optimizer=False, optimizer="adamw", loss_mode="exact", loss_chunk_size=5, peak_bytes=None,
+                breakdown={}, budget_bytes=None, margin_bytes=0, objective="grpo")
+    objective = GRPOObjective(cfg, plan, tok.pad_token_id)
     prompt_rows = [{"prompt_ids": ids[m.bool()].tolist(), "prompt": p, "columns": {"answer": a}, "where": f"p{i}"}
                    for i, ((p, a), ids, m) in enumerate(zip(PROMPTS, inputs["prompt_ids"][::GROUP],
                                                              inputs["prompt_mask"][::GROUP]))]

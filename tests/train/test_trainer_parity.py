@@ -1,12 +1,14 @@
 """Our training loss is Transformers' loss; the adapter PEFT loads gives our logits; gradient
 accumulation equals one big batch; every method trains on real models."""
 import json
+from dataclasses import replace
 
 import pytest
 import torch
 
 from maximus import Config, Trainer, load_model
 from maximus.data import collate
+from maximus.memory import plan_run
 from maximus.train.objective import SFTObjective
 
 from tiny import ARCHS, tiny_config
@@ -22,7 +24,7 @@ def test_exact_loss_equals_transformers_loss(arch, tiny_model_dirs, pc_data, tmp
     labels[:, :5] = -100
     batch = {"input_ids": ids, "labels": labels}
     for mode in ("exact", "naive"):
-        obj = SFTObjective(cfg, {"loss_mode": mode, "micro_batch_size": 2}, tok.pad_token_id)
+        obj = SFTObjective(cfg, replace(plan_run(cfg, device="cpu"), loss_mode=mode), tok.pad_token_id)
         ours, _ = obj.loss_sum(model, batch)
         ours = ours / obj.count(batch)
         ref = model(input_ids=ids, labels=labels).loss
@@ -108,7 +110,10 @@ def test_out_of_memory_replans_and_redoes_the_step(tiny_llama, pc_data, tmp_path
     base = tiny_config(tiny_llama, pc_data, tmp_path / "a", training={"micro_batch_size": 4, "max_steps": 3},
                        eval={"enabled": False})
     summary = Trainer(Config.from_dict(base), hooks={"after_backward": oom_once}).train()
-    assert summary["replans"] == [{"step": 2, "change": "micro-batch 4 -> 2"}]
+    assert summary["replans"] == [{"step": 2, "reason": "out of memory", "change": "micro-batch 4 -> 2",
+                                   "predicted_peak_bytes": summary["plan"]["peak_bytes"]}]
+    # The effective batch stays: twice the accumulation.
+    assert (summary["plan"]["micro_batch_size"], summary["plan"]["grad_accum"]) == (2, 2)
     ref = tiny_config(tiny_llama, pc_data, tmp_path / "b", training={"micro_batch_size": 2, "max_steps": 3},
                       eval={"enabled": False})
     Trainer(Config.from_dict(ref)).train()
@@ -144,13 +149,23 @@ logging:
     summary = Trainer(Config.from_yaml(path)).train()
     assert summary["plan"]["budget_bytes"] == 16 * 10**9 and summary["plan"]["loss_mode"] == "ghost"
     assert summary["plan"]["peak_bytes"] <= 16 * 10**9
+    # the sketch is installed, and run.json says so
+    assert summary["kernels"]["attention"] == "kronecker"
+    assert summary["plan"]["attention"] == {"kind": "kronecker", "detail_tokens": 256, "sketch_slots": 64, "block": 64}
     assert summary["eval"]["after"]["loss"] < summary["eval"]["before"]["loss"]  # evaluated with the exact loss
     cfg = yaml.safe_load(path.read_text())
     assert cfg["optimization"]["kronecker_sketching"] is True
-    from peft import PeftConfig
+    # The planner picks the method (no `method:` beside a budget): the trained sketches are saved either way.
+    if summary["method"] == "full":  # a tiny model under 16 GB: full fine-tuning is the fastest plan
+        from safetensors import safe_open
 
-    saved = PeftConfig.from_pretrained(str(tmp_path / "seed" / "adapter"))
-    assert any("kronecker" in m for m in (saved.modules_to_save or []))
+        with safe_open(str(tmp_path / "seed" / "model" / "model.safetensors"), "pt") as f:
+            assert any(".self_attn.kronecker." in k for k in f.keys())
+    else:
+        from peft import PeftConfig
+
+        saved = PeftConfig.from_pretrained(str(tmp_path / "seed" / "adapter"))
+        assert any("kronecker" in m for m in (saved.modules_to_save or []))
 
 
 def test_matryoshka_objective_trains(tiny_llama, pc_data, tmp_path):
@@ -186,11 +201,11 @@ def test_no_target_vram_plans_against_free_ram_and_recomputes_nothing(tiny_llama
     trainer = Trainer(Config.from_dict(cfg))
     trainer.setup()
     after = psutil.virtual_memory().available
-    free = trainer.plan["free_memory_bytes"]
+    free = trainer.plan.free_memory_bytes
     assert min(before, after) - 2**30 <= free <= max(before, after) + 2**30
-    assert trainer.plan["gradient_checkpointing"] == "off" and trainer.checkpointing.modes == ["none", "none"]
-    assert trainer.plan["micro_batch_size"] == 4  # the fastest micro-batch that fits: the whole batch
-    assert trainer.plan["budget_bytes"] is None and trainer.meter.budget_bytes is None
+    assert trainer.plan.recompute == ("none", "none") and trainer.checkpointing.modes == ["none", "none"]
+    assert trainer.plan.micro_batch_size == 4  # the fastest micro-batch that fits: the whole batch
+    assert trainer.plan.budget_bytes is None and trainer.meter.budget_bytes is None
 
 
 def test_a_step_over_the_meter_budget_replans(tiny_llama, pc_data, tmp_path):
@@ -209,4 +224,4 @@ def test_a_step_over_the_meter_budget_replans(tiny_llama, pc_data, tmp_path):
     lines = [line for line in stream.getvalue().splitlines() if "over the budget" in line]
     assert [line.split(" peaked at ")[0] for line in lines] == ["warning: step 1", "warning: step 2"]
     assert lines[0].endswith("over the budget of 1; re-planned for the next steps: micro-batch 4 -> 2")
-    assert trainer.plan["micro_batch_size"] == 1
+    assert trainer.plan.micro_batch_size == 1 and [r["step"] for r in trainer.replans] == [1, 2]

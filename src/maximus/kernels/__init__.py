@@ -118,8 +118,12 @@ def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = T
 def _apply_mode(model, mode: str, device: torch.device) -> KernelReport:
     from maximus.attention.varlen import use_varlen_attention
 
+    from maximus.attention import kronecker_module_names
+
     report = KernelReport(requested=mode)
-    if use_varlen_attention(model):
+    if kronecker_module_names(model):
+        report.attention = "kronecker"  # detail + sketch attention (maximus.attention), installed by load_model
+    elif use_varlen_attention(model):
         report.attention = "padding-free (per-document SDPA)"
     if mode == "auto":
         mode = "triton" if device.type == "cuda" and _triton_problem(device) is None else "eager"

@@ -621,8 +621,9 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         method: ``full``, ``lora`` or ``qlora`` (NF4 base with double quantisation).
         dtype: compute / weight dtype: ``bf16``, ``fp16`` or ``fp32``.
         micro_batch, seq_len: sequences per forward pass and tokens per sequence.
-        checkpointing: ``off``, ``full``, ``selective``; or per layer a list of booleans
-            (True = fully checkpointed) or an int = how many layers are fully checkpointed.
+        checkpointing: ``off``, ``full``, ``selective``; or per layer a list of recompute modes
+            (``none`` | ``selective`` | ``full``, as `Plan.recompute`) or of booleans (True = fully
+            checkpointed); or an int = how many layers (the first ones) are fully checkpointed.
         offload_activations: checkpointed layer inputs live in host memory (prefetched back).
         offload_optimizer: optimizer state lives in host memory.
         loss_mode: ``naive`` (Transformers' loss on full logits), ``exact`` (chunked linear
@@ -776,8 +777,13 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     else:
         flags = list(checkpointing)
         if len(flags) != L:
-            raise ConfigError(f"per-layer checkpointing needs {L} entries, got {len(flags)}", "one boolean per layer")
-        policy = ["full" if f else "off" for f in flags]
+            raise ConfigError(f"per-layer checkpointing needs {L} entries, got {len(flags)}",
+                              "one recompute mode (none, selective, full) per layer")
+        # Per layer: a recompute mode (`Plan.recompute`: none | selective | full) or a boolean (True = full).
+        modes = {True: "full", False: "off", "full": "full", "none": "off", "off": "off", "selective": "selective"}
+        if any(f not in modes for f in flags):
+            raise ConfigError(f"unknown per-layer recompute mode in {flags}", "use none, selective or full")
+        policy = [modes[f] for f in flags]
     kept = {"off": per_off, "full": per_full, "selective": per_sel}
     per_layer = [0.0 if (p == "full" and offload_activations) else kept[p] for p in policy]  # offloaded: on host
     recomputing = any(p != "off" for p in policy)

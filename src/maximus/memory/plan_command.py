@@ -21,10 +21,12 @@ import sys
 from typing import Any
 
 from maximus.arguments import ArgumentParser
-from maximus.config import GPU_CARDS, Config, format_bytes, parse_bytes
+from maximus.config import GPU_CARDS, Config, format_bytes
 from maximus.errors import BudgetError, ConfigError
-from maximus.memory.estimate import DEVICE_FLOPS, estimate_peak, load_model_config, model_shape, technique_kwargs
-from maximus.memory.planner import Plan, max_seq_len_for_budget, plan_for_budget
+from maximus.memory.estimate import DEVICE_FLOPS, load_model_config, model_shape, technique_kwargs
+from maximus.memory.plan import Plan, recompute_label
+from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
+from maximus.memory.run_plan import plan_run
 
 __all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS"]
 
@@ -54,64 +56,65 @@ def _parser() -> ArgumentParser:
     return p
 
 
-def _settings(args: argparse.Namespace) -> dict[str, Any]:
-    """Merge the YAML config (if any) with command-line flags; flags win."""
-    s: dict[str, Any] = dict(model=None, method="lora", seq_len=2048, batch_size=8, micro_batch=None, budget=None,
-                             lora_r=16, lora_targets="all-linear", optimizer="adamw", dtype="bf16", loss_mode="exact",
-                             checkpointing="auto", techniques={}, tile_tokens="auto", lean_lora=True)
+def _config(args: argparse.Namespace) -> Config:
+    """The run to plan, as a `Config`: the YAML file (if any) with the command-line flags applied
+    as overrides (flags win), so `maximus plan` and `maximus-train` plan the same run the same way
+    (`plan_run`)."""
+    flags = {"model": args.model, "method": args.method, "training.seq_len": args.seq,
+             "training.batch_size": args.batch, "training.micro_batch_size": args.micro_batch, "lora.r": args.lora_r,
+             "training.optimizer": args.optimizer, "training.dtype": args.dtype, "optimization.loss": args.loss,
+             "optimization.gradient_checkpointing": args.checkpointing, "optimization.target_vram": args.budget}
+    if args.loss is not None:  # the flag names the loss outright: the article's spelling gives way
+        flags["optimization.use_ghost_logit"] = False
+    overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]
     if args.config:
-        cfg = Config.from_yaml(args.config)
-        s.update(model=cfg.model, method=cfg.method, seq_len=cfg.training.seq_len, batch_size=cfg.training.batch_size,
-                 lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, optimizer=cfg.training.optimizer,
-                 loss_mode="ghost" if cfg.optimization.use_ghost_logit else cfg.optimization.loss,
-                 checkpointing=cfg.optimization.gradient_checkpointing,
-                 techniques=technique_kwargs(cfg),  # what the config switches on, as the trainer plans it
-                 dtype=cfg.training.dtype if cfg.training.dtype != "auto" else "bf16",
-                 budget=cfg.optimization.target_vram, tile_tokens=cfg.optimization.tile_tokens,
-                 lean_lora=cfg.optimization.lean_lora)
-        if "method" not in cfg.model_fields_set and cfg.optimization.target_vram is not None:
-            # A config that names a budget but no method (the article's) asks Maximus to choose.
-            s["method"] = "auto"
-        if isinstance(cfg.training.micro_batch_size, int):
-            s["micro_batch"] = cfg.training.micro_batch_size
-    flags = dict(model=args.model, method=args.method, seq_len=args.seq, batch_size=args.batch,
-                 micro_batch=args.micro_batch, lora_r=args.lora_r, optimizer=args.optimizer, dtype=args.dtype,
-                 loss_mode=args.loss, checkpointing=args.checkpointing)
-    s.update({k: v for k, v in flags.items() if v is not None})
-    if args.budget is not None:
-        s["budget"] = parse_bytes(args.budget, "--budget")
-    if not s["model"]:
+        return Config.from_yaml(args.config, overrides)
+    if not args.model:
         raise ConfigError("maximus plan needs --model or --config",
                           "e.g. maximus plan --model meta-llama/Llama-3.1-8B --method qlora --seq 2048 --batch 2")
-    for key in ("seq_len", "batch_size"):
-        if s[key] < 1:
-            raise ConfigError(f"{key} must be positive, got {s[key]}", "pass --seq and --batch as positive integers")
-    s["world_size"] = args.world_size
-    return s
+    # Only the model is read (no data): the dataset is a placeholder the planner never opens.
+    return Config.from_dict({"model": args.model, "dataset": "(not read by maximus plan)"}, overrides,
+                            source="maximus plan")
 
 
-def plan_report(s: dict[str, Any]) -> dict[str, Any]:
-    """Everything `maximus plan` shows, as one JSON-ready dict (bytes for memory)."""
-    config = load_model_config(s["model"])
-    shape = model_shape(config)
-    common = dict(dtype=s["dtype"], optimizer=s["optimizer"], lora_r=s["lora_r"], lora_targets=s["lora_targets"],
-                  world_size=s["world_size"])
-    requested_method = "qlora" if s["method"] == "auto" else s["method"]
-    micro = s["micro_batch"] or max(1, s["batch_size"] // s["world_size"])
-    checkpointing = "full" if s["checkpointing"] == "auto" else s["checkpointing"]
-    requested = estimate_peak(shape, method=requested_method, micro_batch=micro, seq_len=s["seq_len"],
-                              checkpointing=checkpointing, loss_mode=s["loss_mode"], lean_lora=s["lean_lora"],
-                              **s["techniques"], **common)
-    plan_kw = dict(method=s["method"], batch_size=s["batch_size"], seq_len=s["seq_len"], loss_mode=s["loss_mode"],
-                   micro_batch_size=s["micro_batch"] or "auto", gradient_checkpointing=s["checkpointing"],
-                   tile_tokens=s["tile_tokens"], lean_lora=s["lean_lora"], **s["techniques"], **common)
-    longest_kw = dict(method=requested_method, micro_batch=s["micro_batch"] or 1, loss_mode=s["loss_mode"],
-                      tile_tokens=s["tile_tokens"], lean_lora=s["lean_lora"], **s["techniques"],
-                      **{k: v for k, v in common.items() if k != "world_size"})
+def _requested(cfg: Config, world_size: int) -> Config:
+    """The run as asked, before any planning: micro-batch = the per-process batch (no accumulation)
+    unless given, full checkpointing unless given, no offload; QLoRA when the planner would choose
+    the method."""
+    t, opt = cfg.training, cfg.optimization
+    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else max(1, t.batch_size // world_size)
+    update: dict[str, Any] = {
+        "training": t.model_copy(update={"micro_batch_size": micro}),
+        "optimization": opt.model_copy(update={
+            "gradient_checkpointing": "full" if opt.gradient_checkpointing == "auto" else opt.gradient_checkpointing,
+            "offload": opt.offload.model_copy(update={"activations": "off", "optimizer": "off"})}),
+    }
+    if _planner_picks_method(cfg):
+        update["method"] = "qlora"
+    return cfg.model_copy(update=update)
+
+
+def _planner_picks_method(cfg: Config) -> bool:
+    return "method" not in cfg.model_fields_set or cfg.method == "auto"
+
+
+def plan_report(cfg: Config, *, world_size: int = 1) -> dict[str, Any]:
+    """Everything `maximus plan` shows, as one JSON-ready dict (bytes for memory); the plans
+    themselves (`Plan` objects) under the keys ``_requested`` / ``_budget`` for the tables."""
+    if cfg.training.batch_size % world_size:
+        raise ConfigError(f"training.batch_size {cfg.training.batch_size} is not a multiple of the {world_size} ranks",
+                          f"use a batch_size divisible by {world_size}")
+    shape = model_shape(load_model_config(cfg.model))
+    requested = plan_run(_requested(cfg, world_size), device="cuda", world_size=world_size, budget_bytes=None)
+    t, opt = cfg.training, cfg.optimization
+    longest_kw = dict(method=requested.method, micro_batch=t.micro_batch_size if isinstance(t.micro_batch_size, int)
+                      else 1, loss_mode=opt.loss_mode, tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
+                      dtype=requested.dtype, optimizer=t.optimizer, lora_r=cfg.lora.r,
+                      lora_targets=cfg.lora.target_modules, **technique_kwargs(cfg))
 
     def plan_or_none(budget: int) -> tuple[Plan | None, str | None]:
         try:
-            return plan_for_budget(shape, budget, **plan_kw), None
+            return plan_run(cfg, device="cuda", world_size=world_size, budget_bytes=budget), None
         except BudgetError as exc:
             return None, exc.message
 
@@ -121,7 +124,7 @@ def plan_report(s: dict[str, Any]) -> dict[str, Any]:
         speed = None
         if plan is not None and name in CARD_TFLOPS:
             speed = plan.tokens_per_s_guess * CARD_TFLOPS[name] * 1e12 / DEVICE_FLOPS["cuda"]
-        longest = max_seq_len_for_budget(shape, memory, **longest_kw) if s["world_size"] == 1 else None
+        longest = max_seq_len_for_budget(shape, memory, **longest_kw) if world_size == 1 else None
         cards.append({"card": name, "memory_bytes": memory, "price_per_hour": price, "fits": plan is not None,
                       "plan": plan.to_dict() if plan else None, "why_not": why, "longest_context_tokens": longest,
                       "tokens_per_s_guess": speed,
@@ -129,22 +132,26 @@ def plan_report(s: dict[str, Any]) -> dict[str, Any]:
     fitting = [c for c in cards if c["fits"]]
     cheapest = min(fitting, key=lambda c: (c["price_per_hour"], c["memory_bytes"]))["card"] if fitting else None
     report: dict[str, Any] = {
-        "model": str(s["model"]),
+        "model": str(cfg.model),
         "shape": {"params": shape.num_params, "layers": shape.num_layers, "hidden_size": shape.hidden_size,
                   "vocab_size": shape.vocab_size},
-        "settings": {k: s[k] for k in ("method", "seq_len", "batch_size", "lora_r", "optimizer", "dtype", "loss_mode",
-                                       "world_size")} | {"micro_batch": micro, "checkpointing": checkpointing}
-                    | {k: v for k, v in requested.settings.items() if k in ("attention", "objective", "kronecker")},
+        "settings": {"method": "auto" if _planner_picks_method(cfg) and cfg.optimization.target_vram is not None
+                     else cfg.method, "seq_len": t.seq_len, "batch_size": t.batch_size, "lora_r": cfg.lora.r,
+                     "optimizer": t.optimizer, "dtype": requested.dtype, "loss_mode": cfg.optimization.loss_mode,
+                     "world_size": world_size, "micro_batch": requested.micro_batch_size,
+                     "checkpointing": requested.checkpointing_label, "attention": requested.attention.kind,
+                     "objective": requested.objective},
+        "requested": requested.to_dict(),
         "peak_bytes": requested.peak_bytes,
-        "notes": requested.notes,
-        "breakdown": requested.breakdown,
+        "notes": list(requested.notes),
+        "breakdown": dict(requested.breakdown),
         "cards": cards,
         "cheapest_card": cheapest,
         "longest_context_micro_batch": longest_kw["micro_batch"],
+        "_requested": requested,
     }
-    budget = s.get("budget")
+    budget = cfg.optimization.target_vram
     if budget == "auto":
-        from maximus.memory.planner import resolve_budget
         import torch
 
         budget = resolve_budget("auto", "cuda") if torch.cuda.is_available() else None
@@ -152,6 +159,7 @@ def plan_report(s: dict[str, Any]) -> dict[str, Any]:
         plan, why = plan_or_none(budget)
         report["budget"] = {"budget_bytes": budget, "fits": plan is not None, "plan": plan.to_dict() if plan else None,
                             "why_not": why}
+        report["_budget"] = plan
     return report
 
 
@@ -163,15 +171,8 @@ def _print_tables(report: dict[str, Any]) -> None:
     s = report["settings"]
     console.print(f"[bold]{report['model']}[/bold]: {report['shape']['params'] / 1e9:.2f}B parameters, "
                   f"{s['method']}, {s['batch_size']} x {s['seq_len']} tokens, {s['dtype']}, loss {s['loss_mode']}")
-    t = Table(title=f"requested setting (micro-batch {s['micro_batch']}, {s['checkpointing']} checkpointing)")
-    t.add_column("part")
-    t.add_column("memory", justify="right")
-    for k, v in report["breakdown"].items():
-        t.add_row(k, format_bytes(v))
-    t.add_row("[bold]predicted peak[/bold]", f"[bold]{format_bytes(report['peak_bytes'])}[/bold]")
-    console.print(t)
-    for note in report.get("notes", []):
-        console.print(f"note: {note}")
+    console.print(report["_requested"].table(title=f"requested setting (micro-batch {s['micro_batch']}, "
+                                                   f"{s['checkpointing']} checkpointing)"))
 
     cards = Table(title="best plan per card; longest context: tokens per sequence that fit the card at micro-batch "
                         f"{report['longest_context_micro_batch']}")
@@ -182,10 +183,8 @@ def _print_tables(report: dict[str, Any]) -> None:
         p = c["plan"]
         longest = f"{c['longest_context_tokens']:,}" if c.get("longest_context_tokens") is not None else "-"
         if p:
-            gc = p["gradient_checkpointing"]
-            gc = gc if isinstance(gc, str) else f"{sum(gc)}/{len(gc)} layers"
             offload = "+".join(n for n, k in (("act", "offload_activations"), ("opt", "offload_optimizer")) if p[k])
-            desc = (f"{p['method']} mb {p['micro_batch_size']} x acc {p['grad_accum']}, ckpt {gc}"
+            desc = (f"{p['method']} mb {p['micro_batch_size']} x acc {p['grad_accum']}, ckpt {recompute_label(p['recompute'])}"
                     + (f", offload {offload}" if offload else ""))
             if p.get("tile_tokens"):
                 desc += f", tiles {p['tile_tokens']}"
@@ -203,23 +202,28 @@ def _print_tables(report: dict[str, Any]) -> None:
     if "budget" in report:
         b = report["budget"]
         if b["fits"]:
-            plan = Plan(**{k: v for k, v in b["plan"].items() if k != "effective_batch"})
-            console.print(plan.table())
+            console.print(report["_budget"].table())
         else:
             console.print(f"budget {format_bytes(b['budget_bytes'])}: {b['why_not']}")
 
 
 def plan_json(argv: list[str]) -> dict[str, Any]:
     """The object `maximus plan ARGV --json` prints (`maximus ui`'s planner page shows exactly this)."""
-    return plan_report(_settings(_parser().parse_args(argv)))
+    args = _parser().parse_args(argv)
+    return _public(plan_report(_config(args), world_size=args.world_size))
+
+
+def _public(report: dict[str, Any]) -> dict[str, Any]:
+    """The report without the `Plan` objects kept for the tables."""
+    return {k: v for k, v in report.items() if not k.startswith("_")}
 
 
 def plan_main(argv: list[str]) -> int:
     """Entry point of `maximus plan`; returns the exit code. Raises MaximusError on bad input."""
     args = _parser().parse_args(argv)
-    report = plan_json(argv)
+    report = plan_report(_config(args), world_size=args.world_size)
     if args.json:
-        json.dump(report, sys.stdout)
+        json.dump(_public(report), sys.stdout)
         sys.stdout.write("\n")
     else:
         _print_tables(report)

@@ -20,12 +20,13 @@ naming the smallest budget that would work and the setting that needs it.
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass, field
+from dataclasses import replace
 from typing import Any, Iterable, Sequence
 
 from maximus.config import format_bytes, parse_bytes
 from maximus.errors import BudgetError, ConfigError
 from maximus.memory.estimate import Estimate, default_loss_chunk, estimate_peak, model_shape, DTYPE_BYTES
+from maximus.memory.plan import BREAKDOWN_ROWS, Plan
 
 __all__ = ["Plan", "plan_for_budget", "resolve_budget", "max_seq_len_for_budget", "DEFAULT_MARGIN", "DEFAULT_ALLOW",
            "BREAKDOWN_ROWS"]
@@ -42,90 +43,6 @@ DEFAULT_ALLOW = frozenset({"checkpointing", "selective", "offload_activations", 
 
 #: Tile sizes (tokens) the planner tries for `optimization.tile_tokens: auto`, largest first.
 TILE_CHOICES = (8192, 4096, 2048, 1024, 512, 256)
-
-BREAKDOWN_ROWS = ("weights", "adapters", "gradients", "optimizer", "activations", "loss", "workspace")
-
-
-@dataclass
-class Plan:
-    """A configuration that fits the budget, with its predicted memory (bytes)."""
-
-    method: str
-    micro_batch_size: int
-    grad_accum: int
-    gradient_checkpointing: str | list[bool]
-    offload_activations: bool
-    offload_optimizer: bool
-    optimizer: str
-    loss_mode: str
-    loss_chunk_size: int | None
-    peak_bytes: int
-    breakdown: dict[str, int]
-    budget_bytes: int | None
-    margin_bytes: int
-    seq_len: int = 2048
-    world_size: int = 1
-    dtype: str = "bf16"
-    lora_r: int | None = 16
-    tokens_per_s_guess: float = 0.0
-    notes: list[str] = field(default_factory=list)
-    tile_tokens: int | None = None
-
-    @property
-    def effective_batch(self) -> int:
-        return self.micro_batch_size * self.grad_accum * self.world_size
-
-    @property
-    def checkpointing_label(self) -> str:
-        """``off``, ``full``, ``selective`` or ``k/L layers``."""
-        gc = self.gradient_checkpointing
-        if isinstance(gc, str):
-            return gc
-        return f"{sum(gc)}/{len(gc)} layers"
-
-    def to_dict(self) -> dict[str, Any]:
-        """JSON-ready; goes into run.json as ``plan``."""
-        d = asdict(self)
-        d["effective_batch"] = self.effective_batch
-        return d
-
-    def table(self):
-        """A rich Table: the plan's settings and its memory breakdown against the budget."""
-        from rich.table import Table
-
-        t = Table(title="memory plan", show_header=True, header_style="bold")
-        t.add_column("item")
-        t.add_column("value", justify="right")
-        for label, value in self._rows():
-            t.add_row(label, value)
-        return t
-
-    def text(self) -> str:
-        """The same as `table`, as plain lines (logs, non-terminal output)."""
-        rows = self._rows()
-        width = max(len(r[0]) for r in rows)
-        return "\n".join(f"{label.ljust(width)}  {value}" for label, value in rows)
-
-    def _rows(self) -> list[tuple[str, str]]:
-        rows = [
-            ("method", f"{self.method}" + (f" (r={self.lora_r})" if self.method != "full" and self.lora_r else "")),
-            ("batch", f"{self.micro_batch_size} x {self.grad_accum} accumulation x {self.world_size} ranks"
-                      f" = {self.effective_batch} sequences of {self.seq_len} tokens"),
-            ("checkpointing", self.checkpointing_label),
-            ("offload", ", ".join(n for n, on in (("activations", self.offload_activations),
-                                                    ("optimizer", self.offload_optimizer)) if on) or "none"),
-            ("loss", self.loss_mode + (f" (chunk {self.loss_chunk_size} tokens)" if self.loss_chunk_size else "")),
-            ("MLP tiles", f"{self.tile_tokens} tokens" if self.tile_tokens else "off"),
-            ("optimizer", self.optimizer),
-        ]
-        rows += [(name, format_bytes(self.breakdown.get(name, 0))) for name in BREAKDOWN_ROWS]
-        rows.append(("margin", format_bytes(self.margin_bytes)))
-        rows.append(("predicted peak", format_bytes(self.peak_bytes)))
-        if self.budget_bytes:
-            rows.append(("budget", f"{format_bytes(self.budget_bytes)} "
-                                   f"({(self.peak_bytes + self.margin_bytes) / self.budget_bytes:.0%} used with margin)"))
-        return rows
-
 
 # ------------------------------------------------------------------------------------------------
 
@@ -212,6 +129,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     ``techniques`` are `estimate_peak`'s technique keywords (attention, kronecker, objective,
     dpo_reference, matryoshka_*, offload_params, ghost_candidates), passed to every estimate:
     `maximus.memory.estimate.technique_kwargs(cfg)` reads them from a Config.
+    On CPU nothing is offloaded unless asked: host and device memory are the same memory.
 
     ``tile_tokens``: ``auto`` (searched, `TILE_CHOICES`, when ``allow`` has ``tile_tokens``), ``off``
     / None, or a tile size (a tile of at least the micro-batch's tokens is one tile: untiled, noted).
@@ -315,10 +233,9 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     assert smallest is not None
     if best is None and free_memory:
         _, kw, e = smallest
-        plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r)
-        plan.notes.append(f"no plan fits the {format_bytes(budget_bytes)} of free memory; running the smallest "
-                          f"({_describe(kw, seq_len, shape.num_layers)})")
-        return plan
+        plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r, device)
+        return replace(plan, notes=plan.notes + (f"no plan fits the {format_bytes(budget_bytes)} of free memory; "
+                                                 f"running the smallest ({_describe(kw, seq_len, shape.num_layers)})",))
     if best is None:
         needed = math.ceil(smallest[0] / (1 - margin))
         hint = "raise target_vram, lower training.seq_len, or use method: qlora"
@@ -338,9 +255,9 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
         raise BudgetError(f"nothing fits in {format_bytes(budget_bytes)}: the smallest plan needs "
                           f"{format_bytes(needed)} ({_describe(smallest[1], seq_len, shape.num_layers)}){longest}", hint)
     _, _, kw, e = best
-    plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r)
+    plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r, device)
     if free_memory:
-        plan.notes.append(f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory")
+        plan = replace(plan, notes=plan.notes + (f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory",))
     return plan
 
 
@@ -371,12 +288,13 @@ def _fewest_checkpointed_layers(kw: dict, e_off: Estimate, usable: int, num_laye
 
 
 def _to_plan(kw: dict, e: Estimate, shape, budget: int | None, margin: float, per_rank: int, world_size: int,
-             seq_len: int, dtype: str, lora_r: int) -> Plan:
+             seq_len: int, dtype: str, lora_r: int, device: str) -> Plan:
     gc = kw["checkpointing"]
+    L = shape.num_layers
     if isinstance(gc, int):
-        gc_value: str | list[bool] = [i < gc for i in range(shape.num_layers)]
+        recompute = ("full",) * gc + ("none",) * (L - gc)
     else:
-        gc_value = gc
+        recompute = ({"off": "none"}.get(gc, gc),) * L
     mb = kw["micro_batch"]
     margin_bytes = int(budget * margin) if budget else 0
     notes = [f"micro-batch {mb} x gradient accumulation {per_rank // mb} x {world_size} rank(s) keeps the "
@@ -385,7 +303,7 @@ def _to_plan(kw: dict, e: Estimate, shape, budget: int | None, margin: float, pe
         notes.append(f"predicted peak {format_bytes(e.peak_bytes)} of {format_bytes(budget)} "
                      f"({e.peak_bytes / budget:.0%}), {format_bytes(margin_bytes)} kept as margin")
     if isinstance(gc, int):
-        notes.append(f"{gc} of {shape.num_layers} layers fully checkpointed: the fewest that fit")
+        notes.append(f"{gc} of {L} layers fully checkpointed: the fewest that fit")
     tile = kw.get("tile_tokens")
     if tile and tile >= mb * seq_len:
         notes.append(f"tile_tokens {tile} >= the micro-batch's {mb * seq_len} tokens: one tile (the MLP runs untiled)")
@@ -393,12 +311,15 @@ def _to_plan(kw: dict, e: Estimate, shape, budget: int | None, margin: float, pe
         notes.append(f"the MLP of each fully recomputed layer runs over {math.ceil(mb * seq_len / tile)} tiles of "
                      f"{tile} tokens in backward")
     notes += [n for n in e.notes if n not in notes]
-    return Plan(method=kw["method"], micro_batch_size=mb, grad_accum=per_rank // mb, gradient_checkpointing=gc_value,
+    sharded = bool(e.settings.get("sharded"))
+    strategy = "single" if world_size == 1 else ("fsdp" if sharded else "ddp")
+    return Plan(method=kw["method"], micro_batch_size=mb, grad_accum=per_rank // mb, recompute=recompute,
                 offload_activations=kw["offload_activations"], offload_optimizer=kw["offload_optimizer"],
                 optimizer=kw["optimizer"], loss_mode=kw["loss_mode"], loss_chunk_size=kw["loss_chunk_tokens"],
                 peak_bytes=e.peak_bytes, breakdown=dict(e.breakdown), budget_bytes=budget, margin_bytes=margin_bytes,
-                seq_len=seq_len, world_size=world_size, dtype=dtype, lora_r=lora_r if kw["method"] != "full" else None,
-                tokens_per_s_guess=e.tokens_per_s_guess, notes=notes, tile_tokens=tile)
+                peak_phase=e.phase, seq_len=seq_len, world_size=world_size, dtype=dtype,
+                lora_r=lora_r if kw["method"] != "full" else None, device=str(device).split(":")[0],
+                strategy=strategy, tokens_per_s_guess=e.tokens_per_s_guess, notes=tuple(notes), tile_tokens=tile)
 
 
 def max_seq_len_for_budget(model_config: Any, budget_bytes: int, *, method: str = "qlora", micro_batch: int = 1,

@@ -28,6 +28,8 @@ from __future__ import annotations
 
 import torch
 
+from maximus.memory.plan import Plan
+
 from maximus.losses.matryoshka import active_dims, matryoshka_info_nce, normalized_prefix
 from maximus.forward import hidden_states
 from maximus.train.objective import Objective
@@ -69,7 +71,7 @@ class ContrastiveObjective(Objective):
 
     name = "contrastive"
 
-    def __init__(self, cfg, plan: dict, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan, pad_token_id: int):
         super().__init__(cfg, plan, pad_token_id)
         opt = cfg.optimization
         self.refuse_ghost_logit("the contrastive loss has no vocabulary softmax")
@@ -113,7 +115,7 @@ class ContrastiveObjective(Objective):
         from maximus.forward import autocast_for
 
         model, rows = trainer.model, trainer.data.eval
-        size = int(self.plan["micro_batch_size"])
+        size = self.plan.micro_batch_size
         max_batches = self.cfg.eval.max_batches
         loss, correct, queries, positives = 0.0, 0.0, [], []
         was_training = model.training

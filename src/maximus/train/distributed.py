@@ -8,8 +8,9 @@ forever. The rest is what the trainer asks of the world:
   processes together see exactly the rows one would; the step's unit count is summed over ranks
   (`all_reduce_int`) and each rank scales its loss by world_size / units, so the gradient the
   ranks average is the gradient of the whole batch;
-- model (`prepare_model`, before the optimizer is built): `training.distributed` = ``ddp``,
-  ``fsdp`` or ``auto`` (FSDP2 when the model does not fit one device, else DDP). FSDP2 shards
+- model (`prepare_model`, before the optimizer is built): the strategy `maximus.memory.plan_run`
+  chose from `training.distributed` = ``ddp``, ``fsdp`` or ``auto`` (FSDP2 when the model does not
+  fit one device, else DDP). FSDP2 shards
   parameters, gradients and optimizer state with `torch.distributed.fsdp.fully_shard`: each
   decoder layer, the output head, then the decoder stack (embeddings, final norm) as the root.
   The lean loss reads the head's weight without a logits forward, so the head gets a forward
@@ -37,16 +38,14 @@ import torch
 import torch.distributed as dist
 
 from maximus.errors import ConfigError
-
-STRATEGIES = ("auto", "ddp", "fsdp")
+from maximus.memory.plan import Plan
+from maximus.memory.run_plan import QLORA_FSDP_NOTICE, choose_strategy  # noqa: F401 - the choice lives in the plan
 
 #: Seconds a collective may wait for a peer before the process group gives up (env
 #: MAXIMUS_DIST_TIMEOUT_S). Long enough for rank 0 to write a large checkpoint while the others
 #: wait at the next step, short enough that a dead peer does not hold the job for hours.
 DEFAULT_TIMEOUT_S = 1800
 
-QLORA_FSDP_NOTICE = ("notice: FSDP2 cannot shard bitsandbytes 4-bit weights; QLoRA runs with DDP "
-                     "(each process holds the whole NF4 base)")
 
 
 @dataclass
@@ -117,34 +116,26 @@ class DistEnv:
         return self.device if self.device is not None and self.device.type == "cuda" else torch.device("cpu")
 
     # ------------------------------------------------------------------------------ model
-    def prepare_model(self, model: torch.nn.Module, cfg, plan: dict, *, method: str, dtype: torch.dtype) -> str:
-        """Choose DDP or FSDP2 for this run and, for FSDP2, shard `model` in place. Call it after
-        gradient checkpointing is applied and BEFORE the optimizer is built (FSDP2 replaces the
-        parameters by sharded ones). Returns the strategy (``single`` in one process)."""
+    def prepare_model(self, model: torch.nn.Module, cfg, plan: Plan, *, dtype: torch.dtype) -> str:
+        """Set up the strategy the plan chose (`plan_run` decides DDP or FSDP2, once) and, for
+        FSDP2, shard `model` in place. Call it after gradient checkpointing is applied and BEFORE
+        the optimizer is built (FSDP2 replaces the parameters by sharded ones). Returns the
+        strategy (``single`` in one process)."""
         if not self.enabled:
             return self.strategy
         self.check_batch(cfg.training.batch_size)
-        requested = cfg.training.distributed
-        need = capacity = None
-        if requested == "auto":
-            need = one_device_bytes(model, cfg, plan, method=method, dtype=dtype, device=self.device)
-            capacity = device_capacity_bytes(self.device, plan.get("budget_bytes"))
-        strategy, notice = choose_strategy(requested, method=method, need_bytes=need, capacity_bytes=capacity)
-        if strategy == "fsdp" and (plan.get("offload_optimizer") or plan.get("optimizer", "adamw") != "adamw"):
-            raise ConfigError("training.distributed: fsdp supports the torch AdamW optimizer without offload only",
-                              "set training.optimizer: adamw and optimization.offload.optimizer: off, "
-                              "or training.distributed: ddp")
-        if notice:
-            self.say(notice)
+        strategy = "ddp" if plan.strategy == "single" else plan.strategy  # a 1-rank group: every rank whole
+        if cfg.training.distributed == "fsdp" and strategy == "ddp" and plan.method == "qlora":
+            self.say(QLORA_FSDP_NOTICE)
         if strategy == "fsdp":
             # The SFT and DPO losses run through `forward.through_head`, which gathers a sharded
             # head; the contrastive loss never reads the head, so it is left whole (and idle).
             self._hooks = shard_with_fsdp2(model, self.device, dtype, self.world_size,
-                                           shard_head=getattr(cfg, "objective", "sft") in ("sft", "dpo"))
+                                           shard_head=plan.objective in ("sft", "dpo"))
         self.strategy = strategy
         return strategy
 
-    def wrap(self, module: torch.nn.Module, plan: dict, optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
+    def wrap(self, module: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None) -> torch.nn.Module:
         """The training forward, wrapped for the world: DDP under ``ddp``, unchanged otherwise.
         Under FSDP2 `optimizer` gets a load hook that cuts whole saved moments into shards."""
         if self.strategy == "fsdp":
@@ -237,69 +228,6 @@ def init() -> DistEnv:
         timeout = timedelta(seconds=float(os.environ.get("MAXIMUS_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
         dist.init_process_group(backend=backend, timeout=timeout)
     return DistEnv(True, world, rank, local, device)
-
-
-# ---------------------------------------------------------------------------------- the choice
-def choose_strategy(requested: str, *, method: str, need_bytes: int | None = None,
-                    capacity_bytes: int | None = None) -> tuple[str, str | None]:
-    """(``ddp`` | ``fsdp``, notice or None) for `training.distributed` = `requested`.
-
-    ``auto`` picks FSDP2 when one device cannot hold the run (`need_bytes` > `capacity_bytes`),
-    else DDP (no sharding traffic). QLoRA always gets DDP: `fully_shard` cannot split
-    bitsandbytes' packed 4-bit weights (their quantisation state is lost)."""
-    if requested not in STRATEGIES:
-        raise ConfigError(f"training.distributed must be one of {', '.join(STRATEGIES)}, got {requested!r}")
-    if requested == "ddp":
-        return "ddp", None
-    wants_fsdp = requested == "fsdp" or (need_bytes is not None and capacity_bytes is not None
-                                         and need_bytes > capacity_bytes)
-    if not wants_fsdp:
-        return "ddp", None
-    if method == "qlora":
-        return "ddp", QLORA_FSDP_NOTICE
-    return "fsdp", None
-
-
-def one_device_bytes(model: torch.nn.Module, cfg, plan: dict, *, method: str, dtype: torch.dtype,
-                     device: torch.device | None) -> int:
-    """Peak bytes of one training step on one device: the planner's estimate
-    (`maximus.memory.estimate.estimate_peak`) from the model's config, or, for an architecture it
-    does not know, the static part measured on the loaded model (weights + gradients + AdamW)."""
-    from maximus.errors import MaximusError
-
-    try:
-        from maximus.memory.estimate import estimate_peak, load_model_config
-
-        policy = plan.get("gradient_checkpointing")
-        est = estimate_peak(load_model_config(cfg.model), method=method,
-                            dtype={torch.float32: "fp32", torch.float16: "fp16"}.get(dtype, "bf16"),
-                            micro_batch=int(plan.get("micro_batch_size") or 1), seq_len=cfg.training.seq_len,
-                            checkpointing=policy if policy in ("off", "full", "selective") else "selective",
-                            loss_mode=plan.get("loss_mode", "exact"), optimizer=plan.get("optimizer", "adamw"),
-                            lora_r=cfg.lora.r, world_size=1, device=device.type if device is not None else "cuda")
-        return int(est.peak_bytes)
-    except (MaximusError, ImportError, OSError, ValueError, KeyError):
-        pass
-    total = 0
-    for p in model.parameters():
-        total += p.numel() * p.element_size()
-        if p.requires_grad:
-            total += p.numel() * (p.element_size() + 8)  # gradient + two fp32 AdamW moments
-    return total
-
-
-def device_capacity_bytes(device: torch.device | None, budget_bytes: int | None = None) -> int:
-    """Bytes one process may use: `target_vram` when set, else the GPU's memory, else the host's
-    memory split between the processes of this node."""
-    if budget_bytes:
-        return int(budget_bytes)
-    if device is not None and device.type == "cuda":
-        return int(torch.cuda.get_device_properties(device).total_memory)
-    try:
-        host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    except (ValueError, OSError, AttributeError):  # pragma: no cover - platforms without sysconf
-        return 1 << 62
-    return host // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
 # ---------------------------------------------------------------------------------- FSDP2

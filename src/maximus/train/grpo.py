@@ -43,6 +43,7 @@ import torch
 from maximus.errors import ConfigError
 from maximus.losses.grpo import group_advantages, grpo_loss_sum
 from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
+from maximus.memory.plan import Plan
 from maximus.forward import IGNORE_INDEX, autocast_for, hidden_states, output_head, shift_labels, through_head
 from maximus.models import peft_model_of
 from maximus.train.objective import Objective
@@ -101,7 +102,7 @@ class GRPOObjective(Objective):
 
     name = "grpo"
 
-    def __init__(self, cfg, plan: dict, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan, pad_token_id: int):
         super().__init__(cfg, plan, pad_token_id)
         self.refuse_ghost_logit("GRPO's log-probs are exact and chunked already")
         if cfg.optimization.matryoshka is not None:
@@ -109,9 +110,13 @@ class GRPOObjective(Objective):
                               "remove optimization.matryoshka (it is an SFT auxiliary loss)")
         self.g = cfg.grpo
         self.rewards = load_rewards(cfg)
-        self.mode = "naive" if plan.get("loss_mode") == "naive" else "exact"
         self.generation: Generation | None = None
         self._sums: dict[str, float] = {}
+
+    @property
+    def mode(self) -> str:
+        """The log-prob pass: ``naive`` (full logits) when the plan says so, else ``exact``."""
+        return "naive" if self.plan.loss_mode == "naive" else "exact"
 
     # ------------------------------------------------------------------------------ protocol
     @property
@@ -119,7 +124,7 @@ class GRPOObjective(Objective):
         """Completions per forward/backward: the plan's (`training.micro_batch_size`, or what the
         planner chose for `target_vram` / the free memory); read each step, so a re-plan after an
         out-of-memory error applies to the redone step."""
-        return max(1, int(self.plan["micro_batch_size"]))
+        return max(1, self.plan.micro_batch_size)
 
     def prepare(self, trainer) -> None:
         if getattr(trainer.dist, "world_size", 1) > 1:
@@ -155,7 +160,7 @@ class GRPOObjective(Objective):
 
     def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
         logps, mask = completion_logps(model, batch, temperature=self.g.temperature,
-                                       chunk_size=self.plan.get("loss_chunk_size"), mode=self.mode)
+                                       chunk_size=self.plan.loss_chunk_size, mode=self.mode)
         parts = grpo_loss_sum(logps, mask, batch["advantages"], old_logps=batch.get("old_logps"),
                               ref_logps=batch.get("ref_logps"), beta=self.g.beta, epsilon=self.g.epsilon,
                               epsilon_high=self.g.epsilon_high, loss_type=self.g.loss_type,
@@ -317,7 +322,7 @@ class GRPOObjective(Objective):
                 batch = {k: v.to(trainer.device) for k, v in batch.items()}
                 with autocast_for(trainer.device, trainer.dtype):
                     logps, _ = completion_logps(trainer.model, batch, temperature=self.g.temperature,
-                                                chunk_size=self.plan.get("loss_chunk_size"), mode=self.mode)
+                                                chunk_size=self.plan.loss_chunk_size, mode=self.mode)
                 out.extend(logps[j, :int(n)].float().cpu() for j, n in enumerate(batch["lengths"]))
         return out
 

@@ -11,6 +11,7 @@ import torch
 from maximus.data import trains_on_chat
 from maximus.evaluate import NO_PROMPT_NOTE, exact_match, generate_text, heldout_loss, prompt_completion_pairs
 from maximus.forward import IGNORE_INDEX, sft_loss_sum, shift_labels
+from maximus.memory.plan import Plan
 
 
 class Objective:
@@ -19,7 +20,7 @@ class Objective:
 
     name = "objective"
 
-    def __init__(self, cfg, plan: dict, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan, pad_token_id: int):
         self.cfg = cfg
         self.plan = plan
         self.pad_token_id = pad_token_id
@@ -35,11 +36,16 @@ class Objective:
 
     def refuse_ghost_logit(self, why: str) -> None:
         """The Ghost Logit loss replaces a vocabulary softmax; objectives without one refuse it."""
-        if self.cfg.optimization.use_ghost_logit:
-            from maximus.errors import ConfigError
+        opt = self.cfg.optimization
+        if opt.loss_mode != "ghost":
+            return
+        from maximus.errors import ConfigError
 
+        if opt.use_ghost_logit:  # name the key the user wrote
             raise ConfigError(f"optimization.use_ghost_logit does not apply to objective {self.name}",
                               f"set use_ghost_logit: false; {why}")
+        raise ConfigError(f"optimization.loss: ghost does not apply to objective {self.name}",
+                          f"set optimization.loss: exact; {why}")
 
 
 class SFTObjective(Objective):
@@ -55,7 +61,7 @@ class SFTObjective(Objective):
 
     name = "sft"
 
-    def __init__(self, cfg, plan: dict, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan, pad_token_id: int):
         super().__init__(cfg, plan, pad_token_id)
         g = cfg.optimization.ghost_logit
         user_chunk = cfg.optimization.loss_chunk_size
@@ -72,14 +78,14 @@ class SFTObjective(Objective):
         return int((batch["input_ids"] != self.pad_token_id).sum())
 
     def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
-        loss, _ = sft_loss_sum(model, batch, mode=self.plan["loss_mode"], chunk_size=self.plan.get("loss_chunk_size"),
+        loss, _ = sft_loss_sum(model, batch, mode=self.plan.loss_mode, chunk_size=self.plan.loss_chunk_size,
                                ghost=self.ghost, matryoshka=self.cfg.optimization.matryoshka)
         return loss, {}
 
     def evaluate(self, trainer) -> dict:
         cfg = self.cfg
         result = heldout_loss(trainer.model, trainer.data.eval, pad_token_id=self.pad_token_id, device=trainer.device,
-                              dtype=trainer.dtype, batch_size=int(self.plan["micro_batch_size"]),
+                              dtype=trainer.dtype, batch_size=self.plan.micro_batch_size,
                               max_batches=cfg.eval.max_batches)
         if cfg.eval.exact_match:
             pairs = prompt_completion_pairs(trainer.data.eval, cfg.eval.exact_match)
@@ -107,7 +113,7 @@ class ObjectiveModule(torch.nn.Module):
         return self.objective.loss_sum(self.model, batch)
 
 
-def build_objective(cfg, plan: dict, pad_token_id: int):
+def build_objective(cfg, plan: Plan, pad_token_id: int):
     """The objective the config asks for (`objective: sft | dpo | contrastive | grpo`)."""
     if cfg.objective == "grpo":
         from maximus.train.grpo import GRPOObjective

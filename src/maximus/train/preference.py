@@ -39,6 +39,7 @@ from pathlib import Path
 import torch
 
 from maximus.errors import ConfigError
+from maximus.memory.plan import Plan
 from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
 from maximus.losses.preference import dpo_loss, needs_reference
 from maximus.forward import IGNORE_INDEX, hidden_states, output_head, shift_labels, through_head
@@ -109,24 +110,31 @@ class PreferenceObjective(Objective):
 
     name = "dpo"
 
-    def __init__(self, cfg, plan: dict, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan, pad_token_id: int):
         super().__init__(cfg, plan, pad_token_id)
         opt = cfg.optimization
         self.refuse_ghost_logit("DPO's exact log-probs already hold no full logits")
         if opt.matryoshka is not None:
             raise ConfigError("optimization.matryoshka does not apply to objective dpo",
                               "remove optimization.matryoshka (it is an SFT auxiliary loss)")
-        self.mode = "naive" if plan.get("loss_mode") == "naive" else "exact"
         d = cfg.dpo
         self.loss_type = d.loss
         self.beta = d.beta
         self.loss_kwargs = dict(beta=d.beta, loss_type=d.loss, label_smoothing=d.label_smoothing,
                                 simpo_gamma=d.simpo_gamma, orpo_alpha=d.orpo_alpha)
         self.reference = d.reference if needs_reference(d.loss) else None
-        self.chunk_size = plan.get("loss_chunk_size")
         self.cache: dict[bytes, tuple[float, float]] = {}
         self.cache_path: Path | None = None
         self.cache_reused = False
+
+    @property
+    def mode(self) -> str:
+        """The log-prob pass: ``naive`` (full logits) when the plan says so, else ``exact``."""
+        return "naive" if self.plan.loss_mode == "naive" else "exact"
+
+    @property
+    def chunk_size(self) -> int | None:
+        return self.plan.loss_chunk_size  # read per step: a re-plan may change it
 
     # ------------------------------------------------------------------------------ protocol
     def count(self, batch: dict) -> int:
@@ -154,7 +162,7 @@ class PreferenceObjective(Objective):
         from maximus.forward import autocast_for
 
         model, rows = trainer.model, trainer.data.eval
-        size = int(self.plan["micro_batch_size"])
+        size = self.plan.micro_batch_size
         max_batches = self.cfg.eval.max_batches
         totals = {"loss": 0.0, "rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/margin": 0.0,
                   "rewards/accuracy": 0.0}
@@ -219,7 +227,7 @@ class PreferenceObjective(Objective):
         from maximus.forward import autocast_for
 
         rows = list(trainer.data.train) + list(trainer.data.eval)
-        size = int(self.plan["micro_batch_size"])
+        size = self.plan.micro_batch_size
         batches = [collate(rows[i:i + size], self.pad_token_id) for i in range(0, len(rows), size)]
         keys = [k for b in batches for k in pair_keys(b)]
         self.cache_path = Path(trainer.run_dir) / CACHE_FILE

@@ -41,7 +41,8 @@ from maximus.config import Config
 from maximus.errors import MaximusError
 from maximus.forward import autocast_for
 from maximus.kernels import apply_kernels, cpu_threads
-from maximus.models import check_model_source, count_parameters, load_model, load_tokenizer, resolve_device, resolve_dtype
+from maximus.memory.run_plan import plan_run, replan, resolve_dtype
+from maximus.models import check_model_source, count_parameters, load_model, load_tokenizer, resolve_device
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
 from maximus.train.lock import RunLock
@@ -87,8 +88,9 @@ class Trainer:
         self.threads = cpu_threads(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         _seed_everything(cfg.training.seed)
         check_model_source(cfg)
-        self.plan = self._plan()
-        self.method = self.plan.get("method", cfg.method if cfg.method != "auto" else "lora")
+        # The one config -> plan translation (also `maximus plan` and every torchrun rank's).
+        self.plan = plan_run(cfg, device=self.device, world_size=self.dist.world_size)
+        self.method = self.plan.method
         # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
         self.tokenizer = load_tokenizer(cfg)
         self.data = self._load_data()
@@ -107,7 +109,7 @@ class Trainer:
             # Frozen base weights live on the host and reach the device one layer ahead of use.
             self.streamer = FrozenWeightStreamer(self.model)
         # DDP or FSDP2 under torchrun; FSDP2 replaces parameters by shards, so before the optimizer.
-        self.dist.prepare_model(self.model, cfg, self.plan, method=self.method, dtype=self.dtype)
+        self.dist.prepare_model(self.model, cfg, self.plan, dtype=self.dtype)
         self.optimizer = self._build_optimizer()
         self.total_steps = self._total_steps()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
@@ -115,88 +117,8 @@ class Trainer:
 
         self.objective = build_objective(cfg, self.plan, self.tokenizer.pad_token_id)
         # What the loop calls each micro-batch; under torchrun, wrapped for DDP / FSDP2.
-        self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.plan, self.optimizer)
-        self.meter = MemoryMeter(self.device, budget_bytes=self.plan.get("budget_bytes"))
-
-    def _plan(self) -> dict:
-        """The memory plan: the fastest that fits target_vram, or without one the device's free
-        memory (read as `target_vram: auto` reads it)."""
-        cfg = self.cfg
-        opt = cfg.optimization
-        rows, row_tokens = cfg.training.batch_size, cfg.training.seq_len
-        if cfg.objective == "grpo":  # the backward trains on completions: batch_size x group_size rows
-            from maximus.memory.generation import rollout_rows
-
-            rows, row_tokens = rollout_rows(cfg)
-        per_rank = max(1, rows // self.dist.world_size)
-        plan = {
-            "method": cfg.method if cfg.method != "auto" else "lora",
-            "micro_batch_size": cfg.training.micro_batch_size if cfg.training.micro_batch_size != "auto" else min(per_rank, 4),
-            "gradient_checkpointing": opt.gradient_checkpointing,
-            "loss_mode": "ghost" if opt.use_ghost_logit else opt.loss,
-            "loss_chunk_size": None if opt.loss_chunk_size == "auto" else opt.loss_chunk_size,
-            "offload_activations": opt.offload.activations == "on",
-            "offload_optimizer": opt.offload.optimizer == "on",
-            "optimizer": cfg.training.optimizer,
-            "budget_bytes": None,
-            # Tiled MLP recompute: the planner's choice below; unplanned, only when asked for by size.
-            "tile_tokens": opt.tile_tokens if isinstance(opt.tile_tokens, int) else None,
-        }
-        from maximus.errors import ModelError
-        from maximus.memory.estimate import load_model_config, model_shape
-        from maximus.memory.estimate import technique_kwargs
-        from maximus.memory.planner import plan_for_budget, resolve_budget
-
-        # No target_vram: plan against the free memory, so `auto` checkpointing recomputes only
-        # what that memory requires (often nothing) instead of every layer.
-        free_memory = opt.target_vram is None
-        budget = resolve_budget("auto" if free_memory else opt.target_vram, self.device)
-        try:
-            model_config = load_model_config(cfg.model)
-            model_shape(model_config)
-        except ModelError:
-            if not free_memory:
-                raise
-            return plan  # an architecture the estimator cannot read: unplanned defaults, as before
-        # With a budget and no explicit method, the planner may pick LoRA, QLoRA or full.
-        method = cfg.method if "method" in cfg.model_fields_set or free_memory else "auto"
-        dtype_name = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(self.dtype, "fp32")
-        # Per rank: under DDP a rank holds what one process over its share of the batch would;
-        # under FSDP2 the estimate divides sharded state by the ranks. `auto` plans unsharded
-        # first and shards only when that does not fit, the rule `choose_strategy` applies later.
-        from maximus.errors import BudgetError
-
-        world = self.dist.world_size
-        strategy = cfg.training.distributed
-        kwargs = dict(method=method, batch_size=rows, seq_len=row_tokens,
-                      dtype=dtype_name, optimizer=cfg.training.optimizer, lora_r=cfg.lora.r,
-                      lora_targets=cfg.lora.target_modules, world_size=world,
-                      micro_batch_size=cfg.training.micro_batch_size,
-                      gradient_checkpointing=opt.gradient_checkpointing, loss_mode=plan["loss_mode"],
-                      loss_chunk_size=opt.loss_chunk_size, offload_activations=opt.offload.activations,
-                      offload_optimizer=opt.offload.optimizer, device=self.device.type, free_memory=free_memory,
-                      tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
-                      **technique_kwargs(cfg))  # Kronecker, ghost candidates, DPO / contrastive rows, ...
-        if world == 1 or strategy != "auto":
-            sharded = None if world == 1 else strategy == "fsdp"
-            chosen = plan_for_budget(model_config, budget, sharded=sharded, **kwargs)
-        else:
-            try:  # unsharded only when it fits (also against free memory)
-                chosen = plan_for_budget(model_config, budget, sharded=False, **{**kwargs, "free_memory": False})
-            except BudgetError:
-                chosen = plan_for_budget(model_config, budget, sharded=True, **kwargs)
-        plan.update(chosen.to_dict())
-        if isinstance(plan["gradient_checkpointing"], list):  # per layer: recompute it fully or keep it
-            plan["gradient_checkpointing"] = ["full" if on else "none" for on in plan["gradient_checkpointing"]]
-        # Free memory is what the plan was fitted to, not a budget the run is held to.
-        plan["budget_bytes"] = None if free_memory else budget
-        plan["free_memory_bytes"] = budget if free_memory else None
-        if cfg.objective == "grpo":
-            from maximus.memory.generation import check_generation
-
-            plan["generation"] = check_generation(model_config, chosen, cfg, budget=plan["budget_bytes"])
-        self._plan_obj = chosen
-        return plan
+        self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.optimizer)
+        self.meter = MemoryMeter(self.device, budget_bytes=self.plan.budget_bytes)
 
     def _load_data(self):
         from maximus.data import build_run_datasets
@@ -204,16 +126,20 @@ class Trainer:
         return build_run_datasets(self.cfg, self.tokenizer)
 
     def _apply_checkpointing(self):
+        """The plan's recompute modes (and MLP tiles) on the model. A plan the estimator could
+        not make (an architecture it cannot read, no budget) has none: the config's policy is
+        applied (`auto`: least memory at <= 25 % extra time, from measured layer costs) and the
+        plan takes the modes chosen."""
         from maximus.memory.checkpointing import apply_checkpointing
 
-        policy = self.plan["gradient_checkpointing"]
-        # With a budget the planner already chose per layer; `auto` alone minimises memory at <= 25 % extra time.
-        report = apply_checkpointing(self.model, policy, micro_batch=self.plan["micro_batch_size"],
-                                     seq_len=self.cfg.training.seq_len,
-                                     offload_activations=bool(self.plan.get("offload_activations")),
-                                     tile_tokens=self.plan.get("tile_tokens"))
-        if self.plan.get("tile_tokens") and report.tile_tokens is None:
-            self.dist.say(f"notice: optimization.tile_tokens={self.plan['tile_tokens']} has no effect: no layer is "
+        plan = self.plan
+        report = apply_checkpointing(self.model, list(plan.recompute) or self.cfg.optimization.gradient_checkpointing,
+                                     micro_batch=plan.micro_batch_size, seq_len=self.cfg.training.seq_len,
+                                     offload_activations=plan.offload_activations, tile_tokens=plan.tile_tokens)
+        if not plan.recompute:
+            self.plan = replan(self.cfg, plan, recompute=tuple(report.modes))
+        if plan.tile_tokens and report.tile_tokens is None:
+            self.dist.say(f"notice: optimization.tile_tokens={plan.tile_tokens} has no effect: no layer is "
                           f"fully recomputed (gradient_checkpointing: {self.cfg.optimization.gradient_checkpointing})")
         return report
 
@@ -227,8 +153,8 @@ class Trainer:
                 (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
         groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
         groups = [g for g in groups if g["params"]]
-        return build_optimizer(groups, self.plan.get("optimizer", t.optimizer), lr=t.learning_rate, betas=t.betas,
-                               weight_decay=t.weight_decay, offload=bool(self.plan.get("offload_optimizer")))
+        return build_optimizer(groups, self.plan.optimizer, lr=t.learning_rate, betas=t.betas,
+                               weight_decay=t.weight_decay, offload=self.plan.offload_optimizer)
 
     def _total_steps(self) -> int:
         t = self.cfg.training
@@ -292,7 +218,7 @@ class Trainer:
         batches = obj.step_batches(self, step)  # GRPO samples its own
         if batches is None:
             rows = self.rows_for_step(step)
-            micro = int(self.plan["micro_batch_size"])
+            micro = self.plan.micro_batch_size
             chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
             batches = [flatten(c) if self._flatten(c) else collate(c, self.tokenizer.pad_token_id) for c in chunks]
         units = self.dist.all_reduce_int(sum(obj.count(b) for b in batches))
@@ -340,29 +266,59 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 if self.device.type == "cuda":
                     torch.cuda.empty_cache()
-                change = self._shrink_plan()
-                if change is None:
+                smaller = self._smaller_plan()
+                if smaller is None:
                     raise TrainingError(f"out of memory at step {step} with micro-batch 1 and full recomputation",
                                         "lower training.seq_len, use method: qlora, or set a smaller target_vram "
                                         "so the planner offloads more") from None
-                self.replans.append({"step": step, "change": change})
+                change = self._adopt(smaller, step=step, reason="out of memory")
                 out.message(f"warning: out of memory at step {step}; re-planned ({change}) and redoing the step")
 
-    def _shrink_plan(self) -> str | None:
-        """The next cheaper setting: halve the micro-batch, then recompute every layer."""
-        micro = int(self.plan["micro_batch_size"])
-        if micro > 1:
-            self.plan["micro_batch_size"] = micro // 2
-            return f"micro-batch {micro} -> {micro // 2}"
-        if self.plan.get("gradient_checkpointing") != "full":
+    def _check_budget(self, step: int, out: ProgressDisplay) -> None:
+        """After a step: when its measured peak (CUDA: max_memory_allocated; CPU: the meter's
+        storage tracker) passed the budget, re-plan downward for the next steps. The planner's
+        search runs again with its estimate scaled by measured / predicted (whatever the
+        estimator missed is taken to grow with it); failing that, the micro-batch halves, then
+        every layer recomputes."""
+        if not self.meter.over_budget_bytes():
+            return
+        from maximus.memory.run_plan import plan_below_measured
+
+        budget, measured = int(self.meter.budget_bytes), self.meter.peak_bytes()
+        smaller = plan_below_measured(self.cfg, self.plan, measured, budget) or self._smaller_plan()
+        reason = f"measured peak {measured:,} bytes over the budget of {budget:,}"
+        change = "nothing left to shrink"
+        if smaller is not None:
+            change = self._adopt(smaller, step=step, reason=reason, measured_peak_bytes=measured)
+        out.message(f"warning: step {step} peaked at {measured:,} bytes, over the budget of {budget:,}; "
+                    f"re-planned for the next steps: {change}")
+
+    def _smaller_plan(self):
+        """The next cheaper plan, or None: halve the micro-batch (the accumulation doubles), then
+        recompute every layer."""
+        plan = self.plan
+        if plan.micro_batch_size > 1:
+            return replan(self.cfg, plan, micro_batch_size=plan.micro_batch_size // 2)
+        if set(plan.recompute) != {"full"}:
+            return replan(self.cfg, plan, recompute=("full",) * len(plan.recompute))
+        return None
+
+    def _adopt(self, new, *, step: int, reason: str, **measured) -> str:
+        """Switch to plan `new` between steps (recompute modes on the model, the objective's
+        plan), record it in `replans` (run.json) and return what changed."""
+        old = self.plan
+        if new.recompute != old.recompute or new.offload_activations != old.offload_activations:
             from maximus.memory.checkpointing import apply_checkpointing
 
-            self.checkpointing = apply_checkpointing(self.model, "full", micro_batch=1, seq_len=self.cfg.training.seq_len,
-                                                     offload_activations=bool(self.plan.get("offload_activations")),
-                                                     tile_tokens=self.plan.get("tile_tokens"))
-            self.plan["gradient_checkpointing"] = "full"
-            return "gradient checkpointing -> full"
-        return None
+            self.checkpointing = apply_checkpointing(self.model, list(new.recompute), micro_batch=new.micro_batch_size,
+                                                     seq_len=self.cfg.training.seq_len,
+                                                     offload_activations=new.offload_activations,
+                                                     tile_tokens=new.tile_tokens)
+        self.plan = self.objective.plan = new
+        change = _plan_change(old, new)
+        self.replans.append({"step": step, "reason": reason, "change": change,
+                             "predicted_peak_bytes": new.peak_bytes, **measured})
+        return change
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
@@ -403,7 +359,7 @@ class Trainer:
         cfg, run_dir = self.cfg, self.run_dir
         ckpt_root = run_dir / "checkpoints"
         out = ProgressDisplay(self.total_steps, mode=cfg.logging.progress if self.dist.is_main else "none",
-                              every=cfg.training.log_every, budget_bytes=self.plan.get("budget_bytes"), stream=self.stream)
+                              every=cfg.training.log_every, budget_bytes=self.plan.budget_bytes, stream=self.stream)
         ckpt = latest_good_checkpoint(ckpt_root, warn=out.message)
         state: dict = {}
         start_step = 0
@@ -415,7 +371,7 @@ class Trainer:
         out.start = start_step
         self._print_header(out)
         # Rank 0 alone owns metrics.jsonl (another rank re-creating it would cut rank 0's file) and the sinks.
-        sinks = (open_sinks(cfg.logging, run_dir, resume_step=start_step, budget_bytes=self.plan.get("budget_bytes"),
+        sinks = (open_sinks(cfg.logging, run_dir, resume_step=start_step, budget_bytes=self.plan.budget_bytes,
                             config=cfg.model_dump(mode="json")) if self.dist.is_main else None)
         metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step, sinks=sinks) if self.dist.is_main else None
 
@@ -438,14 +394,12 @@ class Trainer:
                     result = self._guarded_step(step, out)
                 elapsed = time.perf_counter() - t0
                 peak = max(peak, self.meter.peak_bytes())
-                if self.meter.over_budget_bytes():
-                    change = self._shrink_plan()
-                    out.message(f"warning: step {step} peaked at {self.meter.peak_bytes():,} bytes, over the budget of "
-                                f"{self.meter.budget_bytes:,}; re-planned for the next steps: {change or 'nothing left to shrink'}")
+                step_peak = self.meter.peak_bytes()
+                self._check_budget(step, out)
                 row = {"step": step, "loss": result["loss"], "lr": self.scheduler.get_last_lr()[0],
                        "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
                        "step_time_s": elapsed, "tokens": result["tokens"], "memory_bytes": self.meter.current_bytes(),
-                       "peak_memory_bytes": self.meter.peak_bytes(), **result["metrics"]}
+                       "peak_memory_bytes": step_peak, **result["metrics"]}
                 if not result["finite"]:
                     bad_in_row += 1
                     skipped += 1
@@ -506,14 +460,14 @@ class Trainer:
         trainable, total = count_parameters(self.model)
         summary = {
             "config": self.cfg.to_dict(),
-            "plan": {**self.plan, "peak_bytes": self.plan.get("peak_bytes")},
+            "plan": self.plan.to_dict(),
             "versions": _versions(),
             "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
             "method": self.method,
             "parameters": {"trainable": trainable, "total": total},
             "steps": self.total_steps, "skipped_steps": skipped, "replans": self.replans,
             "wall_time_s": round(time.time() - started, 3),
-            "memory": {"peak_bytes": peak, "budget_bytes": self.plan.get("budget_bytes"),
+            "memory": {"peak_bytes": peak, "budget_bytes": self.plan.budget_bytes,
                        "breakdown": self.meter.breakdown(self.model, self.optimizer)},
             "checkpointing": self.checkpointing.to_dict() if hasattr(self.checkpointing, "to_dict") else None,
             "data": self.data.stats,
@@ -557,9 +511,8 @@ class Trainer:
                     f"{self.device} {str(self.dtype).replace('torch.', '')} | {len(self.data.train)} train rows, "
                     f"{len(self.data.eval)} eval rows | {self.total_steps} steps of {self.cfg.training.batch_size} x "
                     f"{self.cfg.training.seq_len} tokens")
-        if getattr(self, "_plan_obj", None) is not None and hasattr(self._plan_obj, "table"):
-            for line in self._plan_obj.text().splitlines():
-                out.message("  " + line)
+        for line in self.plan.text().splitlines():
+            out.message("  " + line)
 
     def _print_summary(self, before: dict, after: dict, out: ProgressDisplay) -> None:
         lines = [f"{'':<26}{'base (before)':>16}{'tuned (after)':>16}"]
@@ -628,3 +581,15 @@ def _versions() -> dict:
         except md.PackageNotFoundError:
             out[pkg] = None
     return out
+
+
+def _plan_change(old, new) -> str:
+    """What differs between two plans, e.g. ``micro-batch 4 -> 2, checkpointing none -> full``."""
+    parts = []
+    for label, a, b in (("micro-batch", old.micro_batch_size, new.micro_batch_size),
+                        ("checkpointing", old.checkpointing_label, new.checkpointing_label),
+                        ("activation offload", old.offload_activations, new.offload_activations),
+                        ("loss chunk", old.loss_chunk_size, new.loss_chunk_size)):
+        if a != b:
+            parts.append(f"{label} {a} -> {b}")
+    return ", ".join(parts) or "no change"
