@@ -134,7 +134,7 @@ def ours(model_dir: Path, data: Path, out: Path, args) -> dict:
     def run():
         trainer.train_step(1)
         return {"completion_length": trainer.objective.generation.metrics["completion_length"],
-                "checkpointing": str(trainer.plan["gradient_checkpointing"])}
+                "checkpointing": trainer.plan.checkpointing_label}
 
     return measure(run, trainer.model, trainer.optimizer)
 
