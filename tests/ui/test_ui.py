@@ -341,7 +341,8 @@ def test_run_page_charts_grow_while_a_real_run_trains(browser, server, runs_dir,
 
     out = runs_dir / "live"
     cfg = tiny_config(tiny_llama, pc_data, out, training={"max_steps": 30, "log_every": 1, "save_every": 10},
-                      eval={"every": 10, "prompts": ["Reverse: red gold\nAnswer:"]})
+                      eval={"every": 10, "prompts": ["Reverse: red gold\nAnswer:"]},
+                      optimization={"target_vram": "1GB", "gradient_checkpointing": "off"})
     cfg_path = runs_dir.parent / "live.yaml"
     cfg_path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.Popen([sys.executable, "-m", "maximus.cli", "train", "--config", str(cfg_path)],
@@ -373,6 +374,12 @@ def test_run_page_charts_grow_while_a_real_run_trains(browser, server, runs_dir,
         assert grown > first, "the loss chart gained no points while the run trained"
         seen_running = seen_running or browser.find_element(By.ID, "status").text == "running"
         assert seen_running
+        # While it runs, the memory panel already has the budget and the predicted peak (plan.json).
+        live = json.loads((out / "plan.json").read_text())
+        lines = browser.execute_script("const d = Chart.getChart('memory-chart').data.datasets;"
+                                       "return [d[2].data.map(p => p.y), d[3].data.map(p => p.y)];")
+        assert lines[0] and set(lines[0]) == {10**9 / 2**20}  # the 1GB budget, in MiB on a tiny run
+        assert lines[1] and set(lines[1]) == {live["plan"]["peak_bytes"] / 2**20}
         assert proc.wait(timeout=240) == 0, proc.stderr.read()
         while browser.find_element(By.ID, "status").text != "finished" and time.time() < deadline:
             time.sleep(0.3)

@@ -318,7 +318,16 @@ class Trainer:
         change = _plan_change(old, new)
         self.replans.append({"step": step, "reason": reason, "change": change,
                              "predicted_peak_bytes": new.peak_bytes, **measured})
+        self._write_live_plan()
         return change
+
+    def _write_live_plan(self) -> None:
+        """output_dir/plan.json: the plan in force while the run goes on (budget, predicted peak,
+        re-plans), for live views (`maximus ui`) that cannot wait for run.json. Rewritten atomically."""
+        if self.dist.is_main:
+            write_json(self.run_dir / "plan.json", {"config": self.cfg.to_dict(), "plan": self.plan.to_dict(),
+                                                    "method": self.method, "steps": self.total_steps,
+                                                    "replans": self.replans})
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
@@ -370,6 +379,7 @@ class Trainer:
             out.message(f"resuming from {ckpt.path} (step {start_step}/{self.total_steps})")
         out.start = start_step
         self._print_header(out)
+        self._write_live_plan()
         # Rank 0 alone owns metrics.jsonl (another rank re-creating it would cut rank 0's file) and the sinks.
         sinks = (open_sinks(cfg.logging, run_dir, resume_step=start_step, budget_bytes=self.plan.budget_bytes,
                             config=cfg.model_dump(mode="json")) if self.dist.is_main else None)

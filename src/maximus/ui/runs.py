@@ -130,7 +130,9 @@ def run_info(root: Path, run_dir: Path) -> RunInfo:
     steps = [r["step"] for r in rows if "loss" in r and isinstance(r.get("step"), int)]
     evals = [r["eval_loss"] for r in rows if isinstance(r.get("eval_loss"), (int, float))]
     peaks = [r["peak_memory_bytes"] for r in rows if isinstance(r.get("peak_memory_bytes"), int)]
-    source = summary or live
+    status = run_status(run_dir, summary)
+    # A run started again in the same output_dir: run.json is still the previous run's until it ends.
+    source = live if (status == "running" and live) else (summary or live)
     config = source.get("config") or {}
     plan = source.get("plan") or {}
     memory = (summary or {}).get("memory") or {}
@@ -139,7 +141,7 @@ def run_info(root: Path, run_dir: Path) -> RunInfo:
         evals.append(after["loss"])
     return RunInfo(
         name=run_dir.relative_to(root.resolve()).as_posix(),
-        status=run_status(run_dir, summary),
+        status=status,
         model=config.get("model"),
         method=source.get("method") or config.get("method"),
         steps_done=max(steps, default=0),
