@@ -310,11 +310,15 @@ def _trl_head_of(value, report: PatchReport) -> TRLHead | None:
                    cast_lm_head_to_fp32=bool(found["cast_lm_head_to_fp32"]))
 
 
+@functools.lru_cache(maxsize=None)
+def _forward_parameters(base: type) -> tuple[str, ...]:
+    return tuple(n for n in inspect.signature(base.forward).parameters if n != "self")
+
+
 def _forward(self, base: type, args: tuple, kwargs: dict):
     report: PatchReport = self.__dict__["_maximus_patch"]
     if args:  # bind positional arguments by the original signature's names
-        names = [n for n in inspect.signature(base.forward).parameters if n != "self"]
-        kwargs = {**dict(zip(names, args)), **kwargs}
+        kwargs = {**dict(zip(_forward_parameters(base), args)), **kwargs}
     fused = kwargs.pop("fused_lm_head", False)
     return_logits = kwargs.pop("return_logits", False)
     labels, shift_labels = kwargs.get("labels"), kwargs.get("shift_labels")

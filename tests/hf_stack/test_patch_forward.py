@@ -48,6 +48,8 @@ def test_loss_and_grads_equal_transformers(tiny_llama, kind):
         out.loss.backward(), ref.loss.backward()
         for a, b in zip(_grads(ours), _grads(theirs)):
             torch.testing.assert_close(a, b, atol=1e-5, rtol=1e-4)
+    if kind == "plain":  # positional arguments bind by the model's own signature
+        assert abs(ours(ids, None, None, None, None, labels).loss.item() - theirs(input_ids=ids, labels=labels).loss.item()) <= 1e-5
     with_logits = ours(input_ids=ids, labels=labels, return_logits=True)
     assert with_logits.logits.shape == (2, 40, ours.config.vocab_size)
     assert ours(input_ids=ids).logits.shape == (2, 40, ours.config.vocab_size)  # no labels: the model's own forward
