@@ -333,7 +333,8 @@ def _forward(self, base: type, args: tuple, kwargs: dict):
     num_items = kwargs.pop("num_items_in_batch", None)
     kwargs["use_cache"] = False
     out = self.get_decoder()(**kwargs)
-    hidden = out.last_hidden_state
+    # With the model split across devices (`device_map`), the decoder may end where the head is not.
+    hidden = out.last_hidden_state.to(self.get_output_embeddings().weight.device)
     if shift_labels is None:
         hidden, target = hidden[:, :-1], labels[:, 1:]
     else:
