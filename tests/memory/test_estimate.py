@@ -250,7 +250,9 @@ def test_step_time_model_prices_recompute_above_its_flop_share():
         est = {gc: estimate_peak(ref, method="qlora", dtype=dtype, seq_len=2048, checkpointing=gc, device="cpu")
                for gc in ("off", "selective", 4, "full")}
         seconds = {gc: 2048 / e.tokens_per_s_guess for gc, e in est.items()}
-        assert seconds["off"] < seconds["selective"] < seconds[4] < seconds["full"]
+        # the order measured in fp32 (benchmarks/step_cost.py plans): selective replays all but
+        # the large matmuls, which costs more than replaying half the layers in full
+        assert seconds["off"] < seconds[4] < seconds["selective"] < seconds["full"]
         flop_share = est["full"].flops_per_token / est["off"].flops_per_token - 1
         time_share = seconds["full"] / seconds["off"] - 1
         assert time_share > flop_share

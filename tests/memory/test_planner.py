@@ -257,8 +257,8 @@ def test_free_memory_default_recomputes_nothing_when_the_activations_fit():
     tight = int(off.peak_bytes * 0.8 / 0.9)
     partial = plan_for_budget(REFERENCE, tight, method="qlora", batch_size=1, seq_len=2048, dtype="fp32",
                               device="cpu", free_memory=True)
-    assert partial.recompute == ("selective",) * 8 and partial.peak_bytes <= tight * 0.9
-    assert partial.checkpointing_label == "selective"  # per-op recompute of the cheap ops fits; no layer recomputes fully
+    assert partial.recompute == ("full",) + ("none",) * 7 and partial.peak_bytes <= tight * 0.9
+    assert partial.checkpointing_label == "full 1/8 layers"  # one layer replayed: the least recompute that fits
 
 
 def test_free_memory_that_fits_nothing_runs_the_smallest_plan_with_a_note():
