@@ -52,7 +52,7 @@ class OpRates:
 
 #: Measured with ``benchmarks/step_cost.py calibrate --chunks 256 512 1024 --repeats 4`` on the
 #: 2-core AVX512-BF16 CPU of this project (reference model shapes, 2 threads, one run, the machine
-#: shared: load average ~10, so rates are ~3x below a quiet run; ratios are what ranks plans).
+#: shared: load average ~10, so rates are ~5x below a quiet run; ratios are what ranks plans).
 #: fp32's elementwise residual came out below zero (its isolated matmul rate underestimates the
 #: in-layer one), so fp32 takes bf16's elementwise time x 2 (same ops, twice the bytes) and its
 #: decoder rate is fitted so the measured layer forward (613 ms) is reproduced. fp32's NF4
