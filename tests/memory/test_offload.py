@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import copy as copy_module
+import json
 
 import bitsandbytes as bnb
 import pytest
@@ -225,3 +226,21 @@ def test_frozen_weight_streaming_is_exact_and_releases_weights(policy, reference
     assert all(w.untyped_storage().nbytes() == 256 * 256 * 4 for w in q_base)
     with torch.no_grad():
         torch.testing.assert_close(model(input_ids=IDS).logits, logits, rtol=0, atol=0)
+
+
+def test_parameter_offload_trains_a_model_loaded_from_safetensors(tiny_llama, pc_data, tmp_path):
+    """`offload.params: on` through the real trainer, the model loaded from safetensors in its saved
+    dtype: the weights come back memory-mapped, whose storage cannot be resized, and the streamer must
+    still release and restore them. Same losses as the run without the streamer."""
+    from maximus import Config, Trainer
+    from tiny import tiny_config
+
+    losses = {}
+    for mode in ("off", "on"):
+        cfg = tiny_config(tiny_llama, pc_data, tmp_path / mode, optimization={"offload": {"params": mode}},
+                          eval={"enabled": False})
+        Trainer(Config.from_dict(cfg)).train()
+        rows = [json.loads(line) for line in (tmp_path / mode / "metrics.jsonl").read_text().splitlines()]
+        losses[mode] = [r["loss"] for r in rows if "loss" in r]
+    assert len(losses["on"]) == 4
+    assert losses["on"] == pytest.approx(losses["off"], abs=1e-6)

@@ -328,6 +328,10 @@ class FrozenWeightStreamer:
                     continue
                 host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=_pin() and p.is_cuda)
                 host.copy_(p.detach())
+                if not p.untyped_storage().resizable():
+                    # Weights loaded from safetensors on CPU are memory-mapped views of the file, whose
+                    # storage cannot be resized: give the parameter storage of its own to release.
+                    p.data = p.detach().clone()
                 entries.append((p, host, p.untyped_storage().nbytes()))
             self._weights.append(entries)
         self._handles = []
