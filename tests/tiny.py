@@ -111,3 +111,16 @@ class OpRecorder(TorchDispatchMode):
             if isinstance(t, torch.Tensor):
                 self.largest = max(self.largest, t.numel())
         return out
+
+
+def backward_node_names(loss: torch.Tensor) -> set[str]:
+    """The class names of every autograd node behind `loss` (which kernels a backward really runs)."""
+    names, stack, seen = set(), [loss.grad_fn], set()
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        names.add(type(node).__name__)
+        stack.extend(f for f, _ in node.next_functions)
+    return names

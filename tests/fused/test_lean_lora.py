@@ -8,7 +8,7 @@ from peft import LoraConfig, PeftModel, get_peft_model
 
 from maximus.kernels.lean_lora import install_lean_lora, uninstall_lean_lora
 
-from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)
+from tiny import backward_node_names, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -46,16 +46,7 @@ def _step(model, autocast=None):
 
 def _nodes(model):
     with torch.enable_grad():
-        loss = model(input_ids=IDS, labels=IDS).loss
-    names, stack, seen = set(), [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        names.add(type(node).__name__)
-        stack.extend(f for f, _ in node.next_functions)
-    return names
+        return backward_node_names(model(input_ids=IDS, labels=IDS).loss)
 
 
 def _assert_same(got, expected, tol, n_grads=28):

@@ -15,6 +15,8 @@ with interpreter_env():  # triton.jit builds CPU-interpreted kernels only if set
     from maximus.kernels.triton import (TritonKernelsUnavailable, install_triton_kernels, summarize,
                                         uninstall_triton_kernels)
 
+from tiny import backward_node_names  # noqa: E402
+
 OUR_BACKWARD_NODES = {"RMSNormFunctionBackward", "RopeFunctionBackward", "SwiGLUFunctionBackward",
                       "LoRALinear4bitFunctionBackward"}
 
@@ -50,14 +52,7 @@ def _step(model, seed=0):
     model.zero_grad()
     torch.manual_seed(seed)  # same dropout masks in both runs
     out = model(input_ids=IDS, position_ids=PACKED_POSITIONS, labels=IDS)
-    nodes, stack, seen = set(), [out.loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        nodes.add(type(node).__name__)
-        stack.extend(next_fn for next_fn, _ in node.next_functions)
+    nodes = backward_node_names(out.loss)
     out.loss.backward()
     grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.requires_grad}
     return out.logits.detach(), grads, nodes

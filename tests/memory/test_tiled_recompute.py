@@ -12,7 +12,7 @@ from maximus.kernels.tiled_mlp import tile_ranges, tiled_mlp
 from maximus.memory.checkpointing import apply_checkpointing, find_decoder_layers, remove_checkpointing
 from maximus.memory.meter import measure_step_peak
 
-from tiny import build_tiny_model_dir, one_thread  # noqa: F401,E402  (one_thread: a fixture, used through pytestmark)
+from tiny import backward_node_names, build_tiny_model_dir, one_thread  # noqa: F401,E402  (one_thread: a fixture, used through pytestmark)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -53,18 +53,6 @@ def _assert_same(got, expected):
         torch.testing.assert_close(got[1][name], grad, rtol=1e-5, atol=1e-6, msg=lambda m: f"{name}: {m}")
 
 
-def _backward_nodes(loss) -> set[str]:
-    nodes, stack, seen = set(), [loss.grad_fn], set()
-    while stack:
-        node = stack.pop()
-        if node is None or node in seen:
-            continue
-        seen.add(node)
-        nodes.add(type(node).__name__)
-        stack.extend(f for f, _ in node.next_functions)
-    return nodes
-
-
 @pytest.mark.parametrize("arch,method", [("llama", "lora"), ("mistral", "lora"), ("qwen2", "lora"),
                                          ("llama", "qlora"), ("qwen2", "qlora"), ("llama", "dora")])
 def test_tiled_equals_untiled_full_checkpointing(tiny_model_dirs, arch, method):
@@ -98,9 +86,9 @@ def test_tile_covering_the_micro_batch_is_one_untiled_pass(tiny_llama):
     model = _lora(tiny_llama, "lora")
     apply_checkpointing(model, "full", micro_batch=BATCH, seq_len=SEQ, tile_tokens=BATCH * SEQ)
     ids = torch.randint(3, 250, (BATCH, SEQ), generator=torch.Generator().manual_seed(1))
-    assert "_TiledMLPFunctionBackward" not in _backward_nodes(model(input_ids=ids, labels=ids).loss)
+    assert "_TiledMLPFunctionBackward" not in backward_node_names(model(input_ids=ids, labels=ids).loss)
     apply_checkpointing(model, "full", micro_batch=BATCH, seq_len=SEQ, tile_tokens=BATCH * SEQ - 1)
-    assert "_TiledMLPFunctionBackward" in _backward_nodes(model(input_ids=ids, labels=ids).loss)
+    assert "_TiledMLPFunctionBackward" in backward_node_names(model(input_ids=ids, labels=ids).loss)
 
 
 def test_only_fully_recomputed_layers_are_tiled_and_remove_restores_the_classes(tiny_llama):

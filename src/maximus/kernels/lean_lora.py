@@ -28,6 +28,8 @@ import types
 import torch
 import torch.nn.functional as F
 
+from maximus.kernels.forward_override import remove_forward_overrides
+
 __all__ = ["install_lean_lora", "uninstall_lean_lora", "lean_lora_linear"]
 
 _MARK = "_maximus_lean_lora"
@@ -171,10 +173,4 @@ def install_lean_lora(model: torch.nn.Module) -> list[str]:
 
 def uninstall_lean_lora(model: torch.nn.Module) -> int:
     """Undo `install_lean_lora`; returns how many modules went back to PEFT's forward."""
-    count = 0
-    for module in model.modules():
-        current = module.__dict__.get("forward")
-        if current is not None and getattr(current, _MARK, False):
-            del module.forward
-            count += 1
-    return count
+    return remove_forward_overrides(model, _MARK)

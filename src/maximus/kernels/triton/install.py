@@ -26,6 +26,7 @@ import types
 
 import torch
 
+from maximus.kernels.forward_override import remove_forward_overrides
 from maximus.kernels.triton.runtime import TRITON_HINT, TritonKernelsUnavailable, interpreting, triton_import_error
 
 RMS_NORM_CLASSES = {"LlamaRMSNorm": False, "MistralRMSNorm": False, "Qwen2RMSNorm": False, "GemmaRMSNorm": True}
@@ -214,13 +215,7 @@ def install_triton_kernels(model: torch.nn.Module) -> list[str]:
 
 def uninstall_triton_kernels(model: torch.nn.Module) -> int:
     """Undo install_triton_kernels on `model` (the rope dispatcher stays: it is inert outside); returns the count."""
-    count = 0
-    for module in model.modules():
-        current = module.__dict__.get("forward")
-        if current is not None and getattr(current, _MARK, None):
-            del module.forward
-            count += 1
-    return count
+    return remove_forward_overrides(model, _MARK)
 
 
 def summarize(patched: list[str]) -> str:
