@@ -24,7 +24,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-LOCK_NAME = ".maximus.lock"  # the trainer's name (maximus.train.lock.LOCK_NAME); not imported: ui sits beside train
+from maximus.train.lock import LOCK_NAME
+
 RUN_MARKERS = ("metrics.jsonl", "run.json", LOCK_NAME)
 
 
