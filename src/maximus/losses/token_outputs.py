@@ -6,17 +6,32 @@ log-probability of its label, and on request the entropy of the next-token distr
 ``z = softcap(hidden @ weight.T + bias) / temperature`` (TRL's order; the softcap is Gemma's
 ``c * tanh(y / c)``).
 
-Memory: one chunk of ``C x V`` float32 logits at a time (C = 256 tokens by default, the exact
-loss's chunk rule), not TRL's ``4096 x 32768`` tiles and their float copies.
+Memory: one ``C x V`` buffer (float32; plus the matmul's ``C x V`` output for 16-bit inputs),
+allocated once per call and reused by every chunk, as the exact loss does
+(:class:`~maximus.losses.linear_cross_entropy.ChunkScratch`). Everything else works in place or
+on a block of a few rows at a time (:data:`ROW_BLOCK_BYTES`):
+
+* the buffer holds ``u``: the raw logits, or ``tanh(y / c)`` with a softcap, so that
+  ``z = a * u`` (``a = 1 / temperature``, times ``c`` with a softcap) and the softcap's backward
+  factor ``1 - tanh^2`` are both read from it;
+* per row block: ``z`` (a view when ``a == 1``), the log-sum-exp, then ``p = exp(z - lse)``;
+  entropy ``= lse - sum p*z`` and ``log sum p^2`` are row dot products (no product tensor), the
+  top-1 is ``argmax z`` (the first maximum, as TRL counts ties), the mean logit ``mean z``;
+* a gradient of the logits overwrites the block's ``u`` in place, once the block's statistics
+  are read: the buffer turns into ``d / d y`` chunk by chunk, then into ``C x H`` by one matmul.
+
+Measured before this layout (issue 18, TRL ``SFTTrainer`` on the 128k-vocabulary reference model):
+seven out-of-place ``512 x 128,256`` float32 temporaries (250 MiB each) were alive at once, 1.8 GiB
+of the run's 2.1 GiB peak.
 
 Gradients flow to ``log_probs`` and ``entropy``:
 
 * a frozen head (LoRA / QLoRA, the common case) and a gradient only through ``log_probs``:
   forward also forms ``A_i = d log p_i / d hidden_i`` (one ``C x V @ V x H`` matmul per chunk,
-  ``N x H`` float32 kept), and backward is a row scale ``grad_i * A_i``: two head matmuls in all,
-  where recomputing would take three;
+  ``N x H`` kept), and backward is a row scale ``grad_i * A_i``: two head matmuls in all, where
+  recomputing would take three;
 * anything else (a trainable head, a gradient through ``entropy``): backward recomputes each
-  chunk's logits, as :func:`maximus.losses.linear_cross_entropy.token_log_probs` does.
+  chunk's logits into the same kind of reused buffer and forms the gradient in place.
 
 `naive_token_outputs` is the full-logits reference beside it.
 """
@@ -24,78 +39,107 @@ from __future__ import annotations
 
 import torch
 
-from maximus.losses.linear_cross_entropy import _stats_dtype, cast_for_matmul, default_chunk_size
+from maximus.losses.linear_cross_entropy import (ChunkScratch, _accumulator_dtype, _apply_chunk_grad, _chunk_logits,
+                                                 _stats_dtype, cast_for_matmul, default_chunk_size)
 
 #: Fields a caller may ask for besides ``log_probs`` (always computed).
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
+#: Rows of a chunk whose per-row statistics are computed together: each temporary of a block
+#: (``p``, and ``z`` when the logits are scaled) is about this many bytes, so it stays in cache
+#: and the chunk needs no second ``C x V`` buffer (V = 128,256 in float32: 4 rows).
+ROW_BLOCK_BYTES = 2 * 2**20
 
-def _chunk_logits(h_c, weight, bias, softcap, inv_t):
-    """(z [C, V] in the statistics dtype, tanh or None): the transformed logits of one chunk."""
-    raw = torch.addmm(bias, h_c, weight.t()) if bias is not None else h_c @ weight.t()
-    y = raw.to(_stats_dtype(raw.dtype))
-    tanh = None
+
+def _row_blocks(rows: int, vocab: int, itemsize: int):
+    step = max(1, ROW_BLOCK_BYTES // max(1, vocab * itemsize))
+    for start in range(0, rows, step):
+        yield start, min(start + step, rows)
+
+
+def _chunk_u(h_c, weight, bias, softcap, scratch):
+    """The chunk's ``u`` in the reused statistics buffer: raw logits, or ``tanh(y / softcap)``."""
+    u = _chunk_logits(h_c, weight, bias, scratch)
     if softcap is not None:
-        tanh = torch.tanh(y / softcap)
-        y = tanh * softcap
-    return (y * inv_t if inv_t != 1.0 else y), tanh
+        u.div_(softcap).tanh_()
+    return u
 
 
-def _logit_grad(z, log_z, labels, grad_lp, grad_ent, entropy, tanh, inv_t):
-    """d(sum_i grad_lp_i log p_i + grad_ent_i H_i) / d y for one chunk, y the raw logits."""
-    log_p = z - log_z[:, None]
-    p = log_p.exp()
-    grad = torch.zeros_like(z)
-    if grad_lp is not None:
-        grad = -p * grad_lp[:, None]
-        grad.scatter_add_(1, labels[:, None], grad_lp[:, None])
+def _logit_grad_(u, z, p, labels, grad_lp, grad_ent, entropy, lse, softcap, inv_t):
+    """Overwrite ``u`` (one row block) with ``d(sum_i grad_lp_i log p_i + grad_ent_i H_i) / d y``,
+    y the raw logits, given ``z`` (may alias ``u``) and ``p``, whose buffer it also consumes.
+
+    ``d log p_l / d z = onehot(l) - p``; ``d H / d z = -p (z - lse + H)``;
+    ``d z / d y = inv_t`` (times ``1 - tanh^2`` with a softcap)."""
     if grad_ent is not None:
-        grad -= grad_ent[:, None] * p * (log_p + entropy[:, None])
-    if inv_t != 1.0:
-        grad *= inv_t
-    if tanh is not None:
-        grad *= 1 - tanh * tanh
-    return grad
+        coef = torch.add(z, (entropy - lse)[:, None]).mul_(grad_ent[:, None])  # z - lse + H, weighted
+        if grad_lp is not None:
+            coef.add_(grad_lp[:, None])
+        grad_z = coef.mul_(p).neg_()
+    else:
+        grad_z = p.mul_(grad_lp[:, None]).neg_()
+    if grad_lp is not None:
+        grad_z.scatter_add_(1, labels[:, None], grad_lp[:, None])
+    if softcap is None:
+        torch.mul(grad_z, inv_t, out=u)  # z (if it aliased u) is no longer needed
+    else:
+        u.square_().neg_().add_(1.0).mul_(grad_z)
+        if inv_t != 1.0:
+            u.mul_(inv_t)
+    return u
+
+
+def _rowdot(a, b):
+    """Row-wise dot products of two [R, V] tensors, without their product tensor."""
+    return torch.bmm(a[:, None, :], b[:, :, None]).view(-1)
 
 
 class _TokenOutputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, softcap, inv_t, chunk_size, want):
         ctx.set_materialize_grads(False)
-        n = hidden.shape[0]
+        n, vocab = hidden.shape[0], weight.shape[0]
         stats = _stats_dtype(hidden.dtype)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         eager = need_hidden and not need_weight and not need_bias
+        scale = inv_t * (softcap if softcap is not None else 1.0)  # z = scale * u
         log_z = torch.empty(n, dtype=stats, device=hidden.device)
         log_probs = torch.empty_like(log_z)
         entropy = torch.empty_like(log_z) if "entropy" in want else None
         sq = torch.empty_like(log_z) if "log_sum_sq_probs" in want else None
         mean = torch.empty_like(log_z) if "mean_logits" in want else None
         top1 = torch.empty(n, dtype=torch.bool, device=hidden.device) if "is_top1" in want else None
-        basis = torch.empty(hidden.shape, dtype=stats, device=hidden.device) if eager else None
+        basis = torch.empty_like(hidden) if eager else None
+        ones = torch.ones(n, dtype=stats, device=hidden.device) if eager else None
+        scratch = ChunkScratch()
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
-            z, tanh = _chunk_logits(hidden[start:end], weight, bias, softcap, inv_t)
-            lab = labels[start:end]
-            lz = torch.logsumexp(z, dim=1)
-            log_z[start:end] = lz
-            log_probs[start:end] = z.gather(1, lab[:, None]).squeeze(1) - lz
-            if top1 is not None:
-                top1[start:end] = z.argmax(dim=1) == lab  # the first maximum, as TRL counts ties
-            if mean is not None:
-                mean[start:end] = z.mean(dim=1)
-            if entropy is not None or sq is not None:
-                p = (z - lz[:, None]).exp()
+            u = _chunk_u(hidden[start:end], weight, bias, softcap, scratch)
+            for r0, r1 in _row_blocks(end - start, vocab, u.element_size()):
+                rows = slice(start + r0, start + r1)
+                u_b, lab = u[r0:r1], labels[rows]
+                z = u_b if scale == 1.0 else u_b * scale
+                row_max = z.amax(dim=1)
+                p = torch.sub(z, row_max[:, None]).exp_()
+                total = p.sum(dim=1)
+                lse = row_max + total.log()
+                p.div_(total[:, None])
+                log_z[rows] = lse
+                log_probs[rows] = z.gather(1, lab[:, None]).squeeze(1) - lse
+                if top1 is not None:
+                    top1[rows] = z.argmax(dim=1) == lab  # the first maximum, as TRL counts ties
+                if mean is not None:
+                    mean[rows] = z.mean(dim=1)
                 if entropy is not None:
-                    entropy[start:end] = lz - (p * z).sum(dim=1)
+                    entropy[rows] = lse - _rowdot(p, z)
                 if sq is not None:
-                    sq[start:end] = p.square().sum(dim=1).log()
-                del p
-            if basis is not None:
-                ones = torch.ones(end - start, dtype=stats, device=hidden.device)
-                grad = _logit_grad(z, lz, lab, ones, None, None, tanh, inv_t)
-                basis[start:end] = grad.to(hidden.dtype) @ weight
-            del z, tanh
+                    sq[rows] = _rowdot(p, p).log()
+                if eager:
+                    _logit_grad_(u_b, z, p, lab, ones[rows], None, None, lse, softcap, inv_t)
+                del z, p
+            if eager:
+                _apply_chunk_grad(u, hidden[start:end], weight, start, end, basis, None, None, scratch)
+        del scratch
         ctx.save_for_backward(hidden, weight, bias, labels, log_z, entropy, basis)
         ctx.options = (softcap, inv_t, chunk_size)
         ctx.mark_non_differentiable(*(x for x in (sq, mean, top1) if x is not None))
@@ -109,28 +153,32 @@ class _TokenOutputs(torch.autograd.Function):
         if grad_lp is None and grad_ent is None:
             return (None,) * 8
         if basis is not None and grad_ent is None:
-            return (basis * grad_lp.to(basis.dtype)[:, None]).to(hidden.dtype), None, None, None, None, None, None, None
-        stats = log_z.dtype
-        grad_hidden = torch.empty(hidden.shape, dtype=stats, device=hidden.device) if need_hidden else None
-        grad_weight = torch.zeros(weight.shape, dtype=stats, device=weight.device) if need_weight else None
-        grad_bias = torch.zeros(weight.shape[0], dtype=stats, device=weight.device) if need_bias else None
+            grad = (basis * grad_lp.to(log_z.dtype)[:, None]).to(hidden.dtype)  # computed in float32 or wider
+            return grad, None, None, None, None, None, None, None
+        stats, vocab = log_z.dtype, weight.shape[0]
+        scale = inv_t * (softcap if softcap is not None else 1.0)
+        grad_lp = None if grad_lp is None else grad_lp.to(stats)
+        grad_ent = None if grad_ent is None else grad_ent.to(stats)
+        grad_hidden = torch.empty_like(hidden) if need_hidden else None
+        grad_weight = torch.zeros(weight.shape, dtype=_accumulator_dtype(weight), device=weight.device) if need_weight else None
+        grad_bias = torch.zeros(vocab, dtype=stats, device=weight.device) if need_bias else None
+        scratch = ChunkScratch()
         for start in range(0, hidden.shape[0], chunk_size):
             end = min(start + chunk_size, hidden.shape[0])
             h_c = hidden[start:end]
-            z, tanh = _chunk_logits(h_c, weight, bias, softcap, inv_t)
-            grad = _logit_grad(z, log_z[start:end], labels[start:end],
-                               None if grad_lp is None else grad_lp[start:end].to(stats),
-                               None if grad_ent is None else grad_ent[start:end].to(stats),
-                               None if entropy is None else entropy[start:end], tanh, inv_t)
-            del z, tanh
-            g = grad.to(h_c.dtype)
-            if grad_hidden is not None:
-                grad_hidden[start:end] = g @ weight
-            if grad_weight is not None:
-                grad_weight += (g.t() @ h_c).to(stats)
-            if grad_bias is not None:
-                grad_bias += grad.sum(dim=0)
-        return (None if grad_hidden is None else grad_hidden.to(hidden.dtype),
+            u = _chunk_u(h_c, weight, bias, softcap, scratch)
+            for r0, r1 in _row_blocks(end - start, vocab, u.element_size()):
+                rows = slice(start + r0, start + r1)
+                u_b, lse = u[r0:r1], log_z[rows]
+                z = u_b if scale == 1.0 else u_b * scale
+                p = torch.sub(z, lse[:, None]).exp_()
+                _logit_grad_(u_b, z, p, labels[rows], None if grad_lp is None else grad_lp[rows],
+                             None if grad_ent is None else grad_ent[rows],
+                             None if entropy is None else entropy[rows], lse, softcap, inv_t)
+                del z, p
+            _apply_chunk_grad(u, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias, scratch)
+        del scratch
+        return (grad_hidden,
                 None if grad_weight is None else grad_weight.to(weight.dtype),
                 None if grad_bias is None else grad_bias.to(weight.dtype), None, None, None, None, None)
 
@@ -144,7 +192,9 @@ def token_outputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tens
     ``hidden`` [N, H] and ``labels`` [N] (valid ids: select the labelled rows first) ->
     ``{"log_probs", "entropy", "log_sum_sq_probs", "mean_logits", "is_top1"}``, each [N] (float32;
     ``is_top1`` bool), None for a field not in ``outputs``. ``log_probs`` and ``entropy`` are
-    differentiable with respect to ``hidden``, ``weight`` and ``bias``."""
+    differentiable with respect to ``hidden``, ``weight`` and ``bias``. ``chunk_size`` tokens per
+    chunk (default :func:`~maximus.losses.linear_cross_entropy.default_chunk_size`, the exact
+    loss's rule: the working memory is one ``chunk_size x V`` buffer, as there)."""
     unknown = [name for name in outputs if name != "log_probs" and name not in OPTIONAL_OUTPUTS]
     if unknown:
         raise ValueError(f"token_outputs: unknown output {unknown[0]!r} (use log_probs or one of {OPTIONAL_OUTPUTS})")
