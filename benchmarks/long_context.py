@@ -20,6 +20,14 @@ beside `estimate_peak` for the same settings.
     python benchmarks/long_context.py --predicted-only                      # the 8B table (1 s)
     flock /tmp/bench.lock python benchmarks/long_context.py --lengths 4096 16384
     flock /tmp/bench.lock python benchmarks/long_context.py --speed-pairs 2     # tiled vs untiled step at 16k
+
+On a CUDA GPU (a step of the prepared device check `benchmarks/gpu.sh`): ``--device cuda --shape 8b``
+runs the same table on the Llama-3-8B shape (random bf16 weights built on the GPU, QLoRA r=32 as in
+the predicted table), peak = `torch.cuda.max_memory_allocated` during training (weights included,
+beside run.json's meter), plus ``card``: the longest context the planner predicts for
+``--card`` (default 16GB) run under ``target_vram: <card>``, whose measured peak must stay under it.
+
+    python benchmarks/long_context.py --device cuda --shape 8b --lengths 16384 32768 --card 16GB
 """
 from __future__ import annotations
 
@@ -77,87 +85,109 @@ def _data(path: Path, tokens_needed: int) -> Path:
     return path
 
 
-def _prediction(setup: str, seq_len: int, tile: int | None) -> int:
-    from _reference_model import REFERENCE_CONFIG
+def _lora_r(shape: str) -> int:
+    """r=16 on the reference model (the CPU table of the issue), r=32 on the 8B shape (Unsloth's setting)."""
+    return 32 if shape == "8b" else 16
+
+
+def _prediction(setup: str, seq_len: int, tile: int | None, shape: str = "reference", device: str = "cpu") -> int:
+    from _reference_model import SHAPES
 
     from maximus.memory.estimate import estimate_peak
 
+    config, r = SHAPES[shape], _lora_r(shape)
     if setup == "peer":
-        return estimate_peak(REFERENCE_CONFIG, method="qlora", lora_r=16, seq_len=seq_len, checkpointing="full",
-                             loss_mode="naive", device="cpu").peak_bytes
-    return estimate_peak(REFERENCE_CONFIG, method="qlora", lora_r=16, seq_len=seq_len, checkpointing="full",
-                         tile_tokens=tile, lean_lora=True, device="cpu").peak_bytes
+        return estimate_peak(config, method="qlora", lora_r=r, seq_len=seq_len, checkpointing="full",
+                             loss_mode="naive", device=device).peak_bytes
+    return estimate_peak(config, method="qlora", lora_r=r, seq_len=seq_len, checkpointing="full",
+                         tile_tokens=tile, lean_lora=True, device=device).peak_bytes
 
 
-def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path) -> dict:
-    from _reference_model import reference_model_dir
+def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape: str = "reference",
+             device: str = "cpu", budget: str = "1.5GB") -> dict:
+    import torch
+    from _reference_model import SHAPES, shaped_model_dir
 
     from maximus import Config, Trainer
 
+    r = _lora_r(shape)
     opt: dict = {"gradient_checkpointing": "full", "tile_tokens": tile if setup == "tiled" else "off"}
-    if setup == "budget":
-        opt = {"target_vram": "1.5GB"}
-    cfg = {"model": str(reference_model_dir()), "method": "qlora", "output_dir": str(work / "run"),
+    if setup in ("budget", "card"):
+        opt = {"target_vram": budget}
+    cfg = {"model": str(shaped_model_dir(shape, device=device)), "method": "qlora", "output_dir": str(work / "run"),
            "dataset": {"path": str(_data(work / "data.jsonl", seq_len * (steps + 1))), "format": "text"},
-           "lora": {"r": 16, "alpha": 32}, "optimization": opt,
+           "lora": {"r": r, "alpha": 2 * r}, "optimization": opt,
            "training": {"batch_size": 1, "micro_batch_size": 1, "max_steps": steps, "seq_len": seq_len,
-                        "dtype": "bf16", "warmup_steps": 0, "learning_rate": 1e-4},
+                        "dtype": "bf16", "warmup_steps": 0, "learning_rate": 1e-4, "device": device},
            "eval": {"enabled": False, "before": False}, "logging": {"progress": "none"}}
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     Trainer(Config.from_dict(cfg)).train()
+    cuda_peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
     summary = json.loads((work / "run" / "run.json").read_text())
     metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     steps_ = [m for m in metrics if "step_time_s" in m]
     plan = summary.get("plan", {})
-    chosen_tile = plan.get("tile_tokens") if setup == "budget" else (tile if setup == "tiled" else None)
-    if setup == "budget":
-        from _reference_model import REFERENCE_CONFIG
+    planned = setup in ("budget", "card")
+    chosen_tile = plan.get("tile_tokens") if planned else (tile if setup == "tiled" else None)
+    if planned:
+        predicted = plan.get("peak_bytes")
+        if not predicted:
+            from maximus.memory.estimate import estimate_peak
 
-        from maximus.memory.estimate import estimate_peak
-
-        gc = plan.get("gradient_checkpointing")
-        gc = [g == "full" for g in gc] if isinstance(gc, list) else gc
-        predicted = estimate_peak(REFERENCE_CONFIG, method="qlora", lora_r=16, seq_len=seq_len, checkpointing=gc,
-                                  tile_tokens=chosen_tile, lean_lora=True, device="cpu",
-                                  loss_chunk_tokens=plan.get("loss_chunk_size")).peak_bytes
+            gc = plan.get("gradient_checkpointing")
+            gc = [g == "full" for g in gc] if isinstance(gc, list) else gc
+            predicted = estimate_peak(SHAPES[shape], method="qlora", lora_r=r, seq_len=seq_len, checkpointing=gc,
+                                      tile_tokens=chosen_tile, lean_lora=True, device=device,
+                                      loss_chunk_tokens=plan.get("loss_chunk_size")).peak_bytes
     else:
-        predicted = _prediction(setup, seq_len, chosen_tile)
-    return {"setup": setup, "seq_len": seq_len, "peak_bytes": summary["memory"]["peak_bytes"], "predicted": predicted,
+        predicted = _prediction(setup, seq_len, chosen_tile, shape, device)
+    return {"setup": setup, "seq_len": seq_len, "peak_bytes": cuda_peak or summary["memory"]["peak_bytes"],
+            "meter_peak_bytes": summary["memory"]["peak_bytes"], "predicted": predicted,
             "step_time_s": [m["step_time_s"] for m in steps_], "losses": [m.get("loss") for m in steps_],
             "tile": chosen_tile, "plan": {k: plan.get(k) for k in ("gradient_checkpointing", "tile_tokens",
                                                                    "loss_chunk_size", "budget_bytes")}}
 
 
-def run_peer(seq_len: int, steps: int) -> dict:
+def run_peer(seq_len: int, steps: int, shape: str = "reference", device: str = "cpu") -> dict:
     import torch
-    from _reference_model import reference_model_dir
+    from _reference_model import shaped_model_dir
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
 
     from maximus.memory import measure_step_peak
 
+    r = _lora_r(shape)
     quant = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                                bnb_4bit_compute_dtype=torch.bfloat16)
-    model = AutoModelForCausalLM.from_pretrained(str(reference_model_dir()), quantization_config=quant,
-                                                 dtype=torch.bfloat16, device_map={"": "cpu"})
+    model = AutoModelForCausalLM.from_pretrained(str(shaped_model_dir(shape, device=device)), quantization_config=quant,
+                                                 dtype=torch.bfloat16, device_map={"": device})
     model = prepare_model_for_kbit_training(model, use_gradient_checkpointing=True,
                                             gradient_checkpointing_kwargs={"use_reentrant": False})
-    model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    model = get_peft_model(model, LoraConfig(r=r, lora_alpha=2 * r, target_modules="all-linear", task_type="CAUSAL_LM"))
     model.train()
     optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-4)
-    ids = torch.randint(0, 300, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 300, (1, seq_len), generator=torch.Generator().manual_seed(0)).to(device)
     times = []
 
     def step():
         start = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(torch.device(device).type, dtype=torch.bfloat16):
             loss = model(input_ids=ids, labels=ids).loss
         loss.backward()
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
+        if device == "cuda":
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
 
-    peak, _ = measure_step_peak(step, model, optimizer, device="cpu", warmup=steps - 1)
-    return {"setup": "peer", "seq_len": seq_len, "peak_bytes": peak, "predicted": _prediction("peer", seq_len, None),
+    if device == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    peak, _ = measure_step_peak(step, model, optimizer, device=device, warmup=steps - 1)
+    if device == "cuda":
+        peak = int(torch.cuda.max_memory_allocated())
+    return {"setup": "peer", "seq_len": seq_len, "peak_bytes": peak,
+            "predicted": _prediction("peer", seq_len, None, shape, device),
             "step_time_s": times, "losses": [], "tile": None, "plan": {}}
 
 
@@ -165,10 +195,12 @@ def _child(spec: dict) -> dict:
     import torch
 
     torch.set_num_threads(spec["threads"])
+    shape, device = spec.get("shape", "reference"), spec.get("device", "cpu")
     with tempfile.TemporaryDirectory() as work:
         if spec["setup"] == "peer":
-            return run_peer(spec["seq_len"], spec["steps"])
-        return run_ours(spec["setup"], spec["seq_len"], spec["tile"], spec["steps"], Path(work))
+            return run_peer(spec["seq_len"], spec["steps"], shape, device)
+        return run_ours(spec["setup"], spec["seq_len"], spec["tile"], spec["steps"], Path(work), shape, device,
+                        spec.get("budget", "1.5GB"))
 
 
 def measure(spec: dict) -> dict:
@@ -178,6 +210,9 @@ def measure(spec: dict) -> dict:
     for line in reversed(out.stdout.splitlines()):
         if line.startswith("RESULT "):
             return json.loads(line[len("RESULT "):])
+    tail = out.stderr.strip().splitlines()[-1:] or ["no output"]
+    if "OutOfMemoryError" in out.stderr or "out of memory" in out.stderr.lower():
+        return {**spec, "oom": True, "error": tail[0]}
     raise RuntimeError(f"{spec} failed:\n{out.stderr[-3000:]}")
 
 
@@ -233,13 +268,23 @@ def main(argv=None) -> int:
     parser.add_argument("--lengths", type=int, nargs="+", default=[4096, 8192, 16384, 32768])
     parser.add_argument("--tile", type=int, default=1024, help="tile of the tiled setup (tokens)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peer-max-gib", type=float, default=8.0,
-                        help="skip the peer where its float32 logits and their gradients (12 B per logit) pass this")
+    parser.add_argument("--peer-max-gib", type=float, default=None,
+                        help="skip the peer where its float32 logits and their gradients (12 B per logit) pass this "
+                             "(default 8 on cpu, 100 on cuda)")
     parser.add_argument("--speed-length", type=int, default=16384, help="length of the 2-step tiled/untiled timing")
     parser.add_argument("--speed-pairs", type=int, default=0,
                         help="only time N interleaved tiled/untiled step pairs at --speed-length in one process")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--shape", choices=("reference", "8b"), default=None,
+                        help="model shape (default: reference on cpu, 8b on cuda)")
+    parser.add_argument("--card", default="16GB",
+                        help="cuda: also run the planner's longest context for this card under target_vram: CARD")
+    parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    args.shape = args.shape or ("8b" if args.device == "cuda" else "reference")
+    if args.peer_max_gib is None:
+        args.peer_max_gib = 100.0 if args.device == "cuda" else 8.0
     if args.speed_pairs:
         import statistics
 
@@ -262,33 +307,65 @@ def main(argv=None) -> int:
 
     from maximus.models import bf16_supported
 
-    a = torch.randn(2048, 2048, dtype=torch.bfloat16)
+    cuda = args.device == "cuda"
+    n = 8192 if cuda else 2048
+    a = torch.randn(n, n, dtype=torch.bfloat16, device=args.device)
     torch.set_num_threads(args.threads)
+    a @ a
+    if cuda:
+        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(5):
         a @ a
-    rate = 5 * 2 * 2048**3 / (time.perf_counter() - start)
-    print(f"\nCPU: native bf16 {bf16_supported(torch.device('cpu'))}, bf16 matmul {rate / 1e9:.0f} GFLOP/s "
-          f"({args.threads} threads)\n", flush=True)
+    if cuda:
+        torch.cuda.synchronize()
+    rate = 5 * 2 * n**3 / (time.perf_counter() - start)
+    del a
+    where = torch.cuda.get_device_name() if cuda else f"CPU: native bf16 {bf16_supported(torch.device('cpu'))}"
+    print(f"\n{where}, bf16 matmul {rate / 1e9:,.0f} GFLOP/s ({n}^3{'' if cuda else f', {args.threads} threads'}); "
+          f"shape {args.shape}, QLoRA r={_lora_r(args.shape)}\n", flush=True)
+    vocab = 128256
     rows = []
+
+    def record(spec: dict) -> None:
+        spec.update(threads=args.threads, shape=args.shape, device=args.device)
+        r = measure(spec)
+        rows.append(r)
+        if r.get("oom"):
+            print(f"  {r['setup']:8s} {r['seq_len']:6d}: out of memory ({r['error']})", flush=True)
+        else:
+            print(f"  {r['setup']:8s} {r['seq_len']:6d}: peak {r['peak_bytes'] / 2**20:8.0f} MiB, predicted "
+                  f"{r['predicted'] / 2**20:8.0f} MiB ({r['predicted'] / r['peak_bytes'] - 1:+.1%}), "
+                  f"steps {['%.1f' % t for t in r['step_time_s']]} s, tile {r['tile']}, plan {r['plan']}",
+                  flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps(rows, indent=1))
+
     for seq in args.lengths:
         specs = []
         for setup in ("tiled", "untiled"):
             specs.append(dict(setup=setup, seq_len=seq, tile=args.tile, steps=2 if seq == args.speed_length else 1))
-        if seq == 16384:
+        if seq == 16384 and not cuda:
             specs.append(dict(setup="budget", seq_len=seq, tile=args.tile, steps=1))
-        if seq * 128256 * 12 <= args.peer_max_gib * GIB:
+        if seq * vocab * 12 <= args.peer_max_gib * GIB:
             specs.append(dict(setup="peer", seq_len=seq, tile=None, steps=2))
         for spec in specs:
-            spec["threads"] = args.threads
-            r = measure(spec)
-            rows.append(r)
-            print(f"  {r['setup']:8s} {seq:6d}: peak {r['peak_bytes'] / 2**20:8.0f} MiB, predicted "
-                  f"{r['predicted'] / 2**20:8.0f} MiB ({r['predicted'] / r['peak_bytes'] - 1:+.1%}), "
-                  f"steps {['%.1f' % t for t in r['step_time_s']]} s, tile {r['tile']}, plan {r['plan']}", flush=True)
+            record(spec)
+    if cuda and args.card:
+        from _reference_model import SHAPES
+
+        from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
+
+        longest = max_seq_len_for_budget(SHAPES[args.shape], resolve_budget(args.card), method="qlora",
+                                         lora_r=_lora_r(args.shape))
+        print(f"  planner: longest context under {args.card} = {longest:,} tokens", flush=True)
+        record(dict(setup="card", seq_len=longest, tile=args.tile, steps=2, budget=args.card))
     print("\n| tokens | setup | measured peak | predicted | error | step (s) | tokens/s |")
     print("|---|---|---|---|---|---|---|")
     for r in rows:
+        if r.get("oom"):
+            print(f"| {r['seq_len']:,} | {r['setup']} | out of memory | | | | |")
+            continue
         t = r["step_time_s"][-1]
         print(f"| {r['seq_len']:,} | {r['setup']}{' (tiles %d)' % r['tile'] if r['tile'] else ''} "
               f"| {r['peak_bytes'] / 2**20:,.0f} MiB | {r['predicted'] / 2**20:,.0f} MiB "
