@@ -55,7 +55,8 @@ def predicted_table() -> list[str]:
     from maximus.memory.planner import max_seq_len_for_budget, plan_for_budget, resolve_budget
 
     lines = ["| card | Maximus before (untiled, PEFT layers) | Maximus now (tiled + lean LoRA) | plan at that length "
-             "| Unsloth | HF + FA2 (Unsloth's figure) | now / Unsloth |", "|---|---|---|---|---|---|---|"]
+             "| host RAM it fills | Unsloth | HF + FA2 (Unsloth's figure) | now / Unsloth |",
+             "|---|---|---|---|---|---|---|---|"]
     for card, (unsloth, hf) in UNSLOTH.items():
         budget = resolve_budget(card)
         before = max_seq_len_for_budget(EIGHT_B, budget, method="qlora", lora_r=32, tile_tokens="off", lean_lora=False)
@@ -64,9 +65,20 @@ def predicted_table() -> list[str]:
         knobs = [plan.checkpointing_label] + [n for n, on in (("activation offload", plan.offload_activations),
                                                               ("optimizer offload", plan.offload_optimizer)) if on]
         knobs.append(f"tiles {plan.tile_tokens}" if plan.tile_tokens else "untiled")
-        lines.append(f"| {card} | {before:,} | **{now:,}** | {', '.join(knobs)} | {unsloth:,} | "
+        lines.append(f"| {card} | {before:,} | **{now:,}** | {', '.join(knobs)} | {plan.host_bytes / GIB:.1f} GiB | {unsloth:,} | "
                      f"{'OOM' if hf is None else f'{hf:,}'} | {now / unsloth:.2f}x |")
+    lines += ["", "The same search when the host RAM is checked (`host_budget_bytes`, as `plan_run` does on a real "
+              "GPU with the available RAM): longest context by host RAM available for offloaded state", "",
+              "| card | " + " | ".join(f"{h} GB host" for h in HOST_GB) + " |", "|---|" + "---|" * len(HOST_GB)]
+    for card in UNSLOTH:
+        found = [max_seq_len_for_budget(EIGHT_B, resolve_budget(card), method="qlora", lora_r=32,
+                                        host_budget_bytes=int(h * 1e9)) for h in HOST_GB]
+        lines.append(f"| {card} | " + " | ".join(f"{n:,}" for n in found) + " |")
     return lines
+
+
+#: Host RAM sizes (GB) of the host-checked table: a Colab T4 has ~12.7 GB.
+HOST_GB = (12, 16, 32, 64)
 
 
 # ------------------------------------------------------------------------------------------------

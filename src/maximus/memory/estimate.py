@@ -328,9 +328,13 @@ class Estimate:
     settings: dict[str, Any] = field(default_factory=dict)
     #: What the estimate bounds rather than models (a conservative figure is used), one line each.
     notes: list[str] = field(default_factory=list)
+    #: Host memory the plan's offloading fills (checkpointed layer inputs, optimizer state and
+    #: masters, streamed frozen weights); 0 when nothing is offloaded. Not part of ``peak_bytes``.
+    host_bytes: int = 0
 
     def to_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "breakdown": dict(self.breakdown), "phase": self.phase,
+        return {"peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes, "breakdown": dict(self.breakdown),
+                "phase": self.phase,
                 "flops_per_token": self.flops_per_token, "tokens_per_s_guess": self.tokens_per_s_guess,
                 "settings": dict(self.settings), "notes": list(self.notes)}
 
@@ -711,8 +715,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         weights_dev += (2 * (shape.layer_linear_params + shape.layer_other_params)
                         + (shape.embedding_params + shape.head_params if not whole else 0)) * wb
 
-    if offload_params:
-        weights_dev -= _streamed_weight_bytes(shape, method, b, device_type, notes)
+    streamed = _streamed_weight_bytes(shape, method, b, device_type, notes) if offload_params else 0
+    weights_dev -= streamed
     n_adapter = L * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets)
     adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
     trainable = n_adapter if adapter else shape.num_params
@@ -736,6 +740,9 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     grads = int(per_rank_trainable * p_bytes)
     states = int(per_rank_trainable * state_bytes)
     opt_dev = 0 if offload_optimizer else states
+    # `OffloadedAdamW` keeps, per trainable parameter, a float32 master, a float32 gradient buffer
+    # and the moments in host memory.
+    host_opt = int(per_rank_trainable * 8) + states if offload_optimizer else 0
 
     # -- activations ----------------------------------------------------------------------------
     n_t = len(targets)
@@ -786,6 +793,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         policy = [modes[f] for f in flags]
     kept = {"off": per_off, "full": per_full, "selective": per_sel}
     per_layer = [0.0 if (p == "full" and offload_activations) else kept[p] for p in policy]  # offloaded: on host
+    host_acts = int(T * per_full * sum(1 for p in policy if p == "full")) if offload_activations else 0
     recomputing = any(p != "off" for p in policy)
     in_flight = 2 * per_full if (offload_activations and recomputing) else 0.0  # prefetch one layer ahead
     stored = sum(per_layer) + in_flight
@@ -899,7 +907,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     if offload_params:
         settings["offload_params"] = True
     return Estimate(peak_bytes=int(peak), breakdown={k: int(v) for k, v in breakdown.items()},
-                    flops_per_token=flops, tokens_per_s_guess=tps, phase=phase, settings=settings, notes=notes)
+                    flops_per_token=flops, tokens_per_s_guess=tps, phase=phase, settings=settings, notes=notes,
+                    host_bytes=int(host_acts + host_opt + streamed * L / max(1, L - 3)))
 
 
 def _optimizer_temporaries(trainable: int, p_bytes: int, optimizer: str, device_type: str, shape: ModelShape,

@@ -98,6 +98,11 @@ class Plan:
     generation: Mapping[str, int] | None = None
     tokens_per_s_guess: float = 0.0
     notes: tuple[str, ...] = ()
+    #: Host memory the offloading fills (checkpointed layer inputs, optimizer state and masters,
+    #: streamed frozen weights), and the available host memory the plan was checked against
+    #: (None: not checked, e.g. a prediction for a card on another machine).
+    host_bytes: int = 0
+    host_budget_bytes: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", tuple(self.recompute))
@@ -191,6 +196,10 @@ class Plan:
         if self.generation:
             rows.append(("generation", f"{format_bytes(self.generation['total'])} (GRPO sampling: KV cache "
                                        f"{format_bytes(self.generation['kv_cache'])})"))
+        if self.host_bytes and not host_is_device:
+            checked = (f" of {format_bytes(self.host_budget_bytes)} available" if self.host_budget_bytes
+                       else ": not checked against this machine's RAM")
+            rows.append(("host memory", f"{format_bytes(self.host_bytes)} for offloaded state{checked}"))
         if self.free_memory_bytes:
             rows.append(("free memory", f"{format_bytes(self.free_memory_bytes)} (no target_vram: fitted to it, "
                                         "not held to it)"))

@@ -118,7 +118,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                     offload_activations: str | bool = "auto", offload_optimizer: str | bool = "auto",
                     margin: float = DEFAULT_MARGIN, device: str = "cuda", sharded: bool | None = None,
                     free_memory: bool = False, tile_tokens: int | str | None = "auto", lean_lora: bool = True,
-                    name_longest: bool = True, **techniques: Any) -> Plan:
+                    name_longest: bool = True, host_budget_bytes: int | None = None, **techniques: Any) -> Plan:
     """The fastest plan whose predicted peak is at most ``budget_bytes * (1 - margin)``.
 
     Fixed settings (an int micro-batch, ``gradient_checkpointing: full``, ``offload_*: on/off``,
@@ -136,6 +136,10 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     ``lean_lora``: adapters run as Maximus' lean projections (`optimization.lean_lora`), else PEFT's.
     ``name_longest``: when nothing fits, the error also names the longest sequence that would fit
     with the same settings (`max_seq_len_for_budget`, which turns it off for its own search).
+
+    ``host_budget_bytes``: the host memory offloading may fill (`plan_run` passes the available RAM when
+    it plans for a real GPU of this machine); a plan
+    whose offloaded state (`Estimate.host_bytes`) needs more is not chosen. None: not checked.
 
     ``free_memory=True`` says ``budget_bytes`` is not the user's budget but the device's free
     memory (no ``target_vram``): the fastest plan that fits it, and when none does, the plan that
@@ -215,6 +219,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
 
     best: tuple[float, int, dict, Estimate] | None = None
     smallest: tuple[int, dict, Estimate] | None = None
+    host_short: Estimate | None = None  # the least host-hungry plan that fit the device but not the host
     for kw in _candidates(shape, methods=methods, micro_batches=micro_batches, checkpointings=checkpointings,
                           offload_act_options=off_act, offload_opt_options=off_opt, optimizers=optimizers,
                           loss_mode=loss_mode, chunks_for=chunks_for, tiles_for=tiles_for):
@@ -224,13 +229,20 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                 and gradient_checkpointing == "auto":
             # Between off and full: checkpoint just enough layers (the fewest that fit).
             kw, e = _fewest_checkpointed_layers(kw, e, usable, shape.num_layers, lambda k: est(k, mb))
+        if host_budget_bytes is not None and e.host_bytes > host_budget_bytes:
+            if (usable is None or e.peak_bytes <= usable) and (host_short is None or e.host_bytes < host_short.host_bytes):
+                host_short = e
+            continue
         if smallest is None or e.peak_bytes < smallest[0]:
             smallest = (e.peak_bytes, kw, e)
         if usable is None or e.peak_bytes <= usable:
             key = (e.tokens_per_s_guess, -e.peak_bytes)
             if best is None or key > best[:2]:
                 best = (e.tokens_per_s_guess, -e.peak_bytes, kw, e)
-    assert smallest is not None
+    if smallest is None:  # every plan needs more host memory than there is
+        raise BudgetError(f"every plan that fits needs more host memory than the {format_bytes(host_budget_bytes)} "
+                          f"available for offloaded state (the least: {format_bytes(host_short.host_bytes)})",
+                          "free host RAM, lower training.seq_len, or raise target_vram so less is offloaded")
     if best is None and free_memory:
         _, kw, e = smallest
         plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r, device)
@@ -249,13 +261,21 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                 lora_targets=lora_targets, loss_mode=loss_mode, allow=allow, margin=margin, device=device,
                 limit=max(1, seq_len - 1), tile_tokens=tile_tokens, lean_lora=lean_lora,
                 gradient_checkpointing=gradient_checkpointing, offload_activations=offload_activations,
-                offload_optimizer=offload_optimizer, loss_chunk_size=loss_chunk_size, **techniques)
+                offload_optimizer=offload_optimizer, loss_chunk_size=loss_chunk_size,
+                host_budget_bytes=host_budget_bytes, **techniques)
             longest = (f"; the longest sequence that fits is {n:,} tokens at micro-batch {mb}" if n
                        else "; not even one token fits")
+        host = ""
+        if host_short is not None:
+            host = (f"; plans that offload more would fit but need {format_bytes(host_short.host_bytes)} of host "
+                    f"memory, {format_bytes(host_budget_bytes)} available")
         raise BudgetError(f"nothing fits in {format_bytes(budget_bytes)}: the smallest plan needs "
-                          f"{format_bytes(needed)} ({_describe(smallest[1], seq_len, shape.num_layers)}){longest}", hint)
+                          f"{format_bytes(needed)} ({_describe(smallest[1], seq_len, shape.num_layers)}){longest}{host}",
+                          hint)
     _, _, kw, e = best
     plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r, device)
+    if host_budget_bytes is not None:
+        plan = replace(plan, host_budget_bytes=host_budget_bytes)
     if free_memory:
         plan = replace(plan, notes=plan.notes + (f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory",))
     return plan
@@ -319,7 +339,8 @@ def _to_plan(kw: dict, e: Estimate, shape, budget: int | None, margin: float, pe
                 peak_bytes=e.peak_bytes, breakdown=dict(e.breakdown), budget_bytes=budget, margin_bytes=margin_bytes,
                 peak_phase=e.phase, seq_len=seq_len, world_size=world_size, dtype=dtype,
                 lora_r=lora_r if kw["method"] != "full" else None, device=str(device).split(":")[0],
-                strategy=strategy, tokens_per_s_guess=e.tokens_per_s_guess, notes=tuple(notes), tile_tokens=tile)
+                strategy=strategy, tokens_per_s_guess=e.tokens_per_s_guess, notes=tuple(notes), tile_tokens=tile,
+                host_bytes=e.host_bytes)
 
 
 def max_seq_len_for_budget(model_config: Any, budget_bytes: int, *, method: str = "qlora", micro_batch: int = 1,

@@ -184,7 +184,27 @@ def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, wo
                 micro_batch_size=t.micro_batch_size, gradient_checkpointing=gradient_checkpointing,
                 loss_mode=opt.loss_mode, loss_chunk_size=opt.loss_chunk_size,
                 offload_activations=opt.offload.activations, offload_optimizer=opt.offload.optimizer,
-                device=device_type, tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora, **_technique_kwargs(cfg))
+                device=device_type, tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
+                host_budget_bytes=_host_for_offload(device_type), **_technique_kwargs(cfg))
+
+
+#: Share of the available host RAM that offloaded state may fill (the rest: the process itself,
+#: the data loader, the page cache the checkpoint writer needs).
+HOST_OFFLOAD_SHARE = 0.9
+
+
+def _host_for_offload(device_type: str) -> int | None:
+    """The host memory a plan for this machine's GPU may fill with offloaded state: 90 % of the
+    available RAM, split between the processes of this node. None when the plan is not for a GPU
+    of this machine (a CPU run offloads nothing; `maximus plan` for a card on a laptop)."""
+    import torch
+
+    if device_type != "cuda" or not torch.cuda.is_available():
+        return None
+    import psutil
+
+    per_process = psutil.virtual_memory().available // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    return int(per_process * HOST_OFFLOAD_SHARE)
 
 
 # ---------------------------------------------------------------------------------- techniques
