@@ -130,7 +130,7 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
            "dataset": {"path": str(_data(work / "data.jsonl", seq_len * (steps + 1))), "format": "text"},
            "lora": {"r": r, "alpha": 2 * r}, "optimization": opt,
            "training": {"batch_size": 1, "micro_batch_size": 1, "max_steps": steps, "seq_len": seq_len,
-                        "dtype": "bf16", "warmup_steps": 0, "learning_rate": 1e-4, "device": device},
+                        "dtype": "bf16", "warmup_steps": 0, "learning_rate": 1e-4}, "device": device,
            "eval": {"enabled": False, "before": False}, "logging": {"progress": "none"}}
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
