@@ -85,15 +85,16 @@ HOST_GB = (12, 16, 32, 64)
 # One measured run (in a child process)
 
 
-def _data(path: Path, tokens_needed: int) -> Path:
+def _data(path: Path, seq_len: int, rows: int) -> Path:
+    """`rows` documents of about 1.7 x seq_len tokens each (3.4 tokens per word with the tiny
+    tokenizer), so that with ``packing: false`` every row is one document cut to exactly seq_len
+    tokens: the length the prediction is made for. (Packed rows of shorter documents are not full:
+    rows of 2,000-word documents held 13.5k tokens at seq 16,384 and 27k at 32,768.)"""
     rng = random.Random(0)
     words = "red green blue gold stone river cloud tiger eagle maple north south seven quiet bright".split()
     with open(path, "w", encoding="utf-8") as f:
-        chars = 0
-        while chars < tokens_needed * 4:
-            text = " ".join(rng.choice(words) for _ in range(2000))
-            f.write(json.dumps({"text": text}) + "\n")
-            chars += len(text)
+        for _ in range(rows):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq_len // 2))}) + "\n")
     return path
 
 
@@ -127,10 +128,11 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
     if setup in ("budget", "card"):
         opt = {"target_vram": budget}
     cfg = {"model": str(shaped_model_dir(shape, device=device)), "method": "qlora", "output_dir": str(work / "run"),
-           "dataset": {"path": str(_data(work / "data.jsonl", seq_len * (steps + 1))), "format": "text"},
+           "dataset": {"path": str(_data(work / "data.jsonl", seq_len, steps + 1)), "format": "text"},
            "lora": {"r": r, "alpha": 2 * r}, "optimization": opt,
            "training": {"batch_size": 1, "micro_batch_size": 1, "max_steps": steps, "seq_len": seq_len,
-                        "dtype": "bf16", "warmup_steps": 0, "learning_rate": 1e-4}, "device": device,
+                        "dtype": "bf16", "warmup_steps": 0, "learning_rate": 1e-4, "packing": False},
+           "device": device,
            "eval": {"enabled": False, "before": False}, "logging": {"progress": "none"}}
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
@@ -154,9 +156,12 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
                                       loss_chunk_tokens=plan.get("loss_chunk_size")).peak_bytes
     else:
         predicted = _prediction(setup, seq_len, chosen_tile, shape, device)
+    rows = summary.get("data", {})
     return {"setup": setup, "seq_len": seq_len, "peak_bytes": cuda_peak or summary["memory"]["peak_bytes"],
+            "data": {k: rows.get(k) for k in ("rows", "tokens", "truncated") if k in rows},
             "meter_peak_bytes": summary["memory"]["peak_bytes"], "predicted": predicted,
             "step_time_s": [m["step_time_s"] for m in steps_], "losses": [m.get("loss") for m in steps_],
+            "step_tokens": [m.get("tokens") for m in steps_],
             "tile": chosen_tile, "plan": {k: plan.get(k) for k in ("gradient_checkpointing", "tile_tokens",
                                                                    "loss_chunk_size", "budget_bytes")}}
 
@@ -348,7 +353,8 @@ def main(argv=None) -> int:
         else:
             print(f"  {r['setup']:8s} {r['seq_len']:6d}: peak {r['peak_bytes'] / 2**20:8.0f} MiB, predicted "
                   f"{r['predicted'] / 2**20:8.0f} MiB ({r['predicted'] / r['peak_bytes'] - 1:+.1%}), "
-                  f"steps {['%.1f' % t for t in r['step_time_s']]} s, tile {r['tile']}, plan {r['plan']}",
+                  f"steps {['%.1f' % t for t in r['step_time_s']]} s of {r.get('step_tokens') or [r['seq_len']]} "
+                  f"tokens, tile {r['tile']}, plan {r['plan']}",
                   flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))

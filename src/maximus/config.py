@@ -203,6 +203,7 @@ class OptimizationConfig(_Section):
     matryoshka: MatryoshkaConfig | None = Field(None, description="Matryoshka auxiliary loss; null = off.")
     tile_tokens: Union[Literal["auto", "off"], int] = Field("auto", description="Sequence-tiled recompute: in the backward of a fully checkpointed layer the MLP (with its LoRA projections) runs over tiles of this many tokens, so its intermediate-size tensors exist for one tile at a time (exact result). `auto` = the planner tiles only when `target_vram` needs it and picks the tile (no budget: off); `off` = never; a tile at least the micro-batch's tokens is one tile, i.e. untiled.")
 
+    lean_norm: bool = Field(True, description="Lean RMSNorm (Llama, Mistral, Qwen2, Gemma): one autograd node that keeps the norm's input once and one float32 per token, and works in float32 over blocks of 1,024 tokens, where Transformers' norm saves a float32 copy of the input and holds five float32 tokens x hidden temporaries in backward. Same output bitwise, same gradients to float32 rounding. On CUDA the Triton RMSNorm (`kernels: triton`) does the same; not with `kernels: compile`.")
     lean_lora: bool = Field(True, description="Lean LoRA projections: each PEFT LoRA linear (dense or 4-bit) runs as one autograd node with a hand-written backward that keeps the layer input once, in the compute dtype (q/k/v share one, gate/up share one; no float32 copies). Same math and PEFT modules; DoRA, LoRA dropout and multi-adapter cases take PEFT's own forward. Not with `kernels: compile`.")
 
     @field_validator("tile_tokens")

@@ -178,8 +178,10 @@ def unpatch(model):
     del lm.__dict__["_maximus_patch"]
     remove_checkpointing(lm)
     from maximus.kernels.lean_lora import uninstall_lean_lora
+    from maximus.kernels.lean_norm import uninstall_lean_norm
 
     uninstall_lean_lora(lm)  # apply_kernels routed the LoRA linears through lean projections
+    uninstall_lean_norm(lm)  # ... and the RMSNorms through the lean norm
     _, layers = find_decoder_layers(lm)
     for layer, was_on in zip(layers, report.hf_checkpointing):
         if hasattr(layer, "gradient_checkpointing"):

@@ -15,6 +15,10 @@ gradient checkpointing are in place and before DDP / FSDP2 wrap the model:
 - lean LoRA projections (`maximus.kernels.lean_lora`, ``optimization.lean_lora``, on by default):
   in every mode but ``compile``, the PEFT LoRA linears the Triton kernel did not take run as one
   autograd node that keeps the layer input once, in the compute dtype;
+- lean RMSNorm (`maximus.kernels.lean_norm`, ``optimization.lean_norm``, on by default): in every
+  mode but ``compile``, the Transformers RMSNorms the Triton kernel did not take keep their input
+  once and work in float32 one block of tokens at a time (Transformers' norm keeps a float32 copy
+  and five float32 ``tokens x hidden`` temporaries in backward);
 - on CPU, `cpu_threads` picks the intra-op thread count before anything runs (see there);
 - ``auto``: ``triton`` on CUDA when Triton is importable, else eager. Compilation is not the CPU
   default because it pays off only slowly there: regional compilation of the reference model's
@@ -44,6 +48,7 @@ class KernelReport:
     notices: list[str] = field(default_factory=list)
     threads: int | None = None
     lean_lora: int = 0  # PEFT LoRA linears routed through maximus.kernels.lean_lora
+    lean_norm: int = 0  # Transformers RMSNorms routed through maximus.kernels.lean_norm
 
     @property
     def padding_free(self) -> bool:
@@ -54,7 +59,7 @@ class KernelReport:
     def to_dict(self) -> dict:
         return {"requested": self.requested, "used": self.used, "attention": self.attention,
                 "patched": len(self.patched), "notices": list(self.notices), "cpu_threads": self.threads,
-                "lean_lora": self.lean_lora}
+                "lean_lora": self.lean_lora, "lean_norm": self.lean_norm}
 
 
 def cpu_threads(device: torch.device, processes_per_node: int = 1, *, busy: int | None = None,
@@ -100,9 +105,11 @@ def busy_cores(samples: int = 5, interval_s: float = 0.01) -> int:
     return int(statistics.median(counts))
 
 
-def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = True) -> KernelReport:
+def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = True,
+                  lean_norm: bool = True) -> KernelReport:
     """Make ``model``'s training step run as ``mode`` asks (see the module docstring); with
-    ``lean_lora``, the LoRA linears left to PEFT then take the lean projection (not under ``compile``).
+    ``lean_lora``, the LoRA linears left to PEFT then take the lean projection, with ``lean_norm``
+    the RMSNorms left to Transformers the lean norm (neither under ``compile``).
 
     Never raises for an unsupported combination: the step falls back to eager PyTorch and
     ``report.notices`` says why (the trainer prints them once).
@@ -112,6 +119,10 @@ def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = T
         from maximus.kernels.lean_lora import install_lean_lora
 
         report.lean_lora = len(install_lean_lora(model))
+    if lean_norm and report.used != "compile":
+        from maximus.kernels.lean_norm import install_lean_norm
+
+        report.lean_norm = len(install_lean_norm(model))
     return report
 
 

@@ -365,7 +365,8 @@ def default_loss_chunk(num_tokens: int, vocab_size: int, dtype_bytes: int, train
 def technique_kwargs(cfg: Any) -> dict[str, Any]:
     """The `estimate_peak` keywords that a `maximus.Config` switches on, read in one place (the
     planner forwards them to every estimate): ghost candidates, Kronecker Sketching, the
-    objective and its rows, the DPO reference, the Matryoshka pass and parameter offload."""
+    objective and its rows, the DPO reference, the Matryoshka pass, parameter offload and the lean
+    RMSNorm."""
     opt = cfg.optimization
     kron = opt.kronecker
     dpo_reference = "none"
@@ -381,7 +382,8 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
                 objective="sft" if cfg.objective == "grpo" else cfg.objective, dpo_reference=dpo_reference,
                 matryoshka_dims=None if mat is None else list(mat.dims),
                 matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
-                offload_params=opt.offload.params == "on")
+                offload_params=opt.offload.params == "on",
+                lean_norm=opt.lean_norm and opt.kernels != "compile")
 
 
 def _check_techniques(loss_mode: str, attention: str, objective: str, dpo_reference: str, token_fraction: float) -> None:
@@ -616,7 +618,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   attention: Attention = "sdpa", kronecker: Any = None, objective: Objective = "sft",
                   dpo_reference: DpoReference = "adapter_off", matryoshka_dims: Sequence[int] | None = None,
                   matryoshka_token_fraction: float = 0.0625, offload_params: bool = False,
-                  tile_tokens: int | None = None, lean_lora: bool = False) -> Estimate:
+                  tile_tokens: int | None = None, lean_lora: bool = False, lean_norm: bool = True) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -661,6 +663,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             (`optimization.offload.params: on`).
         tile_tokens: the MLP of each fully recomputed layer runs over tiles of this many tokens
             in backward (`optimization.tile_tokens`); None: untiled.
+        lean_norm: the RMSNorms are Maximus' lean ones (`optimization.lean_norm`, or the Triton
+            kernel), else Transformers' float32 path with its float32 temporaries in backward.
         lean_lora: the adapters' projections are Maximus' lean ones (the input kept once, in the
             compute dtype); False: PEFT's own layers (what a plain Transformers + PEFT step keeps).
 
@@ -806,6 +810,19 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     else:  # PEFT: gate and up each keep a float32 copy of the input (adapters) or share it (full)
         mlp_part = 4 * b * shape.intermediate_size + (8 * h + 12 * lora_r * n_mlp_t if adapter else b * h)
     per_recomputed = tiled_layer_bytes_per_token(per_off, mlp_part, b, h, tile_fraction)
+    # Backward of one layer also holds the gradients flowing through it (hidden and MLP
+    # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
+    # incoming hidden-state gradient; tiled, the intermediate part exists for one tile.
+    grad_work = 2 * b * (h + shape.intermediate_size * tile_fraction) + 2 * h * b + attn_work
+    # A later moment of the same layer's backward: its post-attention RMSNorm, after the MLP's
+    # tensors are gone. Transformers' norm computes in float32: five float32 hidden-size
+    # temporaries in its backward, plus its float32 copy of the input (16-bit steps) and the
+    # incoming and residual gradients (measured at the peak with the CPU meter, reference shape,
+    # bf16, 16k-32k tokens). Untiled, the MLP moment is larger; tiled, this one sets the peak
+    # unless the norm is lean (`maximus.kernels.lean_norm`, or the Triton one): float32 work for
+    # one block of rows, the input kept once.
+    norm_work = 2 * b * h if lean_norm else 5 * 4 * h + (4 * h if b < 4 else 0) + 2 * b * h
+    norm_moment = per_off - mlp_part + norm_work
     # Backward walks the layers from the last: at layer l, the layers below still hold what they
     # kept, and a recomputed layer holds its full set of saved tensors again (one MLP tile of it
     # when tiled).
@@ -819,11 +836,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             here = per_off
         else:
             here = per_layer[l]
-        bwd_layers = max(bwd_layers, below + here)
-    # Backward of one layer also holds the gradients flowing through it (hidden and MLP
-    # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
-    # incoming hidden-state gradient; tiled, the intermediate part exists for one tile.
-    grad_work = 2 * b * (h + shape.intermediate_size * tile_fraction) + 2 * h * b + attn_work
+        bwd_layers = max(bwd_layers, below + here + grad_work,
+                         below + norm_moment if policy[l] == "full" else 0.0)
     # Embedding output, final norm (float32 copy) and the head's input.
     head_acts = (2 * wb + 4) * h  # a float32 master model keeps a float32 residual stream
     acts = int(T * (stored + head_acts))
@@ -857,7 +871,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     grads_before = grads if grad_accum > 1 else 0
     phases = {
         "loss": {"gradients": grads_before, "activations": acts, "loss": loss},
-        "backward": {"gradients": grads, "activations": int(T * (bwd_layers + grad_work)), "loss": 0},
+        "backward": {"gradients": grads, "activations": int(T * bwd_layers), "loss": 0},
         "optimizer": {"gradients": grads, "activations": 0,
                       "loss": 0, "workspace_extra": _optimizer_temporaries(trainable, p_bytes, optimizer, device_type,
                                                                            shape, adapter, offload_optimizer) // shard},
@@ -894,7 +908,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                     offload_activations=offload_activations, offload_optimizer=offload_optimizer,
                     loss_mode=loss_mode, loss_chunk_tokens=loss_chunk_tokens if loss_mode != "naive" else None,
                     optimizer=optimizer, lora_r=lora_r if adapter else None, world_size=world_size, sharded=shard > 1,
-                    device=device_type, tile_tokens=tile_tokens if tile_fraction < 1.0 else None, lean_lora=lean)
+                    device=device_type, tile_tokens=tile_tokens if tile_fraction < 1.0 else None, lean_lora=lean,
+                    lean_norm=lean_norm)
     settings.update(attention=attention, objective=objective)
     if layout is not None:
         settings["kronecker"] = layout.to_dict()

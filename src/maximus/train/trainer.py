@@ -98,7 +98,8 @@ class Trainer:
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
-        self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device, lean_lora=cfg.optimization.lean_lora)
+        self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device, lean_lora=cfg.optimization.lean_lora,
+                                     lean_norm=cfg.optimization.lean_norm)
         self.kernels.threads = self.threads
         for notice in self.kernels.notices:
             self.dist.say(notice)
