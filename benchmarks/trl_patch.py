@@ -16,6 +16,12 @@ RSS during `trainer.train()` minus RSS just before it, after a malloc_trim; VmHW
 /proc/self/clear_refs), and tokens/s of steps 2..4 (wall time between `on_step_begin` and
 `on_step_end`). Ratios are patched / plain, median over rounds with the range.
 
+RSS also holds what glibc's malloc keeps after a free (mid-size blocks stay in its heap once its
+dynamic mmap threshold has risen), which varies from run to run. So after the timed rounds each
+side runs once more with `maximus.memory.meter.StorageTracker` around `trainer.train()` (`--track`):
+the peak bytes of live tensor storages created during training, the CPU counterpart of
+`torch.cuda.max_memory_allocated` (deterministic; not timed, the tracker slows every op).
+
     flock /tmp/bench.lock python benchmarks/trl_patch.py                  # SFT and DPO, 2 rounds
     flock /tmp/bench.lock python benchmarks/trl_patch.py --trainers sft --rounds 1
 """
@@ -121,7 +127,13 @@ def worker(args) -> dict:
 
     trainer.training_step = counted
     base = _trim_and_reset_peak()
-    trainer.train()
+    if args.track:
+        from maximus.memory.meter import StorageTracker
+
+        with StorageTracker() as tracker:
+            trainer.train()
+    else:
+        trainer.train()
     peak = _status_bytes("VmHWM")
     if args.impl == "patched":
         import maximus
@@ -132,20 +144,25 @@ def worker(args) -> dict:
     return {"impl": args.impl, "trainer": args.trainer, "losses": [h["loss"] for h in logs],
             "rss_growth": peak - base, "base_rss": base, "step_s": times, "tokens": tokens,
             "tokens_per_s": statistics.median(n / t for t, n in measured), "notices": notices,
+            "live_peak": tracker.peak_bytes if args.track else None,
             "extra": {k: logs[0].get(k) for k in ("entropy", "mean_token_accuracy", "rewards/accuracies") if k in logs[0]}}
 
 
-def run_worker(trainer: str, impl: str, args) -> dict:
+def run_worker(trainer: str, impl: str, args, track: bool = False) -> dict:
     from finetune_vs_peft import launch_worker
 
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--trainer", trainer, "--impl", impl,
            "--seq", str(args.seq), "--steps", str(args.steps), "--threads", str(args.threads), "--work", args.work]
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
+    if track:
+        cmd.append("--track")
     t0 = time.perf_counter()
     result = launch_worker(cmd, args.threads, args.worker_timeout, f"{trainer}/{impl}")
-    print(f"  {trainer} {impl:<8}: growth {result['rss_growth'] / 2**20:7.0f} MiB, {result['tokens_per_s']:6.0f} tok/s, "
-          f"losses {[round(x, 5) for x in result['losses']]} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+    what = (f"live-tensor peak {result['live_peak'] / 2**20:7.0f} MiB" if track else
+            f"growth {result['rss_growth'] / 2**20:7.0f} MiB, {result['tokens_per_s']:6.0f} tok/s")
+    print(f"  {trainer} {impl:<8}: {what}, losses {[round(x, 5) for x in result['losses']]} "
+          f"({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
     return result
 
 
@@ -162,6 +179,8 @@ def main(argv=None) -> int:
     p.add_argument("--seq", type=int, default=2048)
     p.add_argument("--steps", type=int, default=4)
     p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--track", action="store_true", help="worker: count live tensor bytes (StorageTracker)")
+    p.add_argument("--no-track-run", action="store_true", help="skip the extra live-tensor run per side")
     p.add_argument("--threads", type=int, default=2)
     p.add_argument("--model-dir", default=None)
     p.add_argument("--work", default="/tmp/maximus-trl-bench")
@@ -187,16 +206,22 @@ def main(argv=None) -> int:
         mem = [y["rss_growth"] / x["rss_growth"] for x, y in zip(runs["plain"], runs["patched"])]
         speed = [y["tokens_per_s"] / x["tokens_per_s"] for x, y in zip(runs["plain"], runs["patched"])]
         plain, ours = runs["plain"][0], runs["patched"][0]
+        live = "| - | - | - "
+        if not args.no_track_run:
+            tracked = {impl: run_worker(name, impl, args, track=True)["live_peak"] for impl in ("plain", "patched")}
+            live = (f"| {tracked['plain'] / 2**20:,.0f} MiB | {tracked['patched'] / 2**20:,.0f} MiB | "
+                    f"{tracked['patched'] / tracked['plain']:.2f}x ")
         lines.append(f"| {name.upper()} | {max(diffs):.2e} | "
                      f"{statistics.median(r['rss_growth'] for r in runs['plain']) / 2**20:,.0f} MiB | "
                      f"{statistics.median(r['rss_growth'] for r in runs['patched']) / 2**20:,.0f} MiB | {_ratio(mem)} | "
                      f"{statistics.median(r['tokens_per_s'] for r in runs['plain']):,.0f} | "
-                     f"{statistics.median(r['tokens_per_s'] for r in runs['patched']):,.0f} | {_ratio(speed)} |")
+                     f"{statistics.median(r['tokens_per_s'] for r in runs['patched']):,.0f} | {_ratio(speed)} {live}|")
         print(f"{name}: per-step losses plain {plain['losses']}\n{name}: per-step losses patched {ours['losses']}\n"
               f"{name}: TRL metrics of step 1 plain {plain['extra']} patched {ours['extra']}\n"
               f"{name}: notices {ours['notices']}")
-    print("\n| trainer | max per-step loss difference | memory growth, plain | patched | ratio (median, range) | "
-          "tokens/s plain | patched | ratio (median, range) |\n|---|---|---|---|---|---|---|---|")
+    print("\n| trainer | max per-step loss difference | RSS growth, plain | patched | ratio (median, range) | "
+          "tokens/s plain | patched | ratio (median, range) | live-tensor peak, plain | patched | ratio |\n"
+          "|---|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(lines))
     return 0
 

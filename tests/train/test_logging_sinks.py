@@ -1,6 +1,7 @@
 """`logging.tensorboard / wandb / mlflow`: one real training run writes all three, and each is
 read back with its own library (TensorBoard's event reader, W&B's offline run file, MLflow's
-client); a missing extra is a one-line error naming the pip command."""
+client); a run resumed from a checkpoint continues its TensorBoard log without duplicating or
+losing a step; a missing extra is a one-line error naming the pip command."""
 from __future__ import annotations
 
 import glob
@@ -126,6 +127,45 @@ def test_mlflow_local_store_read_back(logged_run):
         assert [g[1] for g in got] == pytest.approx([r[key] for r in steps], rel=1e-9), key
     assert client.get_run(run_id).data.params["training.seq_len"] == "64"
     assert client.get_run(run_id).info.status == "FINISHED"
+
+
+def test_tensorboard_after_resume_has_each_step_once(tiny_llama, tmp_path):
+    """A run dies in step 4 after logging step 3, with its last checkpoint at step 2; the re-run
+    resumes at step 3. TensorBoard's reader then shows steps 1-6 once each (the first run's step
+    3 is purged, not shown twice), with the values of metrics.jsonl."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.backend.event_processing.event_file_loader import EventFileLoader
+    from tiny import write_prompt_completion
+
+    from maximus.train.trainer import Trainer
+
+    class Crash(Exception):
+        pass
+
+    def crash_in_step_4(trainer, step):
+        if step == 4:
+            raise Crash
+
+    data = write_prompt_completion(tmp_path / "data.jsonl")
+    run = tmp_path / "run"
+    cfg = tiny_config(tiny_llama, data, run, training={"max_steps": 6, "save_every": 2},
+                      logging={"progress": "none", "tensorboard": True}, eval={"enabled": False})
+    with pytest.raises(Crash):
+        Trainer(Config.from_dict(cfg), hooks={"after_backward": crash_in_step_4}).train()
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step-000002"]
+    first, = sorted((run / "tensorboard").iterdir())
+    logged = [e.step for e in EventFileLoader(str(first)).Load() if e.summary.value and e.summary.value[0].tag == "loss"]
+    assert logged == [1, 2, 3]  # step 3 was written before the crash: the resume must drop it
+    Trainer(Config.from_dict(cfg)).train()
+    assert len(list((run / "tensorboard").iterdir())) == 2  # the first run's file is kept, not rewritten
+    events = EventAccumulator(str(run / "tensorboard"))
+    events.Reload()
+    steps = [r for r in read_metrics(run / "metrics.jsonl") if "loss" in r]
+    assert [r["step"] for r in steps] == [1, 2, 3, 4, 5, 6]
+    for key in ("loss", "lr", "tokens_per_s"):
+        scalars = events.Scalars(key)
+        assert [e.step for e in scalars] == [1, 2, 3, 4, 5, 6], key
+        assert [e.value for e in scalars] == pytest.approx([r[key] for r in steps], rel=1e-6), key
 
 
 def test_mlflow_uri_override(tmp_path):
