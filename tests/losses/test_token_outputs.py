@@ -18,7 +18,7 @@ def _grads(fields, params, upstream, with_entropy):
     return torch.autograd.grad(total, params, retain_graph=True)
 
 
-@pytest.mark.parametrize("row_block", ["whole chunk", "3 rows"])
+@pytest.mark.parametrize("row_block", ["1/8 of a chunk", "3 rows"])
 @pytest.mark.parametrize("frozen", [True, False])
 @pytest.mark.parametrize("softcap,temperature,with_bias", [(None, 1.0, False), (5.0, 0.7, False), (None, 1.3, True),
                                                              (1.0, 1.0, True)])
@@ -28,7 +28,7 @@ def test_fields_and_grads_equal_reference(frozen, softcap, temperature, with_bia
     rows that do not divide 37, and row blocks of 3 rows inside them."""
     n, h, v = 37, 16, 101
     if row_block == "3 rows":
-        monkeypatch.setattr(token_outputs_module, "ROW_BLOCK_BYTES", 3 * v * 8)
+        monkeypatch.setattr(token_outputs_module, "ROW_BLOCKS_PER_CHUNK", 3)  # 3, 3, 2 rows
     torch.manual_seed(0)
     hidden = torch.randn(n, h, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(v, h, dtype=torch.float64, requires_grad=not frozen)
@@ -74,9 +74,9 @@ def test_float32_and_bfloat16_equal_reference(dtype, atol):
 def test_working_memory_is_one_chunk_buffer(path, monkeypatch):
     """Forward + backward hold one reused chunk x vocab buffer (plus the weight gradient when the
     head trains), never a second one: an out-of-place softmax or product would add 2 MiB here.
-    Row blocks of 8 rows (1/16 of a chunk), as 4 rows are at a 128k vocabulary."""
+    Row blocks of 8 rows (1/16 of a chunk)."""
     n, h, v, chunk = 512, 32, 4096, 128
-    monkeypatch.setattr(token_outputs_module, "ROW_BLOCK_BYTES", 8 * v * 4)
+    monkeypatch.setattr(token_outputs_module, "ROW_BLOCKS_PER_CHUNK", 16)
     torch.manual_seed(3)
     hidden = torch.randn(n, h, requires_grad=True)
     weight = torch.randn(v, h, requires_grad=path != "frozen head")

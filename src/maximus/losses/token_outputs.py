@@ -9,7 +9,7 @@ log-probability of its label, and on request the entropy of the next-token distr
 Memory: one ``C x V`` buffer (float32; plus the matmul's ``C x V`` output for 16-bit inputs),
 allocated once per call and reused by every chunk, as the exact loss does
 (:class:`~maximus.losses.linear_cross_entropy.ChunkScratch`). Everything else works in place or
-on a block of a few rows at a time (:data:`ROW_BLOCK_BYTES`):
+on a block of rows at a time (1/8 of the chunk, :data:`ROW_BLOCKS_PER_CHUNK`):
 
 * the buffer holds ``u``: the raw logits, or ``tanh(y / c)`` with a softcap, so that
   ``z = a * u`` (``a = 1 / temperature``, times ``c`` with a softcap) and the softcap's backward
@@ -45,14 +45,17 @@ from maximus.losses.linear_cross_entropy import (ChunkScratch, _accumulator_dtyp
 #: Fields a caller may ask for besides ``log_probs`` (always computed).
 OPTIONAL_OUTPUTS = ("entropy", "log_sum_sq_probs", "mean_logits", "is_top1")
 
-#: Rows of a chunk whose per-row statistics are computed together: each temporary of a block
-#: (``p``, and ``z`` when the logits are scaled) is about this many bytes, so it stays in cache
-#: and the chunk needs no second ``C x V`` buffer (V = 128,256 in float32: 4 rows).
-ROW_BLOCK_BYTES = 2 * 2**20
+#: A chunk's per-row statistics are computed in this many blocks of rows, so each temporary of a
+#: block (``p``; ``z`` when the logits are scaled) is 1/8 of the chunk buffer. Not cache-sized
+#: blocks: every op is an OpenMP parallel region, and with many small ones a thread that loses
+#: its core stalls them all. Measured (2 threads, V = 128,256, 1,024 tokens, forward, another
+#: process busy on one core): blocks of 4 rows (2 MiB) 8.0-13.1 s, 32 rows 4.7-5.4 s, 64 rows
+#: (1/8 of a 512-token chunk) 4.1-4.3 s, 128 rows 4.1 s; the former out-of-place code 5.5 s.
+ROW_BLOCKS_PER_CHUNK = 8
 
 
-def _row_blocks(rows: int, vocab: int, itemsize: int):
-    step = max(1, ROW_BLOCK_BYTES // max(1, vocab * itemsize))
+def _row_blocks(rows: int):
+    step = max(1, -(-rows // ROW_BLOCKS_PER_CHUNK))
     for start in range(0, rows, step):
         yield start, min(start + step, rows)
 
@@ -98,7 +101,7 @@ class _TokenOutputs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, softcap, inv_t, chunk_size, want):
         ctx.set_materialize_grads(False)
-        n, vocab = hidden.shape[0], weight.shape[0]
+        n = hidden.shape[0]
         stats = _stats_dtype(hidden.dtype)
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         eager = need_hidden and not need_weight and not need_bias
@@ -115,7 +118,7 @@ class _TokenOutputs(torch.autograd.Function):
         for start in range(0, n, chunk_size):
             end = min(start + chunk_size, n)
             u = _chunk_u(hidden[start:end], weight, bias, softcap, scratch)
-            for r0, r1 in _row_blocks(end - start, vocab, u.element_size()):
+            for r0, r1 in _row_blocks(end - start):
                 rows = slice(start + r0, start + r1)
                 u_b, lab = u[r0:r1], labels[rows]
                 z = u_b if scale == 1.0 else u_b * scale
@@ -167,7 +170,7 @@ class _TokenOutputs(torch.autograd.Function):
             end = min(start + chunk_size, hidden.shape[0])
             h_c = hidden[start:end]
             u = _chunk_u(h_c, weight, bias, softcap, scratch)
-            for r0, r1 in _row_blocks(end - start, vocab, u.element_size()):
+            for r0, r1 in _row_blocks(end - start):
                 rows = slice(start + r0, start + r1)
                 u_b, lse = u[r0:r1], log_z[rows]
                 z = u_b if scale == 1.0 else u_b * scale
