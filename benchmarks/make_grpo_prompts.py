@@ -16,14 +16,19 @@ from pathlib import Path
 
 from maximus.builtin import WORDS
 
+#: The quickstart's prompt (builtin:reverse-words).
+TEMPLATE = "Reverse: {words}\nAnswer:"
 
-def reverse_words_prompts(n: int, seed: int = 2026) -> list[dict]:
-    """`n` records {prompt, answer} (strings)."""
+
+def reverse_words_prompts(n: int, seed: int = 2026, min_words: int = 3, max_words: int = 5,
+                          template: str = TEMPLATE) -> list[dict]:
+    """`n` records {prompt, answer} (strings) of `min_words`..`max_words` words, the prompt
+    `template` with `{words}` filled in."""
     rng = random.Random(seed)
     out = []
     for _ in range(n):
-        words = rng.sample(WORDS, rng.randint(3, 5))
-        out.append({"prompt": f"Reverse: {' '.join(words)}\nAnswer:", "answer": " ".join(reversed(words))})
+        words = rng.sample(WORDS, rng.randint(min_words, max_words))
+        out.append({"prompt": template.format(words=" ".join(words)), "answer": " ".join(reversed(words))})
     return out
 
 
@@ -31,12 +36,15 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--n", type=int, default=600)
     parser.add_argument("--seed", type=int, default=2026)
+    parser.add_argument("--min-words", type=int, default=3)
+    parser.add_argument("--max-words", type=int, default=5)
+    parser.add_argument("--template", default=TEMPLATE, help="the prompt, with {words}")
     parser.add_argument("--out", type=Path, default=Path("examples/data/grpo_reverse.jsonl"))
     args = parser.parse_args()
     args.out.parent.mkdir(parents=True, exist_ok=True)
     tmp = args.out.with_name(args.out.name + ".tmp")
     with open(tmp, "w", encoding="utf-8") as f:
-        for record in reverse_words_prompts(args.n, args.seed):
+        for record in reverse_words_prompts(args.n, args.seed, args.min_words, args.max_words, args.template):
             f.write(json.dumps(record) + "\n")
     tmp.replace(args.out)
     print(f"wrote {args.n} prompts to {args.out}")

@@ -162,6 +162,68 @@ def test_top_p_near_zero_samples_the_greedy_completion_and_generation_stops_at_e
     assert gen.metrics["frac_reward_zero_std"] == 1.0 and float(gen.advantages.abs().max()) == 0.0
 
 
+def test_the_loss_pass_scores_sampled_tokens_with_the_distribution_they_were_sampled_from(tiny, tmp_path):
+    """On-policy: log p of each sampled completion token in the loss pass (train mode, padded
+    micro-batches of several lengths, logits / temperature, through the chunked head) equals the
+    log-softmax of the logits / temperature that `generate` sampled it from (KV cache, eval mode)."""
+    from maximus.train.grpo import _cut_at_eos, completion_logps
+    from maximus.train.trainer import Trainer
+
+    T = 0.7
+    trainer = Trainer(maximus.Config.from_dict(config(tiny, tmp_path / "run", grpo={"temperature": T,
+                                                                                    "max_completion_tokens": 12},
+                                                      training={"micro_batch_size": 4})))
+    trainer.setup()
+    objective, model, eos = trainer.objective, trainer.model, trainer.tokenizer.eos_token_id
+    torch.manual_seed(1)
+    with torch.no_grad():  # a trained-looking adapter, so the policy is not the base
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+        model.get_output_embeddings().weight[eos] *= 25.0  # EOS now and then: completions of several lengths
+    prompts = trainer.rows_for_step(1)
+    config_ = objective.sampling_config(eos, output_logits=True, return_dict_in_generate=True)
+    completions, sampled = [], []
+    with objective._generating(model), torch.no_grad():
+        for prompt in prompts:
+            ids = torch.tensor([prompt["prompt_ids"]]).repeat(G, 1)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config_)
+            new = out.sequences[:, ids.shape[1]:]
+            logps = torch.log_softmax(torch.stack(out.logits, 1).float() / T, dim=-1)
+            group = [_cut_at_eos(row, eos) for row in new.tolist()]
+            completions.append(group)
+            sampled.extend(logps[i, :len(c)].gather(-1, torch.tensor(c)[:, None])[:, 0] for i, c in enumerate(group))
+    assert len({len(c) for group in completions for c in group}) > 1  # padded micro-batches below
+    gen = objective.build_generation(trainer, 0, prompts, completions)
+    assert model.training
+    ours = []
+    for start in range(0, len(gen.rows), objective.micro_batch_size):
+        batch = objective._collate(gen, range(start, min(start + objective.micro_batch_size, len(gen.rows))))
+        with torch.no_grad():
+            logps, mask = completion_logps(model, batch, temperature=T, mode=objective.mode)
+        ours.extend(logps[j][mask[j]] for j in range(logps.shape[0]))
+    for a, b in zip(ours, sampled, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def test_the_eos_that_ends_a_completion_carries_loss(tiny, tmp_path):
+    """TRL's completion mask includes the EOS: the policy is taught when to stop."""
+    from maximus.train.trainer import Trainer
+
+    trainer = Trainer(maximus.Config.from_dict(config(tiny, tmp_path / "run")))
+    trainer.setup()
+    objective, eos = trainer.objective, trainer.tokenizer.eos_token_id
+    prompts = trainer.rows_for_step(1)
+    completions = [[[5, 6, eos], [7, eos], [8, 9, 10, 11, 12, 13], [eos]]] * len(prompts)
+    gen = objective.build_generation(trainer, 0, prompts, completions)
+    batch = objective._collate(gen, range(G))
+    n = len(prompts[0]["prompt_ids"])
+    labels = batch["labels"][:, n:]
+    assert [[t for t in row.tolist() if t != -100] for row in labels] == completions[0]
+    assert objective.g.loss_type == "dapo" and objective.count(batch) == 3 + 2 + 6 + 1  # dapo counts tokens
+    assert gen.metrics["completion_length"] == (3 + 2 + 6 + 1) / 4 and gen.metrics["completions_truncated"] == 0.25
+
+
 def test_non_finite_rewards_are_dropped_and_counted(tiny, tmp_path):
     out = tmp_path / "run"
     cfg = config(tiny, out, grpo={"rewards": [f"{REWARDS}:nan_every_other"]}, training={"max_steps": 1},

@@ -268,14 +268,19 @@ class GRPOObjective(Objective):
             gen.old_logps = self._logps_of_rows(trainer, gen)
         return gen
 
-    def _sample(self, trainer, prompt_ids: list[int], seed: tuple) -> list[list[int]]:
-        """`group_size` sampled completions of one prompt, each cut after its first EOS (kept)."""
+    def sampling_config(self, eos_token_id: int, **extra):
+        """The `GenerationConfig` of the policy's sampling (`extra`: e.g. `output_logits=True`)."""
         from transformers import GenerationConfig
 
+        g = self.g
+        return GenerationConfig(do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
+                                max_new_tokens=g.max_completion_tokens, eos_token_id=eos_token_id,
+                                pad_token_id=self.pad_token_id, num_beams=1, use_cache=True, **extra)
+
+    def _sample(self, trainer, prompt_ids: list[int], seed: tuple) -> list[list[int]]:
+        """`group_size` sampled completions of one prompt, each cut after its first EOS (kept)."""
         g, tok, device = self.g, trainer.tokenizer, trainer.device
-        config = GenerationConfig(do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
-                                  max_new_tokens=g.max_completion_tokens, eos_token_id=tok.eos_token_id,
-                                  pad_token_id=self.pad_token_id, num_beams=1, use_cache=True)
+        config = self.sampling_config(tok.eos_token_id)
         prompt = torch.tensor([prompt_ids], device=device).repeat(g.group_size, 1)
         devices = [device.index or 0] if device.type == "cuda" else []
         with torch.random.fork_rng(devices=devices):
