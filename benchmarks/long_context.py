@@ -54,18 +54,21 @@ GIB = 2**30
 def predicted_table() -> list[str]:
     from maximus.memory.planner import max_seq_len_for_budget, plan_for_budget, resolve_budget
 
-    lines = ["| card | Maximus before (untiled, PEFT layers) | Maximus now (tiled + lean LoRA) | plan at that length "
+    lines = ["| card | Maximus before (untiled, PEFT layers, Transformers' RMSNorm) | tiled + lean LoRA, Transformers' "
+             "RMSNorm | Maximus now (tiled + lean LoRA + lean RMSNorm) | plan at that length "
              "| host RAM it fills | Unsloth | HF + FA2 (Unsloth's figure) | now / Unsloth |",
-             "|---|---|---|---|---|---|---|---|"]
+             "|---|---|---|---|---|---|---|---|---|"]
     for card, (unsloth, hf) in UNSLOTH.items():
         budget = resolve_budget(card)
-        before = max_seq_len_for_budget(EIGHT_B, budget, method="qlora", lora_r=32, tile_tokens="off", lean_lora=False)
+        before = max_seq_len_for_budget(EIGHT_B, budget, method="qlora", lora_r=32, tile_tokens="off", lean_lora=False,
+                                        lean_norm=False)
+        stock_norm = max_seq_len_for_budget(EIGHT_B, budget, method="qlora", lora_r=32, lean_norm=False)
         now = max_seq_len_for_budget(EIGHT_B, budget, method="qlora", lora_r=32)
         plan = plan_for_budget(EIGHT_B, budget, method="qlora", lora_r=32, batch_size=1, seq_len=now)
         knobs = [plan.checkpointing_label] + [n for n, on in (("activation offload", plan.offload_activations),
                                                               ("optimizer offload", plan.offload_optimizer)) if on]
         knobs.append(f"tiles {plan.tile_tokens}" if plan.tile_tokens else "untiled")
-        lines.append(f"| {card} | {before:,} | **{now:,}** | {', '.join(knobs)} | {plan.host_bytes / GIB:.1f} GiB | {unsloth:,} | "
+        lines.append(f"| {card} | {before:,} | {stock_norm:,} | **{now:,}** | {', '.join(knobs)} | {plan.host_bytes / GIB:.1f} GiB | {unsloth:,} | "
                      f"{'OOM' if hf is None else f'{hf:,}'} | {now / unsloth:.2f}x |")
     lines += ["", "The same search when the host RAM is checked (`host_budget_bytes`, as `plan_run` does on a real "
               "GPU with the available RAM): longest context by host RAM available for offloaded state", "",
@@ -243,16 +246,19 @@ def interleaved_speed(seq_len: int, tile: int, pairs: int, threads: int) -> dict
     from maximus import Config
     from maximus.forward import autocast_for
     from maximus.kernels.lean_lora import install_lean_lora
+    from maximus.kernels.lean_norm import install_lean_norm
     from maximus.losses.linear_cross_entropy import linear_cross_entropy
     from maximus.memory.checkpointing import set_recompute_modes
     from maximus.models import causal_lm_of, load_model
 
     torch.set_num_threads(threads)
+    cpu_times: dict[bool, list[float]] = {True: [], False: []}  # process CPU seconds per step, tiled / untiled
     cfg = Config.from_dict({"model": str(reference_model_dir()), "dataset": "unused", "method": "qlora",
                             "lora": {"r": 16, "alpha": 32}, "training": {"dtype": "bf16"}})
     model, _ = load_model(cfg, device=torch.device("cpu"))
     model.train()
     install_lean_lora(model)
+    install_lean_norm(model)
     lm = causal_lm_of(model)
     ids = torch.randint(0, 300, (1, seq_len), generator=torch.Generator().manual_seed(0))
     layers = lm.config.num_hidden_layers
@@ -260,11 +266,12 @@ def interleaved_speed(seq_len: int, tile: int, pairs: int, threads: int) -> dict
     def step(tile_tokens):
         set_recompute_modes(model, ["full"] * layers, tile_tokens=tile_tokens)
         model.zero_grad(set_to_none=True)
-        start = time.perf_counter()
+        start, cpu = time.perf_counter(), time.process_time()
         with autocast_for(torch.device("cpu"), torch.bfloat16):
             hidden = lm.model(input_ids=ids).last_hidden_state
             loss = linear_cross_entropy(hidden[:, :-1], lm.lm_head.weight, ids[:, 1:])
         loss.backward()
+        cpu_times[tile_tokens is not None].append(time.process_time() - cpu)
         return time.perf_counter() - start, loss.item()
 
     step(None)  # warm-up
@@ -276,7 +283,10 @@ def interleaved_speed(seq_len: int, tile: int, pairs: int, threads: int) -> dict
             times[name].append(seconds)
             losses[name].append(loss)
     ratios = [a / b for a, b in zip(times["tiled"], times["untiled"])]
-    return {"seq_len": seq_len, "tile": tile, "times": times, "losses": losses, "ratios": ratios}
+    cpu = {"tiled": cpu_times[True], "untiled": cpu_times[False][1:]}  # [0] of untiled is the warm-up
+    cpu_ratios = [a / b for a, b in zip(cpu["tiled"], cpu["untiled"])]
+    return {"seq_len": seq_len, "tile": tile, "times": times, "losses": losses, "ratios": ratios,
+            "cpu_times": cpu, "cpu_ratios": cpu_ratios}
 
 
 def main(argv=None) -> int:
@@ -309,6 +319,9 @@ def main(argv=None) -> int:
         print(f"{args.speed_length} tokens, tiles {args.tile}: tiled {['%.1f' % t for t in r['times']['tiled']]} s, "
               f"untiled {['%.1f' % t for t in r['times']['untiled']]} s; tiled / untiled median "
               f"{statistics.median(r['ratios']):.3f} (range {min(r['ratios']):.3f}-{max(r['ratios']):.3f}); "
+              f"process CPU seconds tiled {['%.1f' % t for t in r['cpu_times']['tiled']]}, untiled "
+              f"{['%.1f' % t for t in r['cpu_times']['untiled']]}, tiled / untiled median "
+              f"{statistics.median(r['cpu_ratios']):.3f} (range {min(r['cpu_ratios']):.3f}-{max(r['cpu_ratios']):.3f}); "
               f"losses tiled {r['losses']['tiled']} untiled {r['losses']['untiled']}")
         return 0
     if args.child:

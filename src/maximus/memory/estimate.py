@@ -755,6 +755,10 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     per_off = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "off", lean, n_mlp_t)
     per_full = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "full")
     per_sel = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "selective")
+    if lean_norm and b < 4:
+        # The lean RMSNorm keeps its input (one tensor the layer holds anyway) where Transformers'
+        # keeps a float32 copy: measured, 4 bytes x hidden per token and layer fewer in 16-bit steps.
+        per_off -= 4 * h
     attn_work = 0.0
     if adapter and b < 4 and not lean:
         # Autocast caches a 16-bit copy of each float32 adapter weight per forward, saved for
@@ -840,6 +844,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                          below + norm_moment if policy[l] == "full" else 0.0)
     # Embedding output, final norm (float32 copy) and the head's input.
     head_acts = (2 * wb + 4) * h  # a float32 master model keeps a float32 residual stream
+    if lean_norm and b < 4:
+        head_acts -= 4 * h  # the lean final norm keeps its input, not a float32 copy
     acts = int(T * (stored + head_acts))
 
     # -- loss working set -----------------------------------------------------------------------
