@@ -114,7 +114,7 @@ def _prediction(setup: str, seq_len: int, tile: int | None, shape: str = "refere
     config, r = SHAPES[shape], _lora_r(shape)
     if setup == "peer":
         return estimate_peak(config, method="qlora", lora_r=r, seq_len=seq_len, checkpointing="full",
-                             loss_mode="naive", device=device).peak_bytes
+                             loss_mode="naive", device=device, lean_norm=False).peak_bytes
     return estimate_peak(config, method="qlora", lora_r=r, seq_len=seq_len, checkpointing="full",
                          tile_tokens=tile, lean_lora=True, device=device).peak_bytes
 
@@ -152,8 +152,7 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
         if not predicted:
             from maximus.memory.estimate import estimate_peak
 
-            gc = plan.get("gradient_checkpointing")
-            gc = [g == "full" for g in gc] if isinstance(gc, list) else gc
+            gc = list(plan.get("recompute") or []) or "full"
             predicted = estimate_peak(SHAPES[shape], method="qlora", lora_r=r, seq_len=seq_len, checkpointing=gc,
                                       tile_tokens=chosen_tile, lean_lora=True, device=device,
                                       loss_chunk_tokens=plan.get("loss_chunk_size")).peak_bytes
@@ -165,7 +164,7 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
             "meter_peak_bytes": summary["memory"]["peak_bytes"], "predicted": predicted,
             "step_time_s": [m["step_time_s"] for m in steps_], "losses": [m.get("loss") for m in steps_],
             "step_tokens": [m.get("tokens") for m in steps_],
-            "tile": chosen_tile, "plan": {k: plan.get(k) for k in ("gradient_checkpointing", "tile_tokens",
+            "tile": chosen_tile, "plan": {k: plan.get(k) for k in ("checkpointing_label", "tile_tokens",
                                                                    "loss_chunk_size", "budget_bytes")}}
 
 
