@@ -49,13 +49,14 @@ def test_fields_and_grads_equal_reference(frozen, softcap, temperature, with_bia
             torch.testing.assert_close(a, b, atol=1e-12, rtol=0)
 
 
+@pytest.mark.parametrize("frozen", [True, False])
 @pytest.mark.parametrize("dtype,atol", [(torch.float32, 2e-5), (torch.bfloat16, 2e-2)])
-def test_float32_and_bfloat16_equal_reference(dtype, atol):
+def test_float32_and_bfloat16_equal_reference(dtype, atol, frozen):
     """The dtypes a trainer runs: float32, and bf16 (matmul in bf16 into its own buffer, statistics
     in float32), values and gradients against the reference in the same dtype."""
     torch.manual_seed(2)
     hidden = torch.randn(70, 32, requires_grad=True)
-    weight = (torch.randn(1000, 32) * 0.3).requires_grad_()
+    weight = (torch.randn(1000, 32) * 0.3).requires_grad_(not frozen)
     labels = torch.randint(0, 1000, (70,))
     h, w = hidden.to(dtype), weight.to(dtype)
     ours = token_outputs(h, w, labels, outputs=ALL, softcap=20.0, chunk_size=16)
@@ -64,9 +65,10 @@ def test_float32_and_bfloat16_equal_reference(dtype, atol):
         assert ours[name].dtype == torch.float32
         torch.testing.assert_close(ours[name], ref[name], atol=atol, rtol=0)
     upstream = torch.randn(70)
+    params = [hidden] if frozen else [hidden, weight]
     for with_entropy in (False, True):
-        for a, b in zip(_grads(ours, [hidden, weight], upstream, with_entropy),
-                        _grads(ref, [hidden, weight], upstream, with_entropy), strict=True):
+        for a, b in zip(_grads(ours, params, upstream, with_entropy),
+                        _grads(ref, params, upstream, with_entropy), strict=True):
             torch.testing.assert_close(a, b, atol=atol, rtol=atol)
 
 
