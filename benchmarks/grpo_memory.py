@@ -178,11 +178,15 @@ def plot_rewards(metrics: Path, out: Path) -> None:
     steps = [r["step"] for r in rows]
     fig, ax = plt.subplots(figsize=(7, 3.5))
     names = sorted(k for k in rows[0] if k.startswith("reward/"))
-    ax.plot(steps, [r["reward"] for r in rows], label="reward (sum)", linewidth=1.4)
-    for name in names:
-        ax.plot(steps, [r[name] for r in rows], label=name, linewidth=1.0, alpha=0.8)
+    window = 10  # a step's mean covers only batch_size prompts: noisy, so a trailing mean beside it
+    for key, label in [("reward", "reward (sum)")] + [(n, n) for n in names]:
+        values = [r[key] for r in rows]
+        line, = ax.plot(steps, values, linewidth=0.7, alpha=0.35)
+        smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+                  for i in range(len(values))]
+        ax.plot(steps, smooth, color=line.get_color(), linewidth=1.6, label=f"{label}, mean of {window} steps")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("mean reward of the sampled group")
+    ax.set_ylabel("mean reward of the sampled completions")
     ax.set_title("examples/grpo.yaml: reward of the sampled completions")
     ax.legend(fontsize=8)
     ax.grid(alpha=0.3)

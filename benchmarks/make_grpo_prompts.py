@@ -1,11 +1,14 @@
 """Generate the prompts of examples/grpo.yaml: examples/data/grpo_reverse.jsonl.
 
-The quickstart's task (`builtin:reverse-words`: reverse 3-5 words), as prompts without answers to
-imitate: each record holds the prompt and, in a column the reward functions read, the `answer`.
-GRPO learns from the reward alone (examples/grpo_rewards.py and the built-in exact_answer).
-Drawn with another seed than the quickstart's training data. Deterministic.
+The quickstart's task (`builtin:reverse-words`: reverse 3-5 words) in a wording its SFT adapter
+never saw: `Reverse red whale olive` where the quickstart trained on `Reverse: red whale olive`
+(the adapter reverses about half of these exactly, against 88 % in its own wording). The records
+are prompts without answers to imitate: each holds the prompt and, in a column the reward
+functions read, the `answer`. GRPO learns from the reward alone (examples/grpo_rewards.py and the
+built-in exact_answer). Drawn with another seed than the quickstart's training data. Deterministic.
 
-    python benchmarks/make_grpo_prompts.py [--n 600] [--seed 2026] [--out examples/data/grpo_reverse.jsonl]
+    python benchmarks/make_grpo_prompts.py [--n 600] [--seed 2026] [--min-words 3] [--max-words 5]
+        [--template 'Reverse {words}\nAnswer:'] [--out examples/data/grpo_reverse.jsonl]
 """
 from __future__ import annotations
 
@@ -16,8 +19,8 @@ from pathlib import Path
 
 from maximus.builtin import WORDS
 
-#: The quickstart's prompt (builtin:reverse-words).
-TEMPLATE = "Reverse: {words}\nAnswer:"
+#: The example's prompt: the quickstart's (`builtin:reverse-words`) without the colon after "Reverse".
+TEMPLATE = "Reverse {words}\nAnswer:"
 
 
 def reverse_words_prompts(n: int, seed: int = 2026, min_words: int = 3, max_words: int = 5,
