@@ -3,9 +3,30 @@ keys and PEFT wrapping stay as they are), tagged with a marker attribute on the 
 the one way to take such overrides off again."""
 from __future__ import annotations
 
+import types
+from typing import Callable
+
 import torch
 
-__all__ = ["remove_forward_overrides"]
+__all__ = ["install_forward_override", "remove_forward_overrides"]
+
+
+def install_forward_override(model: torch.nn.Module, wanted: Callable[[torch.nn.Module], bool], forward,
+                             mark: str) -> list[str]:
+    """Bind `forward` (a function carrying a truthy attribute `mark`) as the instance ``forward`` of
+    every module of `model` that `wanted` accepts; returns their paths. A module whose forward
+    someone else already replaced is left alone; one that already has this override counts."""
+    patched = []
+    for path, module in model.named_modules():
+        if not wanted(module):
+            continue
+        current = module.__dict__.get("forward")
+        if current is None:
+            module.forward = types.MethodType(forward, module)
+            patched.append(path)
+        elif getattr(current, mark, False):
+            patched.append(path)
+    return patched
 
 
 def remove_forward_overrides(model: torch.nn.Module, mark: str) -> int:

@@ -23,12 +23,11 @@ and float32 (QLoRA): tests/fused/test_lean_lora.py.
 """
 from __future__ import annotations
 
-import types
 
 import torch
 import torch.nn.functional as F
 
-from maximus.kernels.forward_override import remove_forward_overrides
+from maximus.kernels.forward_override import install_forward_override, remove_forward_overrides
 
 __all__ = ["install_lean_lora", "uninstall_lean_lora", "lean_lora_linear"]
 
@@ -159,16 +158,7 @@ def install_lean_lora(model: torch.nn.Module) -> list[str]:
     their module paths. Modules whose forward someone else replaced (the Triton QLoRA kernel, a
     hook) are left alone; the check for the plain case runs at every call."""
     classes = _lora_linear_classes()
-    patched = []
-    for path, module in model.named_modules():
-        if type(module) in classes:
-            current = module.__dict__.get("forward")
-            if current is None:
-                module.forward = types.MethodType(_lean_forward, module)
-                patched.append(path)
-            elif getattr(current, _MARK, False):
-                patched.append(path)
-    return patched
+    return install_forward_override(model, lambda m: type(m) in classes, _lean_forward, _MARK)
 
 
 def uninstall_lean_lora(model: torch.nn.Module) -> int:

@@ -24,11 +24,9 @@ state_dict keys and PEFT's wrapping stay; `uninstall_lean_norm` takes it off aga
 """
 from __future__ import annotations
 
-import types
-
 import torch
 
-from maximus.kernels.forward_override import remove_forward_overrides
+from maximus.kernels.forward_override import install_forward_override, remove_forward_overrides
 
 __all__ = ["lean_rms_norm", "install_lean_norm", "uninstall_lean_norm", "NORM_CLASSES", "BLOCK_ROWS"]
 
@@ -100,7 +98,7 @@ def _lean_norm_forward(self, hidden_states):
     return lean_rms_norm(hidden_states, self.weight, self.eps if offset else self.variance_epsilon, offset=offset)
 
 
-_lean_norm_forward._maximus_lean_norm = True  # type: ignore[attr-defined]
+setattr(_lean_norm_forward, _MARK, True)
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
@@ -111,17 +109,7 @@ def _is_norm(module: torch.nn.Module) -> bool:
 def install_lean_norm(model: torch.nn.Module) -> list[str]:
     """Route every Transformers RMSNorm of `model` (`NORM_CLASSES`) through `lean_rms_norm`; returns
     their module paths. Modules whose forward someone else replaced (the Triton RMSNorm) are left alone."""
-    patched = []
-    for path, module in model.named_modules():
-        if not _is_norm(module):
-            continue
-        current = module.__dict__.get("forward")
-        if current is None:
-            module.forward = types.MethodType(_lean_norm_forward, module)
-            patched.append(path)
-        elif getattr(current, _MARK, False):
-            patched.append(path)
-    return patched
+    return install_forward_override(model, _is_norm, _lean_norm_forward, _MARK)
 
 
 def uninstall_lean_norm(model: torch.nn.Module) -> int:
