@@ -122,7 +122,7 @@ def _prediction(setup: str, seq_len: int, tile: int | None, shape: str = "refere
 def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape: str = "reference",
              device: str = "cpu", budget: str = "1.5GB") -> dict:
     import torch
-    from _reference_model import SHAPES, shaped_model_dir
+    from _reference_model import shaped_model_dir
 
     from maximus import Config, Trainer
 
@@ -147,17 +147,8 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
     plan = summary.get("plan", {})
     planned = setup in ("budget", "card")
     chosen_tile = plan.get("tile_tokens") if planned else (tile if setup == "tiled" else None)
-    if planned:
-        predicted = plan.get("peak_bytes")
-        if not predicted:
-            from maximus.memory.estimate import estimate_peak
-
-            gc = list(plan.get("recompute") or []) or "full"
-            predicted = estimate_peak(SHAPES[shape], method="qlora", lora_r=r, seq_len=seq_len, checkpointing=gc,
-                                      tile_tokens=chosen_tile, lean_lora=True, device=device,
-                                      loss_chunk_tokens=plan.get("loss_chunk_size")).peak_bytes
-    else:
-        predicted = _prediction(setup, seq_len, chosen_tile, shape, device)
+    # Under a budget the run's own plan holds the prediction (a known architecture always has one).
+    predicted = plan["peak_bytes"] if planned else _prediction(setup, seq_len, chosen_tile, shape, device)
     rows = summary.get("data", {})
     return {"setup": setup, "seq_len": seq_len, "peak_bytes": cuda_peak or summary["memory"]["peak_bytes"],
             "data": {k: rows.get(k) for k in ("rows", "tokens", "truncated") if k in rows},

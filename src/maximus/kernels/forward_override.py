@@ -8,7 +8,14 @@ from typing import Callable
 
 import torch
 
-__all__ = ["install_forward_override", "remove_forward_overrides"]
+__all__ = ["install_forward_override", "is_transformers_class", "remove_forward_overrides"]
+
+
+def is_transformers_class(module: torch.nn.Module, names) -> bool:
+    """`module` is an instance of one of Transformers' own model classes named in `names` (not a
+    user's subclass or namesake elsewhere)."""
+    cls = type(module)
+    return cls.__name__ in names and cls.__module__.startswith("transformers.models.")
 
 
 def install_forward_override(model: torch.nn.Module, wanted: Callable[[torch.nn.Module], bool], forward,

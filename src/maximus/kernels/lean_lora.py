@@ -23,7 +23,6 @@ and float32 (QLoRA): tests/fused/test_lean_lora.py.
 """
 from __future__ import annotations
 
-
 import torch
 import torch.nn.functional as F
 

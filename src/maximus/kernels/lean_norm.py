@@ -26,11 +26,12 @@ from __future__ import annotations
 
 import torch
 
-from maximus.kernels.forward_override import install_forward_override, remove_forward_overrides
+from maximus.kernels.forward_override import install_forward_override, is_transformers_class, remove_forward_overrides
 
-__all__ = ["lean_rms_norm", "install_lean_norm", "uninstall_lean_norm", "NORM_CLASSES", "BLOCK_ROWS"]
+__all__ = ["lean_rms_norm", "install_lean_norm", "uninstall_lean_norm", "norm_settings", "NORM_CLASSES", "BLOCK_ROWS"]
 
-#: Transformers RMSNorm classes with the Llama formula (False) or Gemma's ``1 + w`` (True).
+#: Transformers RMSNorm classes with the Llama formula (False) or Gemma's ``1 + w`` (True); the
+#: Triton RMSNorm (`maximus.kernels.triton.install`) takes the same ones.
 NORM_CLASSES = {"LlamaRMSNorm": False, "MistralRMSNorm": False, "Qwen2RMSNorm": False, "GemmaRMSNorm": True}
 #: Rows per float32 block: 1,024 rows of a 4,096-wide model are 16 MiB per temporary.
 BLOCK_ROWS = 1024
@@ -91,19 +92,25 @@ def lean_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, o
     return y.view(*x.shape[:-1], x.shape[-1])
 
 
+def norm_settings(module: torch.nn.Module) -> tuple[float, bool]:
+    """(eps, offset) of one of the `NORM_CLASSES` modules: Gemma's is ``eps`` with ``1 + w``, the
+    Llama family's ``variance_epsilon`` with ``w``."""
+    offset = NORM_CLASSES[type(module).__name__]
+    return (module.eps if offset else module.variance_epsilon), offset
+
+
 def _lean_norm_forward(self, hidden_states):
     if not (torch.is_grad_enabled() and (hidden_states.requires_grad or self.weight.requires_grad)):
         return type(self).forward(self, hidden_states)  # inference: nothing to save, the stock path
-    offset = NORM_CLASSES[type(self).__name__]
-    return lean_rms_norm(hidden_states, self.weight, self.eps if offset else self.variance_epsilon, offset=offset)
+    eps, offset = norm_settings(self)
+    return lean_rms_norm(hidden_states, self.weight, eps, offset=offset)
 
 
 setattr(_lean_norm_forward, _MARK, True)
 
 
 def _is_norm(module: torch.nn.Module) -> bool:
-    cls = type(module)
-    return cls.__name__ in NORM_CLASSES and cls.__module__.startswith("transformers.models.")
+    return is_transformers_class(module, NORM_CLASSES)
 
 
 def install_lean_norm(model: torch.nn.Module) -> list[str]:

@@ -755,10 +755,11 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     per_off = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "off", lean, n_mlp_t)
     per_full = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "full")
     per_sel = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "selective")
-    if lean_norm and b < 4:
-        # The lean RMSNorm keeps its input (one tensor the layer holds anyway) where Transformers'
-        # keeps a float32 copy: measured, 4 bytes x hidden per token and layer fewer in 16-bit steps.
-        per_off -= 4 * h
+    # Transformers' RMSNorm saves a float32 copy of its input in 16-bit steps (4 bytes x hidden per
+    # token, measured); the lean norm keeps the input itself, a tensor the layer holds anyway.
+    norm_copy = 4 * h if b < 4 else 0
+    if lean_norm:
+        per_off -= norm_copy
     attn_work = 0.0
     if adapter and b < 4 and not lean:
         # Autocast caches a 16-bit copy of each float32 adapter weight per forward, saved for
@@ -825,7 +826,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     # bf16, 16k-32k tokens). Untiled, the MLP moment is larger; tiled, this one sets the peak
     # unless the norm is lean (`maximus.kernels.lean_norm`, or the Triton one): float32 work for
     # one block of rows, the input kept once.
-    norm_work = 2 * b * h if lean_norm else 5 * 4 * h + (4 * h if b < 4 else 0) + 2 * b * h
+    norm_work = 2 * b * h if lean_norm else 5 * 4 * h + norm_copy + 2 * b * h
     norm_moment = per_off - mlp_part + norm_work
     # Backward walks the layers from the last: at layer l, the layers below still hold what they
     # kept, and a recomputed layer holds its full set of saved tensors again (one MLP tile of it
@@ -844,8 +845,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                          below + norm_moment if policy[l] == "full" else 0.0)
     # Embedding output, final norm (float32 copy) and the head's input.
     head_acts = (2 * wb + 4) * h  # a float32 master model keeps a float32 residual stream
-    if lean_norm and b < 4:
-        head_acts -= 4 * h  # the lean final norm keeps its input, not a float32 copy
+    if lean_norm:
+        head_acts -= norm_copy  # the lean final norm keeps its input, not a float32 copy
     acts = int(T * (stored + head_acts))
 
     # -- loss working set -----------------------------------------------------------------------

@@ -26,20 +26,17 @@ import types
 
 import torch
 
+from maximus.kernels.forward_override import is_transformers_class as _is_transformers_class
 from maximus.kernels.forward_override import remove_forward_overrides
+from maximus.kernels.lean_norm import NORM_CLASSES as RMS_NORM_CLASSES
+from maximus.kernels.lean_norm import norm_settings
 from maximus.kernels.triton.runtime import TRITON_HINT, TritonKernelsUnavailable, interpreting, triton_import_error
 
-RMS_NORM_CLASSES = {"LlamaRMSNorm": False, "MistralRMSNorm": False, "Qwen2RMSNorm": False, "GemmaRMSNorm": True}
 MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
 ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
 
 _ROPE_ACTIVE = contextvars.ContextVar("maximus_triton_rope_active", default=False)
 _MARK = "_maximus_triton_kernel"  # attribute on our forwards: which kernel they route to
-
-
-def _is_transformers_class(module: torch.nn.Module, names) -> bool:
-    cls = type(module)
-    return cls.__name__ in names and cls.__module__.startswith("transformers.models.")
 
 
 def _is_silu(act) -> bool:
@@ -54,8 +51,7 @@ def _rms_norm_forward(self, hidden_states):
 
     if not can_launch(_rms_norm_forward_kernel, hidden_states):
         return type(self).forward(self, hidden_states)
-    offset = RMS_NORM_CLASSES[type(self).__name__]
-    eps = self.eps if offset else self.variance_epsilon
+    eps, offset = norm_settings(self)
     return rms_norm(hidden_states, self.weight, eps, offset=offset)
 
 
