@@ -124,3 +124,20 @@ def backward_node_names(loss: torch.Tensor) -> set[str]:
         names.add(type(node).__name__)
         stack.extend(f for f, _ in node.next_functions)
     return names
+
+
+def kernel_switch_runs(model_dir: Path, data: Path, out: Path, key: str) -> tuple[dict, dict]:
+    """Two 2-step trainer runs (eager kernels) with ``optimization.<key>`` true and false: per value,
+    run.json's ``kernels.<key>`` count of routed modules and the per-step losses."""
+    from maximus import Config, Trainer
+
+    counts, losses = {}, {}
+    for on in (True, False):
+        run = out / str(on)
+        cfg = tiny_config(model_dir, data, run, training={"max_steps": 2}, eval={"before": False},
+                          optimization={key: on, "kernels": "eager"})
+        Trainer(Config.from_dict(cfg)).train()
+        counts[on] = json.loads((run / "run.json").read_text())["kernels"][key]
+        losses[on] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
+                      if '"loss"' in line]
+    return counts, losses

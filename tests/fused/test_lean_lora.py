@@ -163,20 +163,9 @@ def test_no_float32_copies_of_the_input_are_kept(tiny_llama):
 
 
 def test_trainer_routes_lora_through_lean_unless_turned_off(tiny_llama, pc_data, tmp_path):
-    import json
+    from tiny import kernel_switch_runs
 
-    from maximus import Config, Trainer
-    from tiny import tiny_config
-
-    counts, losses = {}, {}
-    for lean in (True, False):
-        out = tmp_path / str(lean)
-        cfg = tiny_config(tiny_llama, pc_data, out, training={"max_steps": 2}, eval={"before": False},
-                          optimization={"lean_lora": lean, "kernels": "eager"})
-        Trainer(Config.from_dict(cfg)).train()
-        counts[lean] = json.loads((out / "run.json").read_text())["kernels"]["lean_lora"]
-        losses[lean] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-                        if '"loss"' in line]
+    counts, losses = kernel_switch_runs(tiny_llama, pc_data, tmp_path, "lean_lora")
     assert counts == {True: 14, False: 0}
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=1e-5, atol=1e-6)
 

@@ -3,8 +3,6 @@ float32 rounding (the published formula in float64 as the oracle), the input kep
 backward's float32 work one block of rows at a time."""
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 from transformers.models.gemma.modeling_gemma import GemmaRMSNorm
@@ -123,17 +121,8 @@ def test_install_routes_the_models_norms_and_uninstall_restores_them(tiny_llama)
 
 
 def test_trainer_routes_norms_through_lean_unless_turned_off(tiny_llama, pc_data, tmp_path):
-    from maximus import Config, Trainer
-    from tiny import tiny_config
+    from tiny import kernel_switch_runs
 
-    counts, losses = {}, {}
-    for lean in (True, False):
-        out = tmp_path / str(lean)
-        cfg = tiny_config(tiny_llama, pc_data, out, training={"max_steps": 2}, eval={"before": False},
-                          optimization={"lean_norm": lean, "kernels": "eager"})
-        Trainer(Config.from_dict(cfg)).train()
-        counts[lean] = json.loads((out / "run.json").read_text())["kernels"]["lean_norm"]
-        losses[lean] = [json.loads(line)["loss"] for line in (out / "metrics.jsonl").read_text().splitlines()
-                        if '"loss"' in line]
+    counts, losses = kernel_switch_runs(tiny_llama, pc_data, tmp_path, "lean_norm")
     assert counts == {True: 5, False: 0}  # 2 layers x 2 norms + the final norm
     torch.testing.assert_close(torch.tensor(losses[True]), torch.tensor(losses[False]), rtol=1e-5, atol=1e-6)
