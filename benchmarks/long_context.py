@@ -20,6 +20,7 @@ beside `estimate_peak` for the same settings.
     python benchmarks/long_context.py --predicted-only                      # the 8B table (1 s)
     flock /tmp/bench.lock python benchmarks/long_context.py --lengths 4096 16384
     flock /tmp/bench.lock python benchmarks/long_context.py --speed-pairs 2     # tiled vs untiled step at 16k
+    flock /tmp/bench.lock python benchmarks/long_context.py --lengths 16384 --lean-norm off   # Transformers' RMSNorm
 
 On a CUDA GPU (a step of the prepared device check `benchmarks/gpu.sh`): ``--device cuda --shape 8b``
 runs the same table on the Llama-3-8B shape (random bf16 weights built on the GPU, QLoRA r=32 as in
@@ -106,7 +107,8 @@ def _lora_r(shape: str) -> int:
     return 32 if shape == "8b" else 16
 
 
-def _prediction(setup: str, seq_len: int, tile: int | None, shape: str = "reference", device: str = "cpu") -> int:
+def _prediction(setup: str, seq_len: int, tile: int | None, shape: str = "reference", device: str = "cpu",
+                lean_norm: bool = True) -> int:
     from _reference_model import SHAPES
 
     from maximus.memory.estimate import estimate_peak
@@ -116,11 +118,11 @@ def _prediction(setup: str, seq_len: int, tile: int | None, shape: str = "refere
         return estimate_peak(config, method="qlora", lora_r=r, seq_len=seq_len, checkpointing="full",
                              loss_mode="naive", device=device, lean_norm=False).peak_bytes
     return estimate_peak(config, method="qlora", lora_r=r, seq_len=seq_len, checkpointing="full",
-                         tile_tokens=tile, lean_lora=True, device=device).peak_bytes
+                         tile_tokens=tile, lean_lora=True, device=device, lean_norm=lean_norm).peak_bytes
 
 
 def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape: str = "reference",
-             device: str = "cpu", budget: str = "1.5GB") -> dict:
+             device: str = "cpu", budget: str = "1.5GB", lean_norm: bool = True) -> dict:
     import torch
     from _reference_model import shaped_model_dir
 
@@ -130,6 +132,7 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
     opt: dict = {"gradient_checkpointing": "full", "tile_tokens": tile if setup == "tiled" else "off"}
     if setup in ("budget", "card"):
         opt = {"target_vram": budget}
+    opt["lean_norm"] = lean_norm
     cfg = {"model": str(shaped_model_dir(shape, device=device)), "method": "qlora", "output_dir": str(work / "run"),
            "dataset": {"path": str(_data(work / "data.jsonl", seq_len, steps + 1)), "format": "text"},
            "lora": {"r": r, "alpha": 2 * r}, "optimization": opt,
@@ -148,7 +151,7 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
     planned = setup in ("budget", "card")
     chosen_tile = plan.get("tile_tokens") if planned else (tile if setup == "tiled" else None)
     # Under a budget the run's own plan holds the prediction (a known architecture always has one).
-    predicted = plan["peak_bytes"] if planned else _prediction(setup, seq_len, chosen_tile, shape, device)
+    predicted = plan["peak_bytes"] if planned else _prediction(setup, seq_len, chosen_tile, shape, device, lean_norm)
     rows = summary.get("data", {})
     return {"setup": setup, "seq_len": seq_len, "peak_bytes": cuda_peak or summary["memory"]["peak_bytes"],
             "data": {k: rows.get(k) for k in ("rows", "tokens", "truncated") if k in rows},
@@ -210,7 +213,7 @@ def _child(spec: dict) -> dict:
         if spec["setup"] == "peer":
             return run_peer(spec["seq_len"], spec["steps"], shape, device)
         return run_ours(spec["setup"], spec["seq_len"], spec["tile"], spec["steps"], Path(work), shape, device,
-                        spec.get("budget", "1.5GB"))
+                        spec.get("budget", "1.5GB"), spec.get("lean_norm", True))
 
 
 def measure(spec: dict) -> dict:
@@ -297,6 +300,8 @@ def main(argv=None) -> int:
     parser.add_argument("--card", default="16GB",
                         help="cuda: also run the planner's longest context for this card under target_vram: CARD")
     parser.add_argument("--json", help="also write the rows here")
+    parser.add_argument("--lean-norm", choices=("on", "off"), default="on",
+                        help="our setups with optimization.lean_norm (off: Transformers' RMSNorm, the ablation)")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.shape = args.shape or ("8b" if args.device == "cuda" else "reference")
@@ -348,7 +353,7 @@ def main(argv=None) -> int:
     rows = []
 
     def record(spec: dict) -> None:
-        spec.update(threads=args.threads, shape=args.shape, device=args.device)
+        spec.update(threads=args.threads, shape=args.shape, device=args.device, lean_norm=args.lean_norm == "on")
         r = measure(spec)
         rows.append(r)
         if r.get("oom"):

@@ -10,6 +10,10 @@ Modes (each alternates the two variants step by step in one process and prints m
   (prints the compile time; several minutes on 2 cores).
 * ``padding``: quickstart steps, stock padded batches through Transformers' SDPA vs Maximus'
   padding-free attention, with packing on (many ~16-token documents per row) and off.
+* ``faults``: the output layer of one fp32 2,048-token step, the peer's way (full logits,
+  ``F.cross_entropy``, backward) vs Maximus' exact loss, alternating: wall seconds, minor page
+  faults and system CPU seconds per step (`getrusage`): why the fp32 ratio to the peer depends on
+  the host's page-fault cost (docs/benchmarks/speed.md).
 * ``threads``: quickstart steps with torch's default thread count (every core) vs
   `maximus.kernels.cpu_threads`' choice, while ``--busy`` other processes spin on the cores.
 
@@ -17,12 +21,14 @@ Modes (each alternates the two variants step by step in one process and prints m
     python benchmarks/speed_parts.py norms
     python benchmarks/speed_parts.py compile
     python benchmarks/speed_parts.py padding
+    python benchmarks/speed_parts.py faults
     python benchmarks/speed_parts.py threads --busy 2
 """
 from __future__ import annotations
 
 import argparse
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -188,15 +194,53 @@ def threads(args) -> None:
             p.kill()
 
 
+def faults(args) -> None:
+    import torch.nn.functional as F
+
+    from maximus.losses.linear_cross_entropy import linear_cross_entropy
+
+    tokens, hidden, vocab = 2048, 512, 128256
+    h = torch.randn(tokens, hidden, requires_grad=True)
+    w = torch.randn(vocab, hidden) * 0.02  # a frozen fp32 head, as in a LoRA step
+    y = torch.randint(0, vocab, (tokens,))
+
+    def peer():
+        F.cross_entropy(h @ w.t(), y, reduction="sum").backward()
+
+    def ours():
+        linear_cross_entropy(h, w, y, reduction="sum").backward()
+
+    rows = {"peer: full logits + F.cross_entropy": peer, "Maximus: exact chunked loss": ours}
+    seen = {name: [] for name in rows}
+    for _ in range(args.steps):
+        for name, step in rows.items():
+            h.grad = None
+            before, t = resource.getrusage(resource.RUSAGE_SELF), time.perf_counter()
+            step()
+            after = resource.getrusage(resource.RUSAGE_SELF)
+            seen[name].append((time.perf_counter() - t, after.ru_minflt - before.ru_minflt,
+                               after.ru_stime - before.ru_stime))
+    print(f"\noutput layer of one fp32 step: {tokens} tokens, head {vocab:,} x {hidden}, forward + backward, "
+          f"{torch.get_num_threads()} threads, {args.steps} alternating steps (medians)\n\n"
+          "| variant | wall s | minor page faults | system CPU s |\n|---|---:|---:|---:|")
+    for name, values in seen.items():
+        wall, flt, sys_s = (statistics.median(v[k] for v in values) for k in range(3))
+        print(f"| {name} | {wall:.2f} | {flt:,.0f} | {sys_s:.2f} |")
+    thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    if thp.exists():
+        print(f"\ntransparent huge pages: {thp.read_text().strip()}")
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("mode", choices=("buffers", "norms", "compile", "padding", "threads"))
+    p.add_argument("mode", choices=("buffers", "norms", "compile", "padding", "faults", "threads"))
     p.add_argument("--steps", type=int, default=5, help="measured steps per variant")
     p.add_argument("--busy", type=int, default=2, help="threads mode: spinning processes")
     args = p.parse_args(argv)
     if "OMP_NUM_THREADS" not in os.environ and args.mode != "threads":
         torch.set_num_threads(min(2, os.cpu_count() or 1))
-    {"buffers": buffers, "norms": norms, "compile": compile_mode, "padding": padding, "threads": threads}[args.mode](args)
+    {"buffers": buffers, "norms": norms, "compile": compile_mode, "padding": padding, "faults": faults,
+     "threads": threads}[args.mode](args)
     return 0
 
 
