@@ -122,8 +122,8 @@ def run(args) -> list[dict]:
     import maximus
     from maximus.data import collate
     from maximus.memory.checkpointing import apply_checkpointing
-    from maximus.train.objective import SFTObjective
-    from maximus.train.preference import PreferenceObjective
+    from maximus.train.objectives.base import SFTObjective
+    from maximus.train.objectives.preference import PreferenceObjective
 
     torch.set_num_threads(args.threads)
     root = Path(tempfile.mkdtemp(prefix="dpo_memory_"))

@@ -242,7 +242,8 @@ def interleaved_speed(seq_len: int, tile: int, pairs: int, threads: int) -> dict
     from maximus.kernels.lean_norm import install_lean_norm
     from maximus.losses.linear_cross_entropy import linear_cross_entropy
     from maximus.memory.checkpointing import set_recompute_modes
-    from maximus.models import causal_lm_of, load_model
+    from maximus.models import load_model
+    from maximus.structure import causal_lm_of
 
     torch.set_num_threads(threads)
     cpu_times: dict[bool, list[float]] = {True: [], False: []}  # process CPU seconds per step, tiled / untiled

@@ -18,7 +18,7 @@ timing only), and the auxiliary loss's cost in step time and peak memory (side b
 batch, alternating).
 
 Contrastive mode (``--mode contrastive``): the models are trained as embedding models with
-``objective: contrastive`` (``maximus.train.contrastive.ContrastiveObjective``: in-batch InfoNCE on
+``objective: contrastive`` (``maximus.train.objectives.contrastive.ContrastiveObjective``: in-batch InfoNCE on
 mean- or last-pooled final hidden states) on the docstring -> function pairs of the *training*
 files; one without and one (or more) with the Matryoshka prefixes (``optimization.matryoshka``);
 same init, same batches in the same order. Evaluated on the same held-out pairs as above. The
@@ -309,7 +309,7 @@ def search_cost(num_vectors: int, width: int, num_queries: int, reps: int) -> di
 def contrastive_objective(args, weight: float | None):
     """The trainer's ContrastiveObjective, built from a real Config (weight None = no Matryoshka)."""
     from maximus.config import Config
-    from maximus.train.contrastive import ContrastiveObjective
+    from maximus.train.objectives.contrastive import ContrastiveObjective
 
     opt = {"matryoshka": {"dims": DIMS, "weight": weight}} if weight is not None else {}
     cfg = Config.from_dict({"model": "benchmark", "dataset": "stdlib", "objective": "contrastive",

@@ -130,7 +130,7 @@ def _layer_forward(C: dict, dtype: str, rates: dict, args) -> dict:
     and attention rates do not explain, per token per (hidden + intermediate) element."""
     import finetune_vs_peft as fvp
     from _reference_model import reference_model_dir
-    from maximus.memory.checkpointing import find_decoder_layers
+    from maximus.structure import find_decoder_layers
     from maximus.memory.step_time import layer_matmul_flops
 
     T = args.tokens

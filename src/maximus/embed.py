@@ -6,7 +6,7 @@ L2-normalises them. Because truncation happens before normalisation, the ``dim``
 exactly ``normalise(full_unnormalised[:, :dim])``: a model trained with the Matryoshka loss
 (``optimization.matryoshka``) makes that short prefix useful on its own.
 
-Training an embedding model (``objective: contrastive``, :mod:`maximus.train.contrastive`) uses
+Training an embedding model (``objective: contrastive``, :mod:`maximus.train.objectives.contrastive`) uses
 the same tokenization (:func:`maximus.data.pairs.embedding_ids`), the same pooling
 (:func:`pool`) and the same prefix normalisation (:func:`nested_prefix`) as this module.
 
@@ -79,7 +79,7 @@ def pooled_hidden_states(model, tokenizer, texts: Sequence[str], pooling: Poolin
     import torch
 
     from maximus.data.pairs import embedding_ids
-    from maximus.models import causal_lm_of
+    from maximus.structure import causal_lm_of
 
     check_pooling(pooling)
     if isinstance(texts, str):

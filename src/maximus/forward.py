@@ -12,9 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from maximus.models import causal_lm_of
-
-IGNORE_INDEX = -100
+from maximus.structure import IGNORE_INDEX, causal_lm_of
 
 
 @dataclass

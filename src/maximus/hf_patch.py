@@ -42,7 +42,7 @@ from transformers.utils import ModelOutput
 
 from maximus.errors import ConfigError, ModelError
 from maximus.forward import IGNORE_INDEX, output_head, through_head, token_loss_sum
-from maximus.models import causal_lm_of
+from maximus.structure import causal_lm_of, find_decoder_layers
 
 LOSSES = ("exact", "off")
 CHECKPOINTING = ("auto", "off", "full", "selective")
@@ -128,7 +128,7 @@ def patch(model, *, loss: str = "exact", gradient_checkpointing: str | bool | li
     if "_maximus_patch" in lm.__dict__:
         unpatch(model)
     from maximus.kernels import apply_kernels
-    from maximus.memory.checkpointing import apply_checkpointing, find_decoder_layers
+    from maximus.memory.checkpointing import apply_checkpointing
 
     _, layers = find_decoder_layers(lm)
     device = next(lm.parameters()).device
@@ -168,7 +168,7 @@ def patch(model, *, loss: str = "exact", gradient_checkpointing: str | bool | li
 def unpatch(model):
     """Undo `patch`: the original class (and forward), checkpointing, attention and compiled
     layers; a TRL fused head that `patch` served is re-installed as TRL's own. Returns the model."""
-    from maximus.memory.checkpointing import find_decoder_layers, remove_checkpointing
+    from maximus.memory.checkpointing import remove_checkpointing
 
     lm = causal_lm_of(model)
     report = lm.__dict__.get("_maximus_patch")

@@ -14,6 +14,7 @@ import torch
 
 from maximus.config import Config
 from maximus.errors import ConfigError, ModelError
+from maximus.structure import causal_lm_of
 from maximus.memory.run_plan import bf16_supported, resolve_dtype  # noqa: F401 - the plan decides the dtype
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -283,25 +284,6 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
     if not for_training:
         model.eval()
     return model, tokenizer
-
-
-def causal_lm_of(model):
-    """The Transformers `*ForCausalLM` inside a PEFT / DDP / compile wrapper."""
-    m = model
-    for attr in ("module", "_orig_mod"):
-        m = getattr(m, attr, m)
-    if hasattr(m, "get_base_model"):
-        m = m.get_base_model()
-    return m
-
-
-def peft_model_of(model):
-    """The PEFT model inside a DDP / compile wrapper (the one with `disable_adapter()`), or None
-    when the model has no adapter (full fine-tuning)."""
-    m = model
-    for attr in ("module", "_orig_mod"):
-        m = getattr(m, attr, m)
-    return m if hasattr(m, "disable_adapter") and hasattr(m, "peft_config") else None
 
 
 def count_parameters(model) -> tuple[int, int]:

@@ -14,10 +14,10 @@ from maximus.memory.checkpointing import (
     LayerCost,
     apply_checkpointing,
     choose_recompute_modes,
-    find_decoder_layers,
     measure_layer_costs,
     remove_checkpointing,
 )
+from maximus.structure import find_decoder_layers
 
 # hidden 256 so that `selective` has matmuls worth keeping (inner dimension >= 256).
 SHAPES = dict(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=3,

@@ -11,7 +11,8 @@ from peft import LoraConfig, get_peft_model
 from transformers import LlamaConfig, LlamaForCausalLM
 
 from maximus.errors import ConfigError
-from maximus.memory.checkpointing import apply_checkpointing, find_decoder_layers
+from maximus.memory.checkpointing import apply_checkpointing
+from maximus.structure import find_decoder_layers
 from maximus.memory.offload import ActivationOffloader, FrozenWeightStreamer, OffloadedAdamW, build_optimizer
 
 SHAPES = dict(vocab_size=128, hidden_size=256, intermediate_size=512, num_hidden_layers=3,

@@ -54,7 +54,7 @@ def test_the_loss_key_round_trips_through_run_json():
 
 
 def test_loss_ghost_is_refused_by_an_objective_without_a_vocabulary_softmax():
-    from maximus.train.contrastive import ContrastiveObjective
+    from maximus.train.objectives.contrastive import ContrastiveObjective
 
     with pytest.raises(ConfigError) as err:
         ContrastiveObjective(_cfg(objective="contrastive", optimization={"loss": "ghost"}), None, 0)

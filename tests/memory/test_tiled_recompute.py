@@ -9,7 +9,8 @@ from peft import LoraConfig, get_peft_model
 from maximus.config import Config
 from maximus.errors import ConfigError, ModelError
 from maximus.kernels.tiled_mlp import tile_ranges, tiled_mlp
-from maximus.memory.checkpointing import apply_checkpointing, find_decoder_layers, remove_checkpointing
+from maximus.memory.checkpointing import apply_checkpointing, remove_checkpointing
+from maximus.structure import find_decoder_layers
 from maximus.memory.meter import measure_step_peak
 
 from tiny import backward_node_names, build_tiny_model_dir, one_thread  # noqa: F401,E402  (one_thread: a fixture, used through pytestmark)

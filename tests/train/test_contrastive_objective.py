@@ -16,7 +16,7 @@ import maximus
 from maximus.data import collate
 from maximus.embed import embed, pooled_hidden_states
 from maximus.errors import ConfigError
-from maximus.train.contrastive import pooled_pairs
+from maximus.train.objectives.contrastive import pooled_pairs
 from tiny import build_tiny_model_dir, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
 WORDS = "apple banana cherry grape lemon mango olive peach pear plum river stone cloud storm".split()
@@ -131,7 +131,7 @@ def test_training_improves_held_out_retrieval_and_embed_cli_uses_the_run_pooling
 
 
 def test_ghost_logit_is_refused(tiny, tmp_path):
-    from maximus.train.contrastive import ContrastiveObjective
+    from maximus.train.objectives.contrastive import ContrastiveObjective
 
     cfg = config(tiny, tmp_path / "run", **{"optimization.use_ghost_logit": True})
     with pytest.raises(ConfigError) as err:

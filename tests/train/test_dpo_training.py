@@ -18,7 +18,8 @@ from maximus.data import build_datasets, collate
 from maximus.errors import ConfigError
 from maximus.losses.preference import dpo_loss
 from maximus.memory import plan_run
-from maximus.train.preference import CACHE_FILE, PreferenceObjective, pair_keys, row_lengths
+from maximus.train.objectives.preference import CACHE_FILE, PreferenceObjective, pair_keys
+from maximus.structure import row_lengths
 from tiny import build_tiny_model_dir, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
 WORDS = "apple banana cherry grape lemon mango olive peach pear plum river stone cloud storm".split()

@@ -166,7 +166,7 @@ def test_the_loss_pass_scores_sampled_tokens_with_the_distribution_they_were_sam
     """On-policy: log p of each sampled completion token in the loss pass (train mode, padded
     micro-batches of several lengths, logits / temperature, through the chunked head) equals the
     log-softmax of the logits / temperature that `generate` sampled it from (KV cache, eval mode)."""
-    from maximus.train.grpo import _cut_at_eos, completion_logps
+    from maximus.train.objectives.grpo import _cut_at_eos, completion_logps
     from maximus.train.trainer import Trainer
 
     T = 0.7

@@ -54,7 +54,7 @@ def test_loss_and_gradients_equal_trl_grpo_trainer(model_dir, tmp_path, loss_typ
     from trl import GRPOConfig, GRPOTrainer
 
     import maximus
-    from maximus.train.grpo import GRPOObjective
+    from maximus.train.objectives.grpo import GRPOObjective
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)

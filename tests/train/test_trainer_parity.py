@@ -9,7 +9,7 @@ import torch
 from maximus import Config, Trainer, load_model
 from maximus.data import collate
 from maximus.memory import plan_run
-from maximus.train.objective import SFTObjective
+from maximus.train.objectives.base import SFTObjective
 
 from tiny import ARCHS, tiny_config
 

@@ -16,12 +16,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from maximus.errors import DataError
+from maximus.structure import IGNORE_INDEX
 
 from maximus.data.chat import encode_chat
 from maximus.data.formats import ChatExample, Example, PromptCompletion, TextExample
-
-IGNORE_INDEX = -100
-"""Label of a token without loss (the ignore_index of torch / Transformers cross-entropy)."""
 
 
 @dataclass

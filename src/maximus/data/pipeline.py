@@ -18,7 +18,7 @@ from jinja2 import TemplateError
 
 from maximus.errors import DataError
 
-from maximus.data.encoding import Document, Encoder
+from maximus.data.encoding import IGNORE_INDEX, Document, Encoder
 from maximus.data.formats import ChatExample, PairExample, PreferenceExample, PromptCompletion, detect_format, to_example
 from maximus.data.packing import RowStats, pack_documents, truncate_documents
 from maximus.data.pairs import encode_pair, fit_pair_row
@@ -237,7 +237,7 @@ def _pair_rows(pairs: list[PreferencePair], seq_len: int) -> tuple[list[dict], R
         rows.append(fitted.row())
         stats.rows += 1
         stats.tokens += len(fitted.chosen.input_ids) + len(fitted.rejected.input_ids)
-        stats.loss_tokens += sum(l != -100 for d in (fitted.chosen, fitted.rejected) for l in d.labels)
+        stats.loss_tokens += sum(l != IGNORE_INDEX for d in (fitted.chosen, fitted.rejected) for l in d.labels)
     return rows, stats
 
 

@@ -163,7 +163,7 @@ def _apply_mode(model, mode: str, device: torch.device) -> KernelReport:
 
 def compile_decoder_layers(model) -> list[str]:
     """``torch.compile`` each decoder layer in place (regional compilation); returns their names."""
-    from maximus.models import causal_lm_of
+    from maximus.structure import causal_lm_of
 
     decoder = causal_lm_of(model).get_decoder()
     layers = getattr(decoder, "layers", None) or []

@@ -49,6 +49,7 @@ from typing import Literal
 import torch
 
 from maximus.errors import ConfigError
+from maximus.structure import IGNORE_INDEX
 from maximus.losses.linear_cross_entropy import (
     cast_for_matmul,
     _flatten,
@@ -315,7 +316,7 @@ class _GhostLogitLoss(torch.autograd.Function):
 
 
 def ghost_logit_loss(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                     ignore_index: int = -100, *, num_candidates: int = 1024, prefix_dims: int = 64,
+                     ignore_index: int = IGNORE_INDEX, *, num_candidates: int = 1024, prefix_dims: int = 64,
                      chunk_size: int | None = None, z_loss: float = 0.0, softcap: float | None = None,
                      reduction: Literal["mean", "sum"] = "mean",
                      bias: torch.Tensor | None = None) -> torch.Tensor:

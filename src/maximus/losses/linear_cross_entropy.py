@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from maximus.errors import ConfigError
+from maximus.structure import IGNORE_INDEX
 
 Reduction = Literal["mean", "sum", "none"]
 
@@ -411,7 +412,7 @@ def _check_reduction(reduction: str) -> None:
 
 
 def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                         ignore_index: int = -100, *, chunk_size: int | None = None, z_loss: float = 0.0,
+                         ignore_index: int = IGNORE_INDEX, *, chunk_size: int | None = None, z_loss: float = 0.0,
                          softcap: float | None = None, reduction: Reduction = "mean",
                          bias: torch.Tensor | None = None) -> torch.Tensor:
     """Cross-entropy of ``hidden @ weight.T + bias`` against ``labels``, chunk by chunk.
@@ -450,7 +451,7 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
 
 
 def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                    ignore_index: int = -100, chunk_size: int | None = None,
+                    ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None,
                     bias: torch.Tensor | None = None) -> torch.Tensor:
     """Per-token ``log p(label)`` under ``softmax(hidden @ weight.T + bias)``, without full logits.
 
@@ -463,7 +464,7 @@ def token_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
 
 
 def naive_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                        ignore_index: int = -100, *, chunk_size: int | None = None, z_loss: float = 0.0,
+                        ignore_index: int = IGNORE_INDEX, *, chunk_size: int | None = None, z_loss: float = 0.0,
                         softcap: float | None = None, reduction: Reduction = "mean",
                         bias: torch.Tensor | None = None) -> torch.Tensor:
     """The reference: full ``tokens x vocab`` logits and ``F.cross_entropy`` (float32 softmax).

@@ -72,8 +72,7 @@ from maximus.losses.linear_cross_entropy import (
     softmax_cross_entropy_,
     take_scaled_grads,
 )
-
-IGNORE_INDEX = -100
+from maximus.structure import IGNORE_INDEX
 
 #: Tokens per sampling group of ``token_fraction``: each group of this many consecutive
 #: (flattened) tokens contributes ``ceil(fraction x group)`` sampled tokens, so every stretch of

@@ -51,6 +51,7 @@ from torch.utils.checkpoint import (
 
 from maximus.config import format_bytes
 from maximus.errors import BudgetError, ConfigError, ModelError
+from maximus.structure import find_decoder_layers
 
 __all__ = [
     "RECOMPUTE_MODES",
@@ -58,7 +59,6 @@ __all__ = [
     "LayerCost",
     "apply_checkpointing",
     "choose_recompute_modes",
-    "find_decoder_layers",
     "measure_layer_costs",
     "remove_checkpointing",
     "selective_policy",
@@ -128,26 +128,6 @@ def selective_policy(ctx, op, *args, **kwargs) -> CheckpointPolicy:
 
 def _selective_context():
     return create_selective_checkpoint_contexts(selective_policy)
-
-
-# --------------------------------------------------------------------------------------------
-# Finding the decoder layers
-
-
-def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
-    """The decoder stack (e.g. `LlamaModel`) and its list of decoder layers, through any PEFT wrapper.
-
-    The stack is the module owning a `layers` ModuleList next to an `embed_tokens` embedding;
-    raises `ModelError` when the model has none (not a decoder-only language model)."""
-    for _, module in model.named_modules():
-        layers = getattr(module, "layers", None)
-        if isinstance(layers, nn.ModuleList) and len(layers) > 0 and hasattr(module, "embed_tokens"):
-            return module, layers
-    raise ModelError(
-        f"gradient checkpointing: no decoder layer list found in {type(model).__name__}",
-        "Maximus checkpoints decoder-only models whose stack has `embed_tokens` and `layers` "
-        "(Llama, Mistral, Qwen2, ...); set optimization.gradient_checkpointing: off for others",
-    )
 
 
 # --------------------------------------------------------------------------------------------

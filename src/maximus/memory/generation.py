@@ -1,6 +1,6 @@
 """What a GRPO step adds to a training step's memory: sampling the group with the KV cache.
 
-A GRPO step (`objective: grpo`, `maximus.train.grpo`) has two phases that never overlap:
+A GRPO step (`objective: grpo`, `maximus.train.objectives.grpo`) has two phases that never overlap:
 
 1. **generation**, in `no_grad`: one prompt's `group_size` completions at a time, each decoding
    step holding the KV cache of `group_size x (prompt + completion)` tokens (K and V for every

@@ -25,6 +25,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from maximus.errors import ConfigError
+from maximus.structure import find_decoder_layers
 
 __all__ = ["ActivationOffloader", "FrozenWeightStreamer", "OffloadedAdamW", "OPTIMIZERS", "build_optimizer"]
 
@@ -313,8 +314,6 @@ class FrozenWeightStreamer:
     `remove()` restores every weight and removes the hooks."""
 
     def __init__(self, model: nn.Module):
-        from maximus.memory.checkpointing import find_decoder_layers
-
         _, self.layers = find_decoder_layers(model)
         self._weights: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []  # (param, host copy, bytes)
         self._resident = [True] * len(self.layers)

@@ -249,8 +249,7 @@ def shard_with_fsdp2(model: torch.nn.Module, device: torch.device, dtype: torch.
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import DTensor
 
-    from maximus.memory.checkpointing import find_decoder_layers
-    from maximus.models import causal_lm_of
+    from maximus.structure import causal_lm_of, find_decoder_layers
 
     stack, layers = find_decoder_layers(model)
     mesh = init_device_mesh(device.type, (world_size,))

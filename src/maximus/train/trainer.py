@@ -46,7 +46,7 @@ from maximus.models import check_model_source, count_parameters, load_model, loa
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
 from maximus.train.lock import RunLock
-from maximus.train.objective import ObjectiveModule, build_objective
+from maximus.train.objectives import ObjectiveModule, build_objective
 from maximus.train.progress import MetricsLog, ProgressDisplay, plot_loss
 from maximus.train.sinks import open_sinks
 

@@ -16,7 +16,7 @@ contrastive batches, not of one big one. The number of negatives per query is
 `training.micro_batch_size - 1`; raise the micro-batch (not the accumulation) for harder training.
 A duplicate positive inside a micro-batch counts as a negative (deduplicate the data).
 
-Protocol (see `maximus.train.objective.SFTObjective`): `count` = pairs, `tokens` = real tokens
+Protocol (see `maximus.train.objectives.base.SFTObjective`): `count` = pairs, `tokens` = real tokens
 of both sides, `loss_sum` = summed per-pair loss with the metric sum `accuracy` (queries whose own
 positive scores highest in the micro-batch; the trainer divides by the pair count), `evaluate` =
 held-out loss (in micro-batches, like training) and recall@1 / recall@10 of every held-out query
@@ -32,8 +32,8 @@ from maximus.memory.plan import Plan
 
 from maximus.losses.matryoshka import active_dims, matryoshka_info_nce, normalized_prefix
 from maximus.forward import hidden_states
-from maximus.train.objective import Objective
-from maximus.train.preference import row_lengths
+from maximus.train.objectives.base import Objective
+from maximus.structure import row_lengths
 
 SIDES = ("query", "positive")
 RECALL_AT = (1, 10)

@@ -45,8 +45,8 @@ from maximus.losses.grpo import group_advantages, grpo_loss_sum
 from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
 from maximus.memory.plan import Plan
 from maximus.forward import IGNORE_INDEX, autocast_for, hidden_states, output_head, shift_labels, through_head
-from maximus.models import peft_model_of
-from maximus.train.objective import Objective
+from maximus.structure import peft_model_of
+from maximus.train.objectives.base import Objective
 from maximus.train.rewards import load_rewards, score_group
 
 #: Metrics summed over a step's micro-batches, then divided by its completion tokens.
@@ -98,7 +98,7 @@ class Generation:
 
 class GRPOObjective(Objective):
     """GRPO / Dr. GRPO / DAPO on sampled completions (module doc). Protocol as
-    `maximus.train.objective.SFTObjective`, plus `step_batches` (generation) and `step_metrics`."""
+    `maximus.train.objectives.base.SFTObjective`, plus `step_batches` (generation) and `step_metrics`."""
 
     name = "grpo"
 

@@ -1,4 +1,4 @@
-"""What one micro-batch costs: the objectives the trainer runs (`sft`, `dpo`, `contrastive`).
+"""What one micro-batch costs: the protocol every objective follows, and the default (`sft`).
 
 The forward path they share (hidden states, output head, shifted labels, the loss sum) lives in
 `maximus.forward`: no tokens x vocabulary logits tensor exists anywhere in training with the
@@ -111,20 +111,3 @@ class ObjectiveModule(torch.nn.Module):
 
     def forward(self, batch: dict):
         return self.objective.loss_sum(self.model, batch)
-
-
-def build_objective(cfg, plan: Plan, pad_token_id: int):
-    """The objective the config asks for (`objective: sft | dpo | contrastive | grpo`)."""
-    if cfg.objective == "grpo":
-        from maximus.train.grpo import GRPOObjective
-
-        return GRPOObjective(cfg, plan, pad_token_id)
-    if cfg.objective == "dpo":
-        from maximus.train.preference import PreferenceObjective
-
-        return PreferenceObjective(cfg, plan, pad_token_id)
-    if cfg.objective == "contrastive":
-        from maximus.train.contrastive import ContrastiveObjective
-
-        return ContrastiveObjective(cfg, plan, pad_token_id)
-    return SFTObjective(cfg, plan, pad_token_id)

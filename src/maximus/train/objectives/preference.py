@@ -18,7 +18,7 @@ Reference log-probs (for sigmoid / ipo / hinge; SimPO and ORPO need none), never
   model reuses it. Pairs are keyed by a SHA-1 of their token ids and labels (the batch carries
   no row index), so the same pair always finds its entry whatever the batch order.
 
-Protocol (see `maximus.train.objective.SFTObjective`): `count` = pairs, `loss_sum` = sum of
+Protocol (see `maximus.train.objectives.base.SFTObjective`): `count` = pairs, `loss_sum` = sum of
 per-pair losses with metric sums `rewards/chosen`, `rewards/rejected`, `rewards/margin`,
 `rewards/accuracy` (the trainer divides them by the pair count), `evaluate` = exact reward
 accuracy, margin and loss on the held-out pairs.
@@ -43,8 +43,8 @@ from maximus.memory.plan import Plan
 from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
 from maximus.losses.preference import dpo_loss, needs_reference
 from maximus.forward import IGNORE_INDEX, hidden_states, output_head, shift_labels, through_head
-from maximus.models import peft_model_of
-from maximus.train.objective import Objective
+from maximus.structure import peft_model_of, row_lengths
+from maximus.train.objectives.base import Objective
 
 CACHE_FILE = "reference_logps.safetensors"
 _CACHE_VERSION = "1"
@@ -72,14 +72,6 @@ def sequence_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor | 
 
     per_token = through_head(model, hidden, logps_of)
     return per_token.sum(dim=-1), (target != IGNORE_INDEX).sum(dim=-1)
-
-
-def row_lengths(position_ids: torch.Tensor) -> torch.Tensor:
-    """Real (unpadded) length of each right-padded row [R]: padding restarts positions at 0."""
-    restart = position_ids[:, 1:] == 0
-    first = torch.where(restart.any(dim=1), restart.float().argmax(dim=1) + 1,
-                        torch.full_like(restart[:, 0], position_ids.shape[1], dtype=torch.long))
-    return first.long()
 
 
 def pair_keys(batch: dict) -> list[bytes]:
