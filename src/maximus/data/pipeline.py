@@ -122,7 +122,8 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
                  dropped_rows=train_stats.dropped_rows + eval_stats.dropped_rows,
                  fill=round(train_stats.tokens / (train_stats.rows * seq_len), 4) if train_stats.rows else 0.0)
     if not train:
-        raise DataError(f"dataset is empty after filtering: no training row has a token in the loss "
+        paths = ", ".join(str(s.path) for s in specs)
+        raise DataError(f"dataset is empty after filtering: {paths}: no training row has a token in the loss "
                         f"({len(train_docs)} training documents)",
                         "check train_on_inputs, the format (is there a completion or assistant turn?) and seq_len")
     return DataSplits(train, evaluation, stats)

@@ -62,7 +62,8 @@ def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dic
 
     resident = sum(plan.breakdown.get(k, 0) for k in ("weights", "adapters", "optimizer"))
     g = cfg.grpo
-    tokens = cfg.training.seq_len + g.max_completion_tokens
+    # The longest prompt the data has (planned from it) or the cap, plus the longest completion.
+    tokens = plan.rows_tokens_max or cfg.training.seq_len + g.max_completion_tokens
     parts = generation_peak_bytes(model_config, resident_bytes=resident, group_size=g.group_size, tokens=tokens,
                                   dtype_bytes=DTYPE_BYTES[plan.dtype])
     if budget is not None and parts["total"] > budget:

@@ -103,6 +103,13 @@ class Plan:
     #: (None: not checked, e.g. a prediction for a card on another machine).
     host_bytes: int = 0
     host_budget_bytes: int | None = None
+    #: The lengths the plan assumed, read from the data (None: every row at ``seq_len``): the
+    #: longest row (tokens; a DPO or contrastive pair: its longer side; GRPO: the longest prompt
+    #: + ``max_completion_tokens``) and the tokens of the largest micro-batch the loader forms
+    #: (padding included; per side of a pair). ``seq_len`` is then the tokens per row the estimate
+    #: was given (``micro_batch_tokens_max / micro_batch_size``, rounded up).
+    rows_tokens_max: int | None = None
+    micro_batch_tokens_max: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", tuple(self.recompute))
@@ -178,7 +185,8 @@ class Plan:
             ("method", self.method + (f" (r={self.lora_r})" if self.method != "full" and self.lora_r else "")),
             ("objective", self.objective),
             ("batch", f"{self.micro_batch_size} x {self.grad_accum} accumulation x {ranks}"
-                      f" = {self.effective_batch} sequences of {self.seq_len} tokens"),
+                      f" = {self.effective_batch} sequences of " + (f"{self.seq_len} tokens" if self.rows_tokens_max is None
+                      else f"up to {self.rows_tokens_max} tokens (the data's longest row)")),
             ("distributed", self.strategy),
             ("checkpointing", self.checkpointing_label + (f", MLP in tiles of {self.tile_tokens} tokens"
                                                            if self.tile_tokens else "")),

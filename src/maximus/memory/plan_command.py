@@ -24,6 +24,7 @@ from maximus.arguments import ArgumentParser
 from maximus.config import GPU_CARDS, Config, format_bytes
 from maximus.errors import BudgetError, ConfigError
 from maximus.memory.estimate import DEVICE_FLOPS, load_model_config, model_shape, technique_kwargs
+from maximus.memory.lengths import RowLengths
 from maximus.memory.plan import Plan, recompute_label
 from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
 from maximus.memory.run_plan import plan_run
@@ -98,14 +99,30 @@ def _planner_picks_method(cfg: Config) -> bool:
     return "method" not in cfg.model_fields_set or cfg.method == "auto"
 
 
-def plan_report(cfg: Config, *, world_size: int = 1) -> dict[str, Any]:
+def data_lengths(cfg: Config, world_size: int = 1) -> tuple[RowLengths | None, str | None]:
+    """The run's row lengths read from its data (`maximus.train.order.read_lengths`), or None and
+    the one-line reason when the tokenizer or the data cannot be read here (a hub id with no local
+    files, the article's placeholder dataset): the plan then assumes rows of ``seq_len`` tokens."""
+    from maximus.errors import MaximusError
+    from maximus.train.order import read_lengths
+
+    try:
+        return read_lengths(cfg, world_size=world_size), None
+    except MaximusError as exc:
+        return None, (f"the data was not read ({exc.message}): every row is planned at training.seq_len "
+                      f"({cfg.training.seq_len:,} tokens)")
+
+
+def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None = None) -> dict[str, Any]:
     """Everything `maximus plan` shows, as one JSON-ready dict (bytes for memory); the plans
-    themselves (`Plan` objects) under the keys ``_requested`` / ``_budget`` for the tables."""
+    themselves (`Plan` objects) under the keys ``_requested`` / ``_budget`` for the tables.
+    ``lengths``: the data's rows (`data_lengths`), else every row at ``seq_len``."""
     if cfg.training.batch_size % world_size:
         raise ConfigError(f"training.batch_size {cfg.training.batch_size} is not a multiple of the {world_size} ranks",
                           f"use a batch_size divisible by {world_size}")
     shape = model_shape(load_model_config(cfg.model))
-    requested = plan_run(_requested(cfg, world_size), device="cuda", world_size=world_size, budget_bytes=None)
+    requested = plan_run(_requested(cfg, world_size), device="cuda", world_size=world_size, budget_bytes=None,
+                         lengths=lengths)
     t, opt = cfg.training, cfg.optimization
     longest_kw = dict(method=requested.method, micro_batch=t.micro_batch_size if isinstance(t.micro_batch_size, int)
                       else 1, loss_mode=opt.loss_mode, tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
@@ -114,7 +131,7 @@ def plan_report(cfg: Config, *, world_size: int = 1) -> dict[str, Any]:
 
     def plan_or_none(budget: int) -> tuple[Plan | None, str | None]:
         try:
-            return plan_run(cfg, device="cuda", world_size=world_size, budget_bytes=budget), None
+            return plan_run(cfg, device="cuda", world_size=world_size, budget_bytes=budget, lengths=lengths), None
         except BudgetError as exc:
             return None, exc.message
 
@@ -171,6 +188,8 @@ def _print_tables(report: dict[str, Any]) -> None:
     s = report["settings"]
     console.print(f"[bold]{report['model']}[/bold]: {report['shape']['params'] / 1e9:.2f}B parameters, "
                   f"{s['method']}, {s['batch_size']} x {s['seq_len']} tokens, {s['dtype']}, loss {s['loss_mode']}")
+    if report.get("data_note"):
+        console.print(f"note: {report['data_note']}")
     console.print(report["_requested"].table(title=f"requested setting (micro-batch {s['micro_batch']}, "
                                                    f"{s['checkpointing']} checkpointing)"))
 
@@ -210,7 +229,18 @@ def _print_tables(report: dict[str, Any]) -> None:
 def plan_json(argv: list[str]) -> dict[str, Any]:
     """The object `maximus plan ARGV --json` prints (`maximus ui`'s planner page shows exactly this)."""
     args = _parser().parse_args(argv)
-    return _public(plan_report(_config(args), world_size=args.world_size))
+    return _public(_report(args))
+
+
+def _report(args: argparse.Namespace) -> dict[str, Any]:
+    """`plan_report` of the command line: with ``--config``, planned for the rows its data has."""
+    cfg = _config(args)
+    lengths, why = data_lengths(cfg, args.world_size) if args.config else (None, None)
+    report = plan_report(cfg, world_size=args.world_size, lengths=lengths)
+    if why:
+        report["notes"].append(why)
+        report["data_note"] = why
+    return report
 
 
 def _public(report: dict[str, Any]) -> dict[str, Any]:
@@ -221,7 +251,7 @@ def _public(report: dict[str, Any]) -> dict[str, Any]:
 def plan_main(argv: list[str]) -> int:
     """Entry point of `maximus plan`; returns the exit code. Raises MaximusError on bad input."""
     args = _parser().parse_args(argv)
-    report = plan_report(_config(args), world_size=args.world_size)
+    report = _report(args)
     if args.json:
         json.dump(_public(report), sys.stdout)
         sys.stdout.write("\n")

@@ -26,6 +26,7 @@ from typing import Any, Iterable, Sequence
 from maximus.config import format_bytes, parse_bytes
 from maximus.errors import BudgetError, ConfigError
 from maximus.memory.estimate import Estimate, default_loss_chunk, estimate_peak, model_shape, DTYPE_BYTES
+from maximus.memory.lengths import RowLengths
 from maximus.memory.plan import BREAKDOWN_ROWS, Plan
 
 __all__ = ["Plan", "plan_for_budget", "resolve_budget", "max_seq_len_for_budget", "DEFAULT_MARGIN", "DEFAULT_ALLOW",
@@ -118,7 +119,8 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                     offload_activations: str | bool = "auto", offload_optimizer: str | bool = "auto",
                     margin: float = DEFAULT_MARGIN, device: str = "cuda", sharded: bool | None = None,
                     free_memory: bool = False, tile_tokens: int | str | None = "auto", lean_lora: bool = True,
-                    name_longest: bool = True, host_budget_bytes: int | None = None, **techniques: Any) -> Plan:
+                    name_longest: bool = True, host_budget_bytes: int | None = None,
+                    lengths: RowLengths | None = None, **techniques: Any) -> Plan:
     """The fastest plan whose predicted peak is at most ``budget_bytes * (1 - margin)``.
 
     Fixed settings (an int micro-batch, ``gradient_checkpointing: full``, ``offload_*: on/off``,
@@ -136,6 +138,10 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     ``lean_lora``: adapters run as Maximus' lean projections (`optimization.lean_lora`), else PEFT's.
     ``name_longest``: when nothing fits, the error also names the longest sequence that would fit
     with the same settings (`max_seq_len_for_budget`, which turns it off for its own search).
+
+    ``lengths``: the rows the run really has (`maximus.memory.lengths.RowLengths`): each micro-batch
+    size is planned for the largest micro-batch the loader forms with it (its tokens, padding
+    included), ``seq_len`` staying the cap; None plans every row at ``seq_len`` tokens.
 
     ``host_budget_bytes``: the host memory offloading may fill (`plan_run` passes the available RAM when
     it plans for a real GPU of this machine); a plan
@@ -186,6 +192,10 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     optimizers = [optimizer] + (["adamw_8bit"] if "adamw_8bit" in allow and optimizer == "adamw" else [])
     b = DTYPE_BYTES[dtype]
 
+    def seq_for(mb: int) -> int:
+        """Tokens per row the estimate of micro-batch size `mb` assumes."""
+        return lengths.largest_micro_batch(mb).row_tokens if lengths is not None else seq_len
+
     def chunks_for(mb: int, method: str) -> list[int | None]:
         if loss_mode == "naive":
             return [None]
@@ -195,7 +205,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
             return [loss_chunk_size if isinstance(loss_chunk_size, int) else None]
         if isinstance(loss_chunk_size, int):
             return [loss_chunk_size]
-        tokens = mb * seq_len
+        tokens = mb * seq_for(mb)
         # Full fine-tuning trains the head: its chunks have a larger floor (the loss's own default).
         default = default_loss_chunk(tokens, shape.vocab_size, b, trainable_head=method == "full")
         if "loss_chunk" not in allow:
@@ -208,14 +218,14 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
             return [tile_tokens]
         if tile_tokens != "auto" or "tile_tokens" not in allow:
             return [None]
-        return [None] + [t for t in TILE_CHOICES if t < mb * seq_len]
+        return [None] + [t for t in TILE_CHOICES if t < mb * seq_for(mb)]
 
     usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
-    common = dict(dtype=dtype, seq_len=seq_len, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
+    common = dict(dtype=dtype, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
                   device=device, sharded=sharded, lean_lora=lean_lora, **techniques)
 
     def est(kw: dict, mb: int) -> Estimate:
-        return estimate_peak(shape, grad_accum=per_rank // mb, **common, **kw)
+        return estimate_peak(shape, grad_accum=per_rank // mb, seq_len=seq_for(mb), **common, **kw)
 
     best: tuple[float, int, dict, Estimate] | None = None
     smallest: tuple[int, dict, Estimate] | None = None
@@ -245,9 +255,12 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                           "free host RAM, lower training.seq_len, or raise target_vram so less is offloaded")
     if best is None and free_memory:
         _, kw, e = smallest
-        plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r, device)
+        plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_for(kw["micro_batch"]), dtype,
+                        lora_r, device)
+        plan = _with_lengths(plan, lengths)
         return replace(plan, notes=plan.notes + (f"no plan fits the {format_bytes(budget_bytes)} of free memory; "
-                                                 f"running the smallest ({_describe(kw, seq_len, shape.num_layers)})",))
+                                                 f"running the smallest "
+                                                 f"({_describe(kw, seq_for(kw['micro_batch']), shape.num_layers)})",))
     if best is None:
         needed = math.ceil(smallest[0] / (1 - margin))
         hint = "raise target_vram, lower training.seq_len, or use method: qlora"
@@ -270,15 +283,31 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
             host = (f"; plans that offload more would fit but need {format_bytes(host_short.host_bytes)} of host "
                     f"memory, {format_bytes(host_budget_bytes)} available")
         raise BudgetError(f"nothing fits in {format_bytes(budget_bytes)}: the smallest plan needs "
-                          f"{format_bytes(needed)} ({_describe(smallest[1], seq_len, shape.num_layers)}){longest}{host}",
+                          f"{format_bytes(needed)} ({_describe(smallest[1], seq_for(smallest[1]['micro_batch']), shape.num_layers)})"
+                          f"{longest}{host}",
                           hint)
     _, _, kw, e = best
-    plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_len, dtype, lora_r, device)
+    plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_for(kw["micro_batch"]), dtype, lora_r,
+                    device)
+    plan = _with_lengths(plan, lengths)
     if host_budget_bytes is not None:
         plan = replace(plan, host_budget_bytes=host_budget_bytes)
     if free_memory:
         plan = replace(plan, notes=plan.notes + (f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory",))
     return plan
+
+
+def _with_lengths(plan: Plan, lengths: RowLengths | None) -> Plan:
+    """`plan` with the lengths it assumed (the longest row, the largest micro-batch's tokens) and
+    the data's notes; unchanged when planned at seq_len."""
+    if lengths is None:
+        return plan
+    mb = lengths.largest_micro_batch(plan.micro_batch_size)
+    note = (f"planned for the data's rows: the longest has {lengths.longest:,} tokens (training.seq_len "
+            f"{lengths.cap:,} is the cap), the largest micro-batch {mb.tokens:,} tokens ({mb.rows} rows"
+            + (", unpadded)" if mb.tokens < mb.rows * mb.longest else f" of {mb.longest:,})"))
+    return replace(plan, rows_tokens_max=lengths.longest, micro_batch_tokens_max=mb.tokens,
+                   notes=plan.notes + (note,) + lengths.notes)
 
 
 def _switch(value: str | bool, allowed: bool) -> list[bool]:

@@ -18,6 +18,7 @@ from typing import Any
 from maximus.config import Config
 from maximus.errors import BudgetError, ConfigError, ModelError
 from maximus.memory.estimate import estimate_peak, load_model_config, model_shape, technique_kwargs
+from maximus.memory.lengths import RowLengths
 from maximus.memory.plan import Attention, Plan
 from maximus.memory.planner import DEFAULT_ALLOW, plan_for_budget, resolve_budget
 
@@ -29,7 +30,8 @@ STRATEGY_CHOICES = ("auto", "ddp", "fsdp")
 QLORA_FSDP_NOTICE = ("notice: FSDP2 cannot shard bitsandbytes 4-bit weights; QLoRA runs with DDP "
                      "(each process holds the whole NF4 base)")
 
-def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int | None | str = "config") -> Plan:
+def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int | None | str = "config",
+             lengths: RowLengths | None = None) -> Plan:
     """The plan of the run `cfg` on `device` (``cuda``, ``cpu``, a torch.device) with
     `world_size` data-parallel ranks.
 
@@ -39,6 +41,11 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
     but the run is not held to it, and the smallest plan is attempted when none fits. An int or
     None overrides the config (`maximus plan` plans one config per card; None: the run exactly as
     configured, the fastest plan).
+
+    `lengths`: the run's tokenized rows in loader order (`maximus.train.order.run_lengths`; the
+    trainer reads the data before planning): the plan is for the largest micro-batch the loader
+    really forms, and records the lengths it assumed (`Plan.rows_tokens_max`,
+    `Plan.micro_batch_tokens_max`). None (`maximus plan --model`): every row at ``seq_len``.
 
     Raises:
         BudgetError: nothing fits ``target_vram`` (names the smallest budget that would).
@@ -65,7 +72,7 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
     if method == "auto" and not bounded:
         method = "lora"
     kwargs = _search_kwargs(cfg, method=method, dtype=dtype, device_type=device_type, world_size=world_size,
-                            gradient_checkpointing=opt.gradient_checkpointing)
+                            gradient_checkpointing=opt.gradient_checkpointing, lengths=lengths)
     if budget_bytes is None:
         # No memory to fit: the run as configured (the planner only fills in what is auto).
         kwargs.update(allow=DEFAULT_ALLOW - {"micro_batch", "offload_activations", "offload_optimizer"})
@@ -119,7 +126,8 @@ def _unplanned(cfg: Config, device_type: str, world_size: int, dtype: str) -> Pl
                        "settings run as they are",))
 
 
-def plan_below_measured(cfg: Config, plan: Plan, measured_bytes: int, budget_bytes: int | None = None) -> Plan | None:
+def plan_below_measured(cfg: Config, plan: Plan, measured_bytes: int, budget_bytes: int | None = None,
+                        lengths: RowLengths | None = None) -> Plan | None:
     """A smaller plan after a step of `plan` measured `measured_bytes`, over its budget
     (`budget_bytes`, default the plan's: the meter's, which the trainer holds the run to).
 
@@ -134,7 +142,8 @@ def plan_below_measured(cfg: Config, plan: Plan, measured_bytes: int, budget_byt
     scaled = int(budget_bytes * plan.peak_bytes / measured_bytes)
     shape = model_shape(load_model_config(cfg.model))
     kwargs = _search_kwargs(cfg, method=plan.method, dtype=plan.dtype, device_type=plan.device,
-                            world_size=plan.world_size, gradient_checkpointing=cfg.optimization.gradient_checkpointing)
+                            world_size=plan.world_size, gradient_checkpointing=cfg.optimization.gradient_checkpointing,
+                            lengths=lengths)
     kwargs.update(optimizer=plan.optimizer, offload_optimizer="on" if plan.offload_optimizer else "off")
     try:
         found = plan_for_budget(shape, scaled, sharded=plan.strategy == "fsdp", **kwargs)
@@ -147,14 +156,18 @@ def plan_below_measured(cfg: Config, plan: Plan, measured_bytes: int, budget_byt
                    ghost_candidates=plan.ghost_candidates, notes=found.notes + (calibration,))
 
 
-def replan(cfg: Config, plan: Plan, **changes: Any) -> Plan:
+def replan(cfg: Config, plan: Plan, lengths: RowLengths | None = None, **changes: Any) -> Plan:
     """`plan` with `changes` (any `Plan` field: micro_batch_size, recompute, loss_chunk_size, ...)
     and its prediction (peak, breakdown, phase, tokens/s guess) re-estimated for them. The
-    gradient accumulation follows a new micro-batch, so the effective batch stays."""
+    gradient accumulation follows a new micro-batch, so the effective batch stays; with the
+    run's `lengths`, so does the largest micro-batch the loader forms with it."""
     new = replace(plan, **changes)
     if "micro_batch_size" in changes and "grad_accum" not in changes:
         per_rank = plan.micro_batch_size * plan.grad_accum
         new = replace(new, grad_accum=max(1, per_rank // new.micro_batch_size))
+    if lengths is not None and "micro_batch_size" in changes:
+        largest = lengths.largest_micro_batch(new.micro_batch_size)
+        new = replace(new, seq_len=largest.row_tokens, micro_batch_tokens_max=largest.tokens)
     if new.peak_bytes is None:  # an unplanned run stays unpredicted
         return new
     recompute = list(new.recompute)
@@ -171,7 +184,7 @@ def replan(cfg: Config, plan: Plan, **changes: Any) -> Plan:
 
 
 def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, world_size: int,
-                   gradient_checkpointing: str) -> dict[str, Any]:
+                   gradient_checkpointing: str, lengths: RowLengths | None = None) -> dict[str, Any]:
     """`plan_for_budget` keywords for the run `cfg` (the config's settings, auto where auto)."""
     opt, t = cfg.optimization, cfg.training
     rows, row_tokens = t.batch_size, t.seq_len
@@ -185,7 +198,7 @@ def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, wo
                 loss_mode=opt.loss_mode, loss_chunk_size=opt.loss_chunk_size,
                 offload_activations=opt.offload.activations, offload_optimizer=opt.offload.optimizer,
                 device=device_type, tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
-                host_budget_bytes=_host_for_offload(device_type), **_technique_kwargs(cfg))
+                host_budget_bytes=_host_for_offload(device_type), lengths=lengths, **_technique_kwargs(cfg))
 
 
 #: Share of the available host RAM that offloaded state may fill (the rest: the process itself,

@@ -47,6 +47,7 @@ from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
 from maximus.train.lock import RunLock
 from maximus.train.objectives import ObjectiveModule, build_objective
+from maximus.train.order import RowOrder, run_lengths, run_steps
 from maximus.train.progress import MetricsLog, ProgressDisplay, plot_loss
 from maximus.train.sinks import open_sinks
 
@@ -88,12 +89,16 @@ class Trainer:
         self.threads = cpu_threads(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         _seed_everything(cfg.training.seed)
         check_model_source(cfg)
-        # The one config -> plan translation (also `maximus plan` and every torchrun rank's).
-        self.plan = plan_run(cfg, device=self.device, world_size=self.dist.world_size)
-        self.method = self.plan.method
         # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
         self.tokenizer = load_tokenizer(cfg)
         self.data = self._load_data()
+        self.total_steps = run_steps(cfg, len(self.data.train))
+        self.order = RowOrder(len(self.data.train), cfg.training.batch_size, cfg.training.seed)
+        # Tokenized before planning: the plan is for the rows the data really has.
+        self.lengths = run_lengths(cfg, self.data.train, steps=self.total_steps, world_size=self.dist.world_size)
+        # The one config -> plan translation (also `maximus plan` and every torchrun rank's).
+        self.plan = plan_run(cfg, device=self.device, world_size=self.dist.world_size, lengths=self.lengths)
+        self.method = self.plan.method
         self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
         self.checkpointing = self._apply_checkpointing()
@@ -112,7 +117,6 @@ class Trainer:
         # DDP or FSDP2 under torchrun; FSDP2 replaces parameters by shards, so before the optimizer.
         self.dist.prepare_model(self.model, cfg, self.plan, dtype=self.dtype)
         self.optimizer = self._build_optimizer()
-        self.total_steps = self._total_steps()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         from maximus.memory.meter import MemoryMeter
 
@@ -138,7 +142,7 @@ class Trainer:
                                      micro_batch=plan.micro_batch_size, seq_len=self.cfg.training.seq_len,
                                      offload_activations=plan.offload_activations, tile_tokens=plan.tile_tokens)
         if not plan.recompute:
-            self.plan = replan(self.cfg, plan, recompute=tuple(report.modes))
+            self.plan = replan(self.cfg, plan, recompute=tuple(report.modes), lengths=self.lengths)
         if plan.tile_tokens and report.tile_tokens is None:
             self.dist.say(f"notice: optimization.tile_tokens={plan.tile_tokens} has no effect: no layer is "
                           f"fully recomputed (gradient_checkpointing: {self.cfg.optimization.gradient_checkpointing})")
@@ -157,13 +161,6 @@ class Trainer:
         return build_optimizer(groups, self.plan.optimizer, lr=t.learning_rate, betas=t.betas,
                                weight_decay=t.weight_decay, offload=self.plan.offload_optimizer)
 
-    def _total_steps(self) -> int:
-        t = self.cfg.training
-        if t.max_steps:
-            return t.max_steps
-        # GRPO: each generation (batch_size prompts) serves updates_per_generation steps.
-        updates = self.cfg.grpo.updates_per_generation if self.cfg.objective == "grpo" else 1
-        return max(1, math.ceil(t.epochs * len(self.data.train) / t.batch_size)) * updates
 
     def _lr_lambda(self, step: int) -> float:
         t = self.cfg.training
@@ -192,21 +189,7 @@ class Trainer:
     def rows_for_step(self, step: int) -> list[dict]:
         """The rows of optimizer step `step` (1-based) for this rank: the global stream is the
         concatenation of per-epoch permutations (seeded), so position = step alone."""
-        b = self.cfg.training.batch_size
-        n = len(self.data.train)
-        out = []
-        for pos in range((step - 1) * b, step * b):
-            epoch, idx = divmod(pos, n)
-            out.append(self.data.train[int(self._epoch_order(epoch)[idx])])
-        return self.dist.shard(out)
-
-    def _epoch_order(self, epoch: int) -> torch.Tensor:
-        cache = getattr(self, "_order_cache", None)
-        if cache is None or cache[0] != epoch:
-            g = torch.Generator().manual_seed(self.cfg.training.seed * 1_000_003 + epoch)
-            cache = (epoch, torch.randperm(len(self.data.train), generator=g))
-            self._order_cache = cache
-        return cache[1]
+        return self.dist.shard([self.data.train[i] for i in self.order.step(step)])
 
     # ------------------------------------------------------------------------------ one step
     def train_step(self, step: int) -> dict:
@@ -286,7 +269,7 @@ class Trainer:
         from maximus.memory.run_plan import plan_below_measured
 
         budget, measured = int(self.meter.budget_bytes), self.meter.peak_bytes()
-        smaller = plan_below_measured(self.cfg, self.plan, measured, budget) or self._smaller_plan()
+        smaller = plan_below_measured(self.cfg, self.plan, measured, budget, lengths=self.lengths) or self._smaller_plan()
         reason = f"measured peak {measured:,} bytes over the budget of {budget:,}"
         change = "nothing left to shrink"
         if smaller is not None:
@@ -299,9 +282,9 @@ class Trainer:
         recompute every layer."""
         plan = self.plan
         if plan.micro_batch_size > 1:
-            return replan(self.cfg, plan, micro_batch_size=plan.micro_batch_size // 2)
+            return replan(self.cfg, plan, micro_batch_size=plan.micro_batch_size // 2, lengths=self.lengths)
         if set(plan.recompute) != {"full"}:
-            return replan(self.cfg, plan, recompute=("full",) * len(plan.recompute))
+            return replan(self.cfg, plan, recompute=("full",) * len(plan.recompute), lengths=self.lengths)
         return None
 
     def _adopt(self, new, *, step: int, reason: str, **measured) -> str:

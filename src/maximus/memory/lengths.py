@@ -1,0 +1,78 @@
+"""The token lengths of the rows a run really trains on, for the planner.
+
+Tokenization happens before planning, so the planner need not assume that every row is
+``training.seq_len`` tokens long (``seq_len`` is the cap that truncates, rarely the length of
+unpacked rows). `RowLengths` holds, per optimizer step and rank, the lengths of the rows in the
+order the loader serves them (the trainer's seeded sampler: `maximus.train.order`), and answers
+the one question the planner asks: how large is the largest micro-batch the loader will really
+form with ``rows`` rows per micro-batch (`largest_micro_batch`)?
+
+A micro-batch is either padded to its longest row (``rows x longest`` tokens: `collate`) or, for
+unpacked SFT rows under padding-free attention, laid end to end unpadded (the sum of its rows:
+`maximus.data.flatten`); `flattened(rows, tokens)` says which, with the trainer's own rule.
+A preference pair (DPO) or a contrastive pair counts as one row of its longer side (both sides
+are padded to one length); a GRPO rollout row is its prompt plus ``max_completion_tokens``.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Callable, Sequence
+
+__all__ = ["RowLengths", "MicroBatch"]
+
+
+@dataclass(frozen=True)
+class MicroBatch:
+    """One micro-batch as the loader forms it: ``rows`` rows, the ``longest`` of them (tokens),
+    and ``tokens``, the tokens the forward pass really holds (padding included)."""
+
+    rows: int
+    longest: int
+    tokens: int
+
+    @property
+    def row_tokens(self) -> int:
+        """Tokens per row the estimator is given for it (``tokens / rows``, rounded up): memory grows
+        with the micro-batch's tokens, so a padded or a flattened micro-batch is planned as that."""
+        return math.ceil(self.tokens / self.rows)
+
+
+@dataclass(frozen=True)
+class RowLengths:
+    """Row lengths (tokens) per optimizer step and rank, in the loader's order.
+
+    ``steps``: one tuple of row lengths per (optimizer step, rank), as the loader splits it into
+    micro-batches. ``cap``: ``training.seq_len``. ``flatten``: the trainer's rule ``(rows, tokens)
+    -> bool`` for a micro-batch going in unpadded (None: always padded). ``notes``: what the plan
+    should say about the data (rows cut to the cap)."""
+
+    steps: tuple[tuple[int, ...], ...]
+    cap: int
+    flatten: Callable[[int, int], bool] | None = None
+    notes: tuple[str, ...] = ()
+    _cache: dict = field(default_factory=dict, compare=False, repr=False)
+
+    @property
+    def longest(self) -> int:
+        """The longest row of the run (tokens)."""
+        return max((max(s) for s in self.steps if s), default=0)
+
+    def micro_batch_of(self, lengths: Sequence[int]) -> MicroBatch:
+        """The micro-batch of these rows as the loader forms it (padded, or flattened when the rule says so)."""
+        longest, total = max(lengths), sum(lengths)
+        flat = self.flatten is not None and self.flatten(len(lengths), total)
+        return MicroBatch(len(lengths), longest, total if flat else len(lengths) * longest)
+
+    def largest_micro_batch(self, rows: int) -> MicroBatch:
+        """The micro-batch with the most tokens over the whole run when each step's rows are cut
+        into micro-batches of ``rows`` rows in loader order (the trainer's split)."""
+        if rows not in self._cache:
+            worst = MicroBatch(rows, 1, rows)
+            for step in self.steps:
+                for i in range(0, len(step), rows):
+                    mb = self.micro_batch_of(step[i:i + rows])
+                    if mb.tokens > worst.tokens or (mb.tokens == worst.tokens and mb.longest > worst.longest):
+                        worst = mb
+            self._cache[rows] = worst
+        return self._cache[rows]
