@@ -141,3 +141,42 @@ def kernel_switch_runs(model_dir: Path, data: Path, out: Path, key: str) -> tupl
         losses[on] = [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()
                       if '"loss"' in line]
     return counts, losses
+
+
+#: Tiny config fields per Transformers model type, beyond the common ones (`build_family_model_dir`).
+FAMILY_FIELDS: dict[str, dict] = {
+    "llama": {}, "mistral": {}, "qwen2": {}, "qwen3": {"head_dim": 16}, "olmo2": {},
+    "gemma2": {"head_dim": 16, "query_pre_attn_scalar": 16, "final_logit_softcapping": 30.0,
+               "attn_logit_softcapping": 50.0, "sliding_window": 16},
+    "gemma3_text": {"head_dim": 16, "query_pre_attn_scalar": 16, "final_logit_softcapping": 30.0,
+                    "sliding_window": 16, "sliding_window_pattern": 2},
+    "phi3": {},
+    "granite": {"logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+                "attention_multiplier": 0.25},
+    "qwen3_moe": {"head_dim": 16, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+                  "decoder_sparse_step": 1, "router_aux_loss_coef": 0.01},
+    "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2, "router_aux_loss_coef": 0.01},
+    "gpt_oss": {"head_dim": 16, "num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 16,
+                "router_aux_loss_coef": 0.01},
+}
+
+
+def build_family_model_dir(path: Path, model_type: str, *, hidden: int = 64, layers: int = 2, seed: int = 0,
+                           tie: bool = False) -> Path:
+    """A random causal LM of any family in `FAMILY_FIELDS` (2 layers, hidden 64, 4/2 GQA heads) with
+    the byte-level BPE test tokenizer, saved like a hub checkpoint."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(None, vocab_size=300)
+    fields = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
+                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                  tie_word_embeddings=tie, **FAMILY_FIELDS[model_type])
+    config = AutoConfig.for_model(model_type, **fields)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(str(path), safe_serialization=True)
+    tok.save_pretrained(str(path))
+    return path

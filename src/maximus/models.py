@@ -14,6 +14,7 @@ import torch
 
 from maximus.config import Config
 from maximus.errors import ConfigError, ModelError
+from maximus.gguf_base import check_gguf, gguf_config, gguf_location, is_gguf, shared_tensor_name_maps
 from maximus.structure import causal_lm_of
 from maximus.memory.run_plan import bf16_supported, resolve_dtype  # noqa: F401 - the plan decides the dtype
 
@@ -40,6 +41,9 @@ def resolve_device(name: str = "auto") -> torch.device:
 
 def check_model_source(cfg: Config) -> None:
     """Fail fast, with a one-line ModelError, on a missing local model or pickle-only weights."""
+    if is_gguf(cfg.model):
+        check_gguf(cfg.model)
+        return
     path = Path(cfg.model).expanduser()
     looks_local = path.exists() or cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1
     if not looks_local:
@@ -62,7 +66,11 @@ def load_tokenizer(cfg: Config):
         check_model_source(cfg)
     source = cfg.tokenizer or cfg.model
     try:
-        tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+        if is_gguf(source):  # the vocabulary stored in the GGUF file itself
+            directory, name = gguf_location(source)
+            tok = AutoTokenizer.from_pretrained(directory, gguf_file=name, trust_remote_code=cfg.trust_remote_code)
+        else:
+            tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
         raise ModelError(f"cannot load tokenizer from {source}: {str(exc).splitlines()[0]}",
                          "set `tokenizer:` to a directory or hub id with a tokenizer") from None
@@ -82,14 +90,54 @@ def _quantization_config(dtype: torch.dtype):
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
 
 
+def base_model_config(cfg: Config):
+    """The Transformers config of `cfg.model` (a directory, a hub id or a GGUF file), no weights.
+
+    Raises ModelError when it cannot be read, or when it is not a causal LM (naming its class and
+    the nearest tested family, `maximus.families.check_causal_lm`)."""
+    from transformers import AutoConfig
+
+    from maximus.families import check_causal_lm
+
+    if is_gguf(cfg.model):
+        config = gguf_config(cfg.model, cfg.trust_remote_code)
+    else:
+        try:
+            config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
+        except OSError as exc:
+            raise ModelError(f"cannot load model {cfg.model}: {str(exc).splitlines()[0]}",
+                             "check the id or path; hub models need network access (or a local copy)") from None
+        except ValueError as exc:
+            first = str(exc).splitlines()[0]
+            hint = ("set trust_remote_code: true only if you trust its code" if "trust_remote_code" in str(exc)
+                    else "the model's config.json does not load with this Transformers version")
+            raise ModelError(f"cannot load model {cfg.model}: {first}", hint) from None
+    check_causal_lm(config, cfg.model)
+    return config
+
+
 def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, method: str | None = None):
     """The plain Transformers model: full precision master weights for full fine-tuning, the compute
-    dtype for a frozen LoRA base, NF4 for QLoRA."""
+    dtype for a frozen LoRA base, NF4 for QLoRA.
+
+    `model:` may be a GGUF file: Transformers dequantizes its weights to `dtype` (`maximus.gguf_base`).
+    Attention is SDPA where the class has it, else the class's own (with a notice,
+    `maximus.families.attention_implementation`)."""
+    import sys
+
     from transformers import AutoModelForCausalLM
+
+    from maximus.families import attention_implementation
 
     method = method or cfg.method
     check_model_source(cfg)
-    kwargs: dict = dict(trust_remote_code=cfg.trust_remote_code, use_safetensors=None if cfg.allow_pickle else True)
+    config = base_model_config(cfg)
+    kwargs: dict = dict(trust_remote_code=cfg.trust_remote_code)
+    source = cfg.model
+    if is_gguf(cfg.model):
+        source, kwargs["gguf_file"] = gguf_location(cfg.model)
+    else:
+        kwargs["use_safetensors"] = None if cfg.allow_pickle else True
     if method == "full":
         # Master weights in fp32 when training in reduced precision: bf16 updates lose small steps.
         kwargs["dtype"] = torch.float32
@@ -99,20 +147,53 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
         kwargs["device_map"] = {"": device}
     else:
         kwargs["dtype"] = dtype
-    kwargs.setdefault("attn_implementation", "sdpa")
+    attention, notice = attention_implementation(config)
+    if notice:
+        print(notice, file=sys.stderr)
+    kwargs.setdefault("attn_implementation", attention)
     try:
-        model = AutoModelForCausalLM.from_pretrained(cfg.model, **kwargs)
+        if "gguf_file" in kwargs and "quantization_config" in kwargs:
+            model = _gguf_as_nf4(source, kwargs)
+        elif "gguf_file" in kwargs:
+            with shared_tensor_name_maps():
+                model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
     except OSError as exc:
         first = str(exc).splitlines()[0]
         raise ModelError(f"cannot load model {cfg.model}: {first}",
                          "check the id or path; hub models need network access (or a local copy)") from None
     except ValueError as exc:
-        raise ModelError(f"cannot load model {cfg.model}: {str(exc).splitlines()[0]}",
-                         "is it a causal language model? set trust_remote_code: true only if you trust its code") from None
+        hint = ("set trust_remote_code: true only if you trust its code" if "trust_remote_code" in str(exc)
+                else "Transformers refused the model's files; check that they match its config.json")
+        raise ModelError(f"cannot load model {cfg.model}: {str(exc).splitlines()[0]}", hint) from None
     if method != "qlora":
         model.to(device)
     model.config.use_cache = False
     return model
+
+
+def _gguf_as_nf4(directory: str, kwargs: dict):
+    """QLoRA on a GGUF base. Transformers does not quantize while it dequantizes a GGUF file, so
+    the dequantized model is written once to a temporary safetensors directory (as large as the
+    model at the compute dtype) and loaded from there in NF4; the directory is removed after."""
+    import tempfile
+
+    from transformers import AutoModelForCausalLM
+
+    dense = {k: v for k, v in kwargs.items() if k not in ("quantization_config", "device_map")}
+    with shared_tensor_name_maps():
+        model = AutoModelForCausalLM.from_pretrained(directory, **dense)
+    with tempfile.TemporaryDirectory(prefix="maximus-gguf-") as tmp:
+        # Transformers' GGUF marks: the weights are plain dense tensors now.
+        model.hf_quantizer = None
+        for config in (model.config, getattr(model.config, "text_config", None)):
+            if config is not None and hasattr(config, "quantization_config"):
+                del config.quantization_config
+        model.save_pretrained(tmp, safe_serialization=True)
+        del model
+        nf4 = {k: v for k, v in kwargs.items() if k != "gguf_file"}
+        return AutoModelForCausalLM.from_pretrained(tmp, use_safetensors=True, **nf4)
 
 
 #: `lora.*` keys that fix an adapter's shape, and the LoraConfig field each one is saved as.

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any, Literal, Sequence
 
 from maximus.errors import ConfigError, ModelError
+from maximus.gguf_base import gguf_config, is_gguf
 
 Method = Literal["full", "lora", "qlora"]
 Attention = Literal["sdpa", "kronecker"]
@@ -187,6 +188,8 @@ def load_model_config(model: str | Path | dict | Any) -> Any:
     text = str(model)
     if text in KNOWN_SHAPES:
         return dict(KNOWN_SHAPES[text])
+    if is_gguf(text):  # the shape is in the file's metadata; weights count dequantized, at the run's dtype
+        return gguf_config(text)
     path = Path(text).expanduser()
     if path.is_file():
         try:

