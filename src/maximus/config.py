@@ -264,6 +264,7 @@ class TrainingConfig(_Section):
 
     batch_size: int = Field(8, ge=1, description="Effective batch in sequences per optimizer step (micro_batch_size x gradient accumulation x world size).")
     micro_batch_size: Union[Literal["auto"], int] = Field("auto", description="Sequences per forward pass; `auto` lets the planner choose (the fastest that fits the budget, or without one the free memory).")
+    micro_batch_tokens: Union[Literal["auto"], int, None] = Field(None, description="Split each optimizer step's rows into micro-batches by a token budget instead of a row count (longest rows first, a micro-batch holds rows while rows x its longest row fit), so a few long rows do not set the peak for all the others; `auto` lets the planner pick the budget from the data's lengths; null = micro_batch_size rows per micro-batch. Not for objective grpo. See docs/planner.md.")
     epochs: float = Field(1, gt=0, description="Passes over the training data (fractions allowed).")
     max_steps: int | None = Field(None, ge=1, description="Stop after this many optimizer steps (overrides epochs).")
     learning_rate: float = Field(2e-4, gt=0, description="Peak learning rate.")
@@ -285,7 +286,7 @@ class TrainingConfig(_Section):
     distributed: Literal["auto", "ddp", "fsdp"] = Field("auto", description="Under torchrun: FSDP2 when the model does not fit one device, else DDP.")
     log_every: int = Field(1, ge=1, description="Print/log every N optimizer steps (metrics.jsonl always gets every step).")
 
-    @field_validator("micro_batch_size")
+    @field_validator("micro_batch_size", "micro_batch_tokens")
     @classmethod
     def _positive_micro(cls, v):
         if isinstance(v, int) and v < 1:

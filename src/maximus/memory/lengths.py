@@ -19,7 +19,7 @@ import math
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
-__all__ = ["RowLengths", "MicroBatch"]
+__all__ = ["RowLengths", "MicroBatch", "TokenSplit", "split_by_tokens"]
 
 
 @dataclass(frozen=True)
@@ -36,6 +36,32 @@ class MicroBatch:
         """Tokens per row the estimator is given for it (``tokens / rows``, rounded up): memory grows
         with the micro-batch's tokens, so a padded or a flattened micro-batch is planned as that."""
         return math.ceil(self.tokens / self.rows)
+
+
+def split_by_tokens(lengths: Sequence[int], budget: int) -> list[list[int]]:
+    """Indices of one step's rows in micro-batches of at most ``budget`` padded tokens: the rows
+    longest first (ties: loader order), each micro-batch taking rows while ``rows x its longest
+    row`` fits (a row longer than the budget alone). The step's loss is a sum over its rows
+    divided by the step's units, so any split gives the same loss and gradients."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    groups: list[list[int]] = []
+    for i in order:
+        if groups and (len(groups[-1]) + 1) * lengths[groups[-1][0]] <= budget:
+            groups[-1].append(i)
+        else:
+            groups.append([i])
+    return groups
+
+
+@dataclass(frozen=True)
+class TokenSplit:
+    """What splitting every step by a token budget gives over the run: the micro-batch with the
+    most tokens (``largest``), the most rows one micro-batch holds, the most micro-batches one
+    step has."""
+
+    largest: MicroBatch
+    rows: int
+    micro_batches: int
 
 
 @dataclass(frozen=True)
@@ -76,3 +102,19 @@ class RowLengths:
                         worst = mb
             self._cache[rows] = worst
         return self._cache[rows]
+
+    def token_split(self, budget: int) -> TokenSplit:
+        """`TokenSplit` of the run when each step's rows are split by `split_by_tokens(budget)`."""
+        key = ("tokens", budget)
+        if key not in self._cache:
+            worst, rows, count = MicroBatch(1, 1, 1), 1, 1
+            for step in self.steps:
+                groups = split_by_tokens(step, budget)
+                count = max(count, len(groups))
+                for g in groups:
+                    mb = self.micro_batch_of([step[i] for i in g])
+                    rows = max(rows, mb.rows)
+                    if mb.tokens > worst.tokens or (mb.tokens == worst.tokens and mb.longest > worst.longest):
+                        worst = mb
+            self._cache[key] = TokenSplit(worst, rows, count)
+        return self._cache[key]

@@ -110,6 +110,12 @@ class Plan:
     #: was given (``micro_batch_tokens_max / micro_batch_size``, rounded up).
     rows_tokens_max: int | None = None
     micro_batch_tokens_max: int | None = None
+    #: Token-budget micro-batches (``training.micro_batch_tokens``): each step's ``rows_per_step``
+    #: rows (per rank) are split by `maximus.memory.lengths.split_by_tokens` into micro-batches of
+    #: at most this many padded tokens; ``micro_batch_size`` is then the most rows one holds and
+    #: ``grad_accum`` the most micro-batches one step has. None: ``micro_batch_size`` rows each.
+    micro_batch_tokens: int | None = None
+    rows_per_step: int | None = None
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", tuple(self.recompute))
@@ -124,6 +130,8 @@ class Plan:
     @property
     def effective_batch(self) -> int:
         """Sequences per optimizer step over all ranks."""
+        if self.micro_batch_tokens:
+            return self.rows_per_step * self.world_size
         return self.micro_batch_size * self.grad_accum * self.world_size
 
     @property
@@ -184,8 +192,10 @@ class Plan:
         rows = [
             ("method", self.method + (f" (r={self.lora_r})" if self.method != "full" and self.lora_r else "")),
             ("objective", self.objective),
-            ("batch", f"{self.micro_batch_size} x {self.grad_accum} accumulation x {ranks}"
-                      f" = {self.effective_batch} sequences of " + (f"{self.seq_len} tokens" if self.rows_tokens_max is None
+            ("batch", (f"micro-batches of up to {self.micro_batch_tokens} tokens (up to {self.micro_batch_size} rows, "
+                       f"{self.grad_accum} per step) x {ranks}" if self.micro_batch_tokens else
+                       f"{self.micro_batch_size} x {self.grad_accum} accumulation x {ranks}")
+                      + f" = {self.effective_batch} sequences of " + (f"{self.seq_len} tokens" if self.rows_tokens_max is None
                       else f"up to {self.rows_tokens_max} tokens (the data's longest row)")),
             ("distributed", self.strategy),
             ("checkpointing", self.checkpointing_label + (f", MLP in tiles of {self.tile_tokens} tokens"

@@ -120,7 +120,8 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                     margin: float = DEFAULT_MARGIN, device: str = "cuda", sharded: bool | None = None,
                     free_memory: bool = False, tile_tokens: int | str | None = "auto", lean_lora: bool = True,
                     name_longest: bool = True, host_budget_bytes: int | None = None,
-                    lengths: RowLengths | None = None, **techniques: Any) -> Plan:
+                    lengths: RowLengths | None = None, micro_batch_tokens: int | str | None = None,
+                    **techniques: Any) -> Plan:
     """The fastest plan whose predicted peak is at most ``budget_bytes * (1 - margin)``.
 
     Fixed settings (an int micro-batch, ``gradient_checkpointing: full``, ``offload_*: on/off``,
@@ -143,6 +144,11 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     size is planned for the largest micro-batch the loader forms with it (its tokens, padding
     included), ``seq_len`` staying the cap; None plans every row at ``seq_len`` tokens.
 
+    ``micro_batch_tokens`` (needs ``lengths``): split each step's rows into micro-batches by a
+    token budget (`maximus.memory.lengths.split_by_tokens`) instead of a row count: an int is
+    that budget, ``auto`` searches budgets from the longest row up to the whole step (doubling);
+    each is planned for its largest micro-batch and for the most micro-batches a step has.
+
     ``host_budget_bytes``: the host memory offloading may fill (`plan_run` passes the available RAM when
     it plans for a real GPU of this machine); a plan
     whose offloaded state (`Estimate.host_bytes`) needs more is not chosen. None: not checked.
@@ -155,7 +161,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
         BudgetError: nothing fits (and not ``free_memory``); the message names the smallest
             budget that would work.
         ConfigError: the batch cannot be split evenly over the ranks, or a setting is unknown
-            (a tile_tokens below 1).
+            (a tile_tokens below 1); ``micro_batch_tokens`` below the longest row (named).
     """
     allow = DEFAULT_ALLOW if allow is None else frozenset(allow)
     if isinstance(tile_tokens, bool) or (isinstance(tile_tokens, int) and tile_tokens < 1) or (
@@ -173,7 +179,10 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     # `auto` chooses between the adapter methods (the product's promise: LoRA or QLoRA, an adapter per
     # task); full fine-tuning only when asked. On a tiny model full would rank fastest by a hair.
     methods = ["qlora", "lora"] if method == "auto" else [method]
-    if isinstance(micro_batch_size, int):
+    token_budgets = _token_budgets(micro_batch_tokens, lengths, per_rank)
+    if token_budgets:
+        micro_batches = token_budgets  # searched like micro-batch sizes: one key per budget
+    elif isinstance(micro_batch_size, int):
         if per_rank % micro_batch_size:
             raise ConfigError(f"training.micro_batch_size {micro_batch_size} does not divide the per-rank batch {per_rank}",
                               "pick a divisor of batch_size / world size, or auto")
@@ -193,8 +202,18 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     b = DTYPE_BYTES[dtype]
 
     def seq_for(mb: int) -> int:
-        """Tokens per row the estimate of micro-batch size `mb` assumes."""
+        """Tokens per row the estimate of micro-batch key `mb` (rows, or a token budget) assumes."""
+        if token_budgets:
+            return lengths.token_split(mb).largest.row_tokens
         return lengths.largest_micro_batch(mb).row_tokens if lengths is not None else seq_len
+
+    def rows_for(mb: int) -> int:
+        """Rows of the largest micro-batch of key `mb`."""
+        return lengths.token_split(mb).largest.rows if token_budgets else mb
+
+    def accum_for(mb: int) -> int:
+        """Micro-batches per step (the most of any step) for key `mb`."""
+        return lengths.token_split(mb).micro_batches if token_budgets else per_rank // mb
 
     def chunks_for(mb: int, method: str) -> list[int | None]:
         if loss_mode == "naive":
@@ -205,7 +224,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
             return [loss_chunk_size if isinstance(loss_chunk_size, int) else None]
         if isinstance(loss_chunk_size, int):
             return [loss_chunk_size]
-        tokens = mb * seq_for(mb)
+        tokens = rows_for(mb) * seq_for(mb)
         # Full fine-tuning trains the head: its chunks have a larger floor (the loss's own default).
         default = default_loss_chunk(tokens, shape.vocab_size, b, trainable_head=method == "full")
         if "loss_chunk" not in allow:
@@ -218,14 +237,32 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
             return [tile_tokens]
         if tile_tokens != "auto" or "tile_tokens" not in allow:
             return [None]
-        return [None] + [t for t in TILE_CHOICES if t < mb * seq_for(mb)]
+        return [None] + [t for t in TILE_CHOICES if t < rows_for(mb) * seq_for(mb)]
 
     usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
     common = dict(dtype=dtype, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
                   device=device, sharded=sharded, lean_lora=lean_lora, **techniques)
 
     def est(kw: dict, mb: int) -> Estimate:
-        return estimate_peak(shape, grad_accum=per_rank // mb, seq_len=seq_for(mb), **common, **kw)
+        return estimate_peak(shape, grad_accum=accum_for(mb), seq_len=seq_for(mb), **common,
+                             **dict(kw, micro_batch=rows_for(mb)))
+
+    def as_plan(kw: dict, e: Estimate) -> Plan:
+        key = kw["micro_batch"]
+        plan = _to_plan(dict(kw, micro_batch=rows_for(key)), e, shape, budget_bytes, margin, per_rank, world_size,
+                        seq_for(key), dtype, lora_r, device)
+        if token_budgets:
+            split = lengths.token_split(key)
+            notes = (f"micro-batches of up to {key:,} tokens (up to {split.rows} rows, up to {split.micro_batches} per "
+                     f"step) keep the effective batch of {per_rank * world_size}",) + plan.notes[1:]
+            plan = replace(plan, grad_accum=split.micro_batches, micro_batch_tokens=key, rows_per_step=per_rank,
+                           notes=notes)
+        return _with_lengths(plan, lengths)
+
+    def describe(kw: dict) -> str:
+        key = kw["micro_batch"]
+        text = _describe(dict(kw, micro_batch=rows_for(key)), seq_for(key), shape.num_layers)
+        return text + (f", micro-batches of up to {key:,} tokens" if token_budgets else "")
 
     best: tuple[float, int, dict, Estimate] | None = None
     smallest: tuple[int, dict, Estimate] | None = None
@@ -255,19 +292,16 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
                           "free host RAM, lower training.seq_len, or raise target_vram so less is offloaded")
     if best is None and free_memory:
         _, kw, e = smallest
-        plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_for(kw["micro_batch"]), dtype,
-                        lora_r, device)
-        plan = _with_lengths(plan, lengths)
+        plan = as_plan(kw, e)
         return replace(plan, notes=plan.notes + (f"no plan fits the {format_bytes(budget_bytes)} of free memory; "
-                                                 f"running the smallest "
-                                                 f"({_describe(kw, seq_for(kw['micro_batch']), shape.num_layers)})",))
+                                                 f"running the smallest ({describe(kw)})",))
     if best is None:
         needed = math.ceil(smallest[0] / (1 - margin))
         hint = "raise target_vram, lower training.seq_len, or use method: qlora"
         if "qlora" in methods:
             hint = "raise target_vram or lower training.seq_len"
         longest = ""
-        if name_longest and world_size == 1 and budget_bytes is not None:
+        if name_longest and world_size == 1 and budget_bytes is not None and not token_budgets:
             mb = min(micro_batches)
             n = max_seq_len_for_budget(
                 shape, budget_bytes, method=method, micro_batch=mb, dtype=dtype, optimizer=optimizer, lora_r=lora_r,
@@ -283,13 +317,10 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
             host = (f"; plans that offload more would fit but need {format_bytes(host_short.host_bytes)} of host "
                     f"memory, {format_bytes(host_budget_bytes)} available")
         raise BudgetError(f"nothing fits in {format_bytes(budget_bytes)}: the smallest plan needs "
-                          f"{format_bytes(needed)} ({_describe(smallest[1], seq_for(smallest[1]['micro_batch']), shape.num_layers)})"
-                          f"{longest}{host}",
+                          f"{format_bytes(needed)} ({describe(smallest[1])}){longest}{host}",
                           hint)
     _, _, kw, e = best
-    plan = _to_plan(kw, e, shape, budget_bytes, margin, per_rank, world_size, seq_for(kw["micro_batch"]), dtype, lora_r,
-                    device)
-    plan = _with_lengths(plan, lengths)
+    plan = as_plan(kw, e)
     if host_budget_bytes is not None:
         plan = replace(plan, host_budget_bytes=host_budget_bytes)
     if free_memory:
@@ -302,12 +333,33 @@ def _with_lengths(plan: Plan, lengths: RowLengths | None) -> Plan:
     the data's notes; unchanged when planned at seq_len."""
     if lengths is None:
         return plan
-    mb = lengths.largest_micro_batch(plan.micro_batch_size)
+    mb = (lengths.token_split(plan.micro_batch_tokens).largest if plan.micro_batch_tokens
+          else lengths.largest_micro_batch(plan.micro_batch_size))
     note = (f"planned for the data's rows: the longest has {lengths.longest:,} tokens (training.seq_len "
             f"{lengths.cap:,} is the cap), the largest micro-batch {mb.tokens:,} tokens ({mb.rows} rows"
             + (", unpadded)" if mb.tokens < mb.rows * mb.longest else f" of {mb.longest:,})"))
     return replace(plan, rows_tokens_max=lengths.longest, micro_batch_tokens_max=mb.tokens,
                    notes=plan.notes + (note,) + lengths.notes)
+
+
+def _token_budgets(micro_batch_tokens: int | str | None, lengths: RowLengths | None, per_rank: int) -> list[int]:
+    """The token budgets to search for ``training.micro_batch_tokens`` (empty: row-count micro-batches)."""
+    if micro_batch_tokens is None:
+        return []
+    if lengths is None:
+        raise ConfigError("training.micro_batch_tokens needs the data's row lengths, which were not read",
+                          "make the dataset and the tokenizer readable here, or set micro_batch_tokens: null")
+    longest = lengths.longest
+    if isinstance(micro_batch_tokens, int):
+        if micro_batch_tokens < longest:
+            raise ConfigError(f"training.micro_batch_tokens {micro_batch_tokens} is below the longest training row "
+                              f"({longest} tokens)", f"set micro_batch_tokens to at least {longest}, or auto")
+        return [micro_batch_tokens]
+    budgets, budget = [], longest
+    while budget < per_rank * longest:
+        budgets.append(budget)
+        budget *= 2
+    return budgets + [per_rank * longest]
 
 
 def _switch(value: str | bool, allowed: bool) -> list[bool]:

@@ -55,6 +55,9 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
             be read as a decoder the estimator knows.
     """
     opt, t = cfg.optimization, cfg.training
+    if t.micro_batch_tokens is not None and cfg.objective == "grpo":
+        raise ConfigError("training.micro_batch_tokens does not apply to objective grpo (its micro-batches are "
+                          "completions of one length bound)", "set training.micro_batch_size instead")
     device_type = str(getattr(device, "type", device)).split(":")[0]
     free_memory = budget_bytes == "config" and opt.target_vram is None
     if budget_bytes == "config":
@@ -77,6 +80,9 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
         # No memory to fit: the run as configured (the planner only fills in what is auto).
         kwargs.update(allow=DEFAULT_ALLOW - {"micro_batch", "offload_activations", "offload_optimizer"})
     plan, notes = _plan_with_strategy(cfg, kwargs, budget_bytes, shape, world_size, device, free_memory)
+    if plan.micro_batch_tokens and plan.strategy == "fsdp":  # FSDP2's collectives need as many micro-batches per rank
+        raise ConfigError("training.micro_batch_tokens does not work with FSDP2 (ranks would run different numbers "
+                          "of micro-batches)", "set training.distributed: ddp, or micro_batch_tokens: null")
     plan = replace(plan, budget_bytes=None if free_memory else plan.budget_bytes,
                    free_memory_bytes=budget_bytes if free_memory else None, **_from_config(cfg),
                    notes=plan.notes + tuple(notes))
@@ -122,6 +128,8 @@ def _unplanned(cfg: Config, device_type: str, world_size: int, dtype: str) -> Pl
                 world_size=world_size, dtype=dtype, lora_r=cfg.lora.r if method != "full" else None,
                 device=device_type, strategy=strategy, **_from_config(cfg),
                 tile_tokens=opt.tile_tokens if isinstance(opt.tile_tokens, int) else None,
+                micro_batch_tokens=t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else None,
+                rows_per_step=per_rank,
                 notes=("the estimator cannot read this architecture's config.json: no prediction, the configured "
                        "settings run as they are",))
 
@@ -165,7 +173,11 @@ def replan(cfg: Config, plan: Plan, lengths: RowLengths | None = None, **changes
     if "micro_batch_size" in changes and "grad_accum" not in changes:
         per_rank = plan.micro_batch_size * plan.grad_accum
         new = replace(new, grad_accum=max(1, per_rank // new.micro_batch_size))
-    if lengths is not None and "micro_batch_size" in changes:
+    if lengths is not None and new.micro_batch_tokens and "micro_batch_tokens" in changes:
+        split = lengths.token_split(new.micro_batch_tokens)
+        new = replace(new, micro_batch_size=split.rows, grad_accum=split.micro_batches,
+                      seq_len=split.largest.row_tokens, micro_batch_tokens_max=split.largest.tokens)
+    elif lengths is not None and "micro_batch_size" in changes:
         largest = lengths.largest_micro_batch(new.micro_batch_size)
         new = replace(new, seq_len=largest.row_tokens, micro_batch_tokens_max=largest.tokens)
     if new.peak_bytes is None:  # an unplanned run stays unpredicted
@@ -198,7 +210,8 @@ def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, wo
                 loss_mode=opt.loss_mode, loss_chunk_size=opt.loss_chunk_size,
                 offload_activations=opt.offload.activations, offload_optimizer=opt.offload.optimizer,
                 device=device_type, tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
-                host_budget_bytes=_host_for_offload(device_type), lengths=lengths, **_technique_kwargs(cfg))
+                host_budget_bytes=_host_for_offload(device_type), lengths=lengths,
+                micro_batch_tokens=t.micro_batch_tokens, **_technique_kwargs(cfg))
 
 
 #: Share of the available host RAM that offloaded state may fill (the rest: the process itself,

@@ -47,7 +47,8 @@ from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
 from maximus.train.lock import RunLock
 from maximus.train.objectives import ObjectiveModule, build_objective
-from maximus.train.order import RowOrder, run_lengths, run_steps
+from maximus.memory.lengths import split_by_tokens
+from maximus.train.order import RowOrder, row_length, run_lengths, run_steps
 from maximus.train.progress import MetricsLog, ProgressDisplay, plot_loss
 from maximus.train.sinks import open_sinks
 
@@ -202,8 +203,12 @@ class Trainer:
         batches = obj.step_batches(self, step)  # GRPO samples its own
         if batches is None:
             rows = self.rows_for_step(step)
-            micro = self.plan.micro_batch_size
-            chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
+            if self.plan.micro_batch_tokens:  # by a token budget, longest rows first (same loss: sums / units)
+                groups = split_by_tokens([row_length(r) for r in rows], self.plan.micro_batch_tokens)
+                chunks = [[rows[i] for i in g] for g in groups]
+            else:
+                micro = self.plan.micro_batch_size
+                chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
             batches = [flatten(c) if self._flatten(c) else collate(c, self.tokenizer.pad_token_id) for c in chunks]
         units = self.dist.all_reduce_int(sum(obj.count(b) for b in batches))
         tokens = sum(obj.tokens(b) for b in batches)
@@ -281,7 +286,10 @@ class Trainer:
         """The next cheaper plan, or None: halve the micro-batch (the accumulation doubles), then
         recompute every layer."""
         plan = self.plan
-        if plan.micro_batch_size > 1:
+        if plan.micro_batch_tokens and plan.micro_batch_tokens > self.lengths.longest:
+            return replan(self.cfg, plan, micro_batch_tokens=max(self.lengths.longest, plan.micro_batch_tokens // 2),
+                          lengths=self.lengths)
+        if plan.micro_batch_size > 1 and not plan.micro_batch_tokens:
             return replan(self.cfg, plan, micro_batch_size=plan.micro_batch_size // 2, lengths=self.lengths)
         if set(plan.recompute) != {"full"}:
             return replan(self.cfg, plan, recompute=("full",) * len(plan.recompute), lengths=self.lengths)
@@ -581,6 +589,7 @@ def _plan_change(old, new) -> str:
     """What differs between two plans, e.g. ``micro-batch 4 -> 2, checkpointing none -> full``."""
     parts = []
     for label, a, b in (("micro-batch", old.micro_batch_size, new.micro_batch_size),
+                        ("micro-batch tokens", old.micro_batch_tokens, new.micro_batch_tokens),
                         ("checkpointing", old.checkpointing_label, new.checkpointing_label),
                         ("activation offload", old.offload_activations, new.offload_activations),
                         ("loss chunk", old.loss_chunk_size, new.loss_chunk_size)):
