@@ -1,10 +1,13 @@
 """`maximus plan`: predict a run's peak memory and name the cheapest GPU that fits it.
 
-    maximus plan --config FILE
+    maximus plan --config FILE [--measure]
     maximus plan --model ID_OR_DIR --method qlora --seq 2048 --batch 2 [--budget 16GB] [--json]
 
-Only config.json is read (a local directory, a config.json path, a hub id from
+With ``--model`` only config.json is read (a local directory, a config.json path, a hub id from
 `maximus.memory.estimate.KNOWN_SHAPES`, or the local Hugging Face cache): no weights, no network.
+With ``--config`` the tokenizer and the data are read too, when they can be (the plan is for the
+rows the data has); ``--measure`` also trains a short probe of the run on this device (weights
+loaded) and sizes the cards from the estimator calibrated by it (`measure_report`).
 
 The "requested setting" is the run as asked: micro-batch = batch (no accumulation) unless
 ``--micro-batch`` says otherwise, full checkpointing unless ``--checkpointing`` says otherwise,
@@ -54,6 +57,12 @@ def _parser() -> ArgumentParser:
     p.add_argument("--checkpointing", choices=["off", "full", "selective", "auto"])
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    p.add_argument("--measure", action="store_true", help="with --config: run a few real optimizer steps at a small "
+                   "micro-batch on this device, calibrate the estimator with the measured peak, and size the cards "
+                   "from the calibrated estimate")
+    p.add_argument("--probe-steps", type=int, default=3, help="optimizer steps of the --measure probe (default 3)")
+    p.add_argument("--probe-micro-batch", type=int, default=1,
+                   help="rows per micro-batch of the --measure probe (default 1; two micro-batches per step)")
     return p
 
 
@@ -180,6 +189,90 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
     return report
 
 
+#: How the calibrated estimate did in our own tests (docs/benchmarks/planner.md, "Calibrated by a
+#: measured probe"): the largest error of its prediction for a 4x larger micro-batch.
+MEASURED_ACCURACY = ("in Maximus' own tests (docs/benchmarks/planner.md) the calibrated prediction for a 4x larger "
+                     "micro-batch was within {:.1%} of the measured peak")
+CALIBRATED_4X_WORST_ERROR = 0.05
+
+
+def measure_report(cfg: Config, lengths: RowLengths, *, world_size: int = 1, steps: int = 3,
+                   micro_batch: int = 1) -> dict[str, Any]:
+    """`maximus plan --measure`: the probe (`maximus.train.probe.run_probe`), the calibrated
+    prediction of the configured run on the probe's device, and per card the fastest plan whose
+    calibrated peak fits (`maximus.memory.calibration.fit_card`), with how far each extrapolates
+    from the probe (its largest micro-batch's tokens / the probe's)."""
+    from maximus.memory.calibration import fit_card
+    from maximus.memory.planner import DEFAULT_MARGIN
+    from maximus.train.probe import run_probe
+
+    cal = run_probe(cfg, steps=steps, micro_batch=micro_batch)
+    here = plan_run(cfg, device=cal.device, world_size=world_size, lengths=lengths)
+
+    def plan_for(budget: int) -> Plan | None:
+        try:
+            return plan_run(cfg, device="cuda", world_size=world_size, budget_bytes=budget, lengths=lengths)
+        except BudgetError:
+            return None
+
+    def tokens(plan: Plan) -> int:
+        return plan.micro_batch_tokens_max or plan.micro_batch_size * plan.seq_len
+
+    cards = []
+    for name, (memory, price) in GPU_CARDS.items():
+        plan = fit_card(memory, cal, plan_for, DEFAULT_MARGIN)
+        cards.append({"card": name, "memory_bytes": memory, "price_per_hour": price, "fits": plan is not None,
+                      "plan": plan.to_dict() if plan else None,
+                      "calibrated_peak_bytes": cal.peak(plan) if plan else None,
+                      "extrapolation": tokens(plan) / cal.probe_tokens if plan else None})
+    fitting = [c for c in cards if c["fits"]]
+    ratios = [c["extrapolation"] for c in fitting]
+    return {"probe": cal.to_dict(),
+            "here": {"device": cal.device, "plan": here.to_dict(), "calibrated_peak_bytes": cal.peak(here),
+                     "extrapolation": tokens(here) / cal.probe_tokens},
+            "cards": cards,
+            "cheapest_card": min(fitting, key=lambda c: (c["price_per_hour"], c["memory_bytes"]))["card"] if fitting
+            else None,
+            "extrapolation_range": [min(ratios), max(ratios)] if ratios else None,
+            "accuracy": MEASURED_ACCURACY.format(CALIBRATED_4X_WORST_ERROR)}
+
+
+def _print_measure(console, m: dict[str, Any]) -> None:
+    from rich.table import Table
+
+    p = m["probe"]
+    console.print(f"measured probe: {p['steps']} optimizer steps at micro-batch {p['probe_micro_batch']} on "
+                  f"{p['device']} (largest micro-batch {p['probe_tokens']:,} tokens): peak "
+                  f"{format_bytes(p['measured_peak_bytes'])} measured, {format_bytes(p['predicted_peak_bytes'])} "
+                  f"predicted ({p['probe_error']:+.1%}); resident {format_bytes(p['measured_static_bytes'])} measured / "
+                  f"{format_bytes(p['predicted_static_bytes'])} predicted (x{p['static_scale']:.3f}), the step's "
+                  f"growth x{p['dynamic_scale']:.3f}")
+    h = m["here"]
+    console.print(f"calibrated on {h['device']}: the run as configured (micro-batch {h['plan']['micro_batch_size']}, "
+                  f"{h['extrapolation']:.1f}x the probe's tokens) {format_bytes(h['calibrated_peak_bytes'])} "
+                  f"(uncalibrated estimate {format_bytes(h['plan']['peak_bytes'])})")
+    table = Table(title="calibrated plan per card (the probe's measured ratios applied to the estimate)")
+    for col in ("card", "memory", "plan", "estimate", "calibrated peak", "x probe tokens"):
+        table.add_column(col, justify="left" if col in ("card", "plan") else "right")
+    for c in m["cards"]:
+        q = c["plan"]
+        if q is None:
+            table.add_row(c["card"], format_bytes(c["memory_bytes"]), "does not fit", "-", "-", "-")
+            continue
+        batch = (f"micro-batches of {q['micro_batch_tokens']} tokens" if q.get("micro_batch_tokens")
+                 else f"mb {q['micro_batch_size']} x acc {q['grad_accum']}")
+        table.add_row(c["card"], format_bytes(c["memory_bytes"]),
+                      f"{q['method']} {batch}, ckpt {recompute_label(q['recompute'])}", format_bytes(q["peak_bytes"]),
+                      format_bytes(c["calibrated_peak_bytes"]), f"{c['extrapolation']:.1f}")
+    console.print(table)
+    if m["extrapolation_range"]:
+        lo, hi = m["extrapolation_range"]
+        console.print(f"extrapolation: the card plans run micro-batches of {lo:.1f}x to {hi:.1f}x the probe's tokens; "
+                      f"{m['accuracy']}; beyond about 4x, or on a device other than {m['probe']['device']}, treat "
+                      f"the calibrated figure as an estimate")
+    console.print(f"cheapest card that fits (calibrated): [bold]{m['cheapest_card'] or 'none'}[/bold]")
+
+
 def _print_tables(report: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
@@ -224,6 +317,8 @@ def _print_tables(report: dict[str, Any]) -> None:
             console.print(report["_budget"].table())
         else:
             console.print(f"budget {format_bytes(b['budget_bytes'])}: {b['why_not']}")
+    if "measure" in report:
+        _print_measure(console, report["measure"])
 
 
 def plan_json(argv: list[str]) -> dict[str, Any]:
@@ -235,8 +330,19 @@ def plan_json(argv: list[str]) -> dict[str, Any]:
 def _report(args: argparse.Namespace) -> dict[str, Any]:
     """`plan_report` of the command line: with ``--config``, planned for the rows its data has."""
     cfg = _config(args)
-    lengths, why = data_lengths(cfg, args.world_size) if args.config else (None, None)
+    if args.measure:
+        if not args.config:
+            raise ConfigError("maximus plan --measure needs --config (the probe trains the run it describes)",
+                              "e.g. maximus plan --measure --config run.yaml")
+        from maximus.train.order import read_lengths
+
+        lengths, why = read_lengths(cfg, world_size=args.world_size), None  # the probe needs the data anyway
+    else:
+        lengths, why = data_lengths(cfg, args.world_size) if args.config else (None, None)
     report = plan_report(cfg, world_size=args.world_size, lengths=lengths)
+    if args.measure:
+        report["measure"] = measure_report(cfg, lengths, world_size=args.world_size, steps=args.probe_steps,
+                                           micro_batch=args.probe_micro_batch)
     if why:
         report["notes"].append(why)
         report["data_note"] = why
