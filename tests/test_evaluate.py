@@ -1,4 +1,4 @@
-"""Evaluation details a user reads in run.json: exact match scores only documents with a prompt."""
+"""Evaluation details a user reads in run.json: task metrics score only examples with a prompt."""
 from __future__ import annotations
 
 import json
@@ -7,9 +7,8 @@ import pytest
 from tiny import one_thread, tiny_config, write_prompt_completion  # noqa: F401 (one_thread: a fixture)
 
 import maximus
-from maximus.config import DatasetSpec
-from maximus.data import build_datasets
-from maximus.evaluate import NO_PROMPT_NOTE, prompt_completion_pairs
+from maximus.data import build_run_datasets
+from maximus.evaluate.tasks import NO_PROMPT_NOTE, TaskEval
 from maximus.models import load_tokenizer
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -27,29 +26,39 @@ def _tokenizer(model_dir):
     return load_tokenizer(maximus.Config.from_dict({"model": str(model_dir), "dataset": "-"}))
 
 
+def _tasks(cfg: dict):
+    cfg = maximus.Config.from_dict(cfg)
+    tok = _tokenizer(cfg.model)
+    data = build_run_datasets(cfg, tok)
+    return TaskEval(cfg, tok, data), data, tok
+
+
 def test_plain_text_documents_have_no_prompt_to_score(tiny_llama, tmp_path):
-    tok = _tokenizer(tiny_llama)
-    data = build_datasets([DatasetSpec(path=str(_write_text(tmp_path / "t.jsonl")), format="text")], tok,
-                          seq_len=64, eval_split=0.5)
-    assert len(data.eval) > 0
-    # Packing takes each document's first token out of the loss; that is not a prompt.
-    assert prompt_completion_pairs(data.eval, 100) == []
+    data = _write_text(tmp_path / "t.jsonl")
+    tasks, splits, _ = _tasks(tiny_config(tiny_llama, data, tmp_path / "run", dataset={"path": str(data), "format": "text"},
+                                          eval={"metrics": ["exact_match"], "split": 0.5}))
+    assert len(splits.eval) > 0 and tasks.held_out == []
 
 
-def test_prompt_completion_pairs_are_the_documents_prompts(tiny_llama, tmp_path):
-    tok = _tokenizer(tiny_llama)
+def test_held_out_examples_are_the_held_out_documents_prompted_as_in_training(tiny_llama, tmp_path):
+    """Oracle: the pipeline's own held-out documents; each example's prompt ids + answer ids + EOS
+    are that document's tokens, as packed into the held-out rows."""
     path = write_prompt_completion(tmp_path / "pc.jsonl", n=16)
-    records = [json.loads(line) for line in path.read_text().splitlines()]
-    data = build_datasets([DatasetSpec(path=str(path), format="prompt_completion")], tok, seq_len=64, eval_split=0.0)
-    pairs = prompt_completion_pairs(data.train, 100)
-    expected = {(tuple(tok(r["prompt"], add_special_tokens=False).input_ids),
-                 tuple(tok(r["completion"], add_special_tokens=False).input_ids) + (tok.eos_token_id,)) for r in records}
-    assert len(pairs) == 16
-    assert {(tuple(p), tuple(c)) for p, c in pairs} == expected
-    assert len(prompt_completion_pairs(data.train, 5)) == 5
+    tasks, splits, tok = _tasks(tiny_config(tiny_llama, path, tmp_path / "run", eval={"metrics": ["exact_match"],
+                                                                                      "split": 0.25}))
+    records = {f"{path}:{i + 1}": json.loads(line) for i, line in enumerate(path.read_text().splitlines())}
+    assert [x.id for x in tasks.held_out] == splits.eval_where and len(splits.eval_where) == 4
+    documents = []
+    for row in splits.eval:
+        starts = [i for i, p in enumerate(row["position_ids"]) if p == 0] + [len(row["input_ids"])]
+        documents += [row["input_ids"][a:b] for a, b in zip(starts, starts[1:]) if b - a > 1]
+    for x in tasks.held_out:
+        assert (x.prompt, x.reference) == (records[x.id]["prompt"], records[x.id]["completion"])
+        ids = tasks.prompter.prompt_ids(x) + tok(x.reference, add_special_tokens=False).input_ids + [tok.eos_token_id]
+        assert ids in documents
 
 
-def test_exact_match_on_plain_text_is_null_with_a_note(tiny_llama, tmp_path, capsys):
+def test_metrics_on_plain_text_are_null_with_a_note(tiny_llama, tmp_path, capsys):
     data = _write_text(tmp_path / "t.jsonl")
     cfg = tiny_config(tiny_llama, data, tmp_path / "run", dataset={"path": str(data), "format": "text"},
                       eval={"exact_match": 4, "split": 0.25}, training={"max_steps": 1})
@@ -57,8 +66,8 @@ def test_exact_match_on_plain_text_is_null_with_a_note(tiny_llama, tmp_path, cap
     info = json.loads((tmp_path / "run" / "run.json").read_text())
     for when in ("before", "after"):
         assert info["eval"][when]["exact_match"] is None
-        assert info["eval"][when]["exact_match_note"] == NO_PROMPT_NOTE
-    assert f"held-out exact_match: none scored: {NO_PROMPT_NOTE}" in capsys.readouterr().out.splitlines()
+        assert info["eval"][when]["metrics_note"] == NO_PROMPT_NOTE
+    assert f"held-out metrics: none scored: {NO_PROMPT_NOTE}" in capsys.readouterr().out.splitlines()
 
 
 def _write_chat(path, n=24):

@@ -70,8 +70,11 @@ def _train(argv: list[str]) -> int:
 
 # ---------------------------------------------------------------------------------------- eval
 def _eval(argv: list[str]) -> int:
-    parser = ArgumentParser(prog="maximus eval", description="Exact held-out loss of a finished run vs its base.")
+    parser = ArgumentParser(prog="maximus eval", description="Score a finished run against its base model: exact "
+                            "held-out loss, the run's eval.metrics and prompting baseline (eval.few_shot), the verdict.")
     parser.add_argument("run_dir")
+    parser.add_argument("--dataset", metavar="FILE", action="append",
+                        help="held-out data to score on instead of the run's (repeatable; any form `dataset` takes)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--plot", metavar="PNG", help="also draw the run's loss (with these held-out points) and "
                         "memory (peak per step, budget, planner prediction) to this file")
@@ -79,42 +82,52 @@ def _eval(argv: list[str]) -> int:
     _quiet_libraries()
     import torch
 
-    from maximus.data import build_run_datasets
-    from maximus.evaluate import heldout_loss
+    from maximus.data import build_run_datasets, trains_on_chat
+    from maximus.evaluate import evaluate_sft
+    from maximus.evaluate.report import summary_lines, verdict
+    from maximus.evaluate.tasks import task_eval_for_run
     from maximus.export import load_tuned, run_config
 
-    cfg = run_config(Path(args.run_dir))
+    run_dir = Path(args.run_dir)
+    cfg = run_config(run_dir)
     if cfg.objective == "contrastive":
         raise ConfigError(f"maximus eval reports next-token loss, and {args.run_dir} trained a contrastive embedding model",
                           "its held-out recall before/after is in run.json under eval; embed texts with maximus embed")
-    model, tokenizer = load_tuned(Path(args.run_dir), dtype=torch.float32)
-    data = build_run_datasets(cfg, tokenizer, eval_split=cfg.eval.split, objective="sft")
-    kwargs = dict(pad_token_id=tokenizer.pad_token_id, device=torch.device("cpu"), dtype=torch.float32,
-                  max_batches=cfg.eval.max_batches)
-    after = heldout_loss(model, data.eval, **kwargs)
+    cfg.eval.enabled = True
+    if args.dataset:
+        cfg.eval.dataset = args.dataset
+    model, tokenizer = load_tuned(run_dir, dtype=torch.float32)
+    data = build_run_datasets(cfg, tokenizer, objective="sft")
+    tasks = task_eval_for_run(cfg, tokenizer, data)
+    kwargs = dict(cfg=cfg, tasks=tasks, device=torch.device("cpu"), dtype=torch.float32, batch_size=4,
+                  chat=trains_on_chat(data.stats))
+    after = evaluate_sft(model, tokenizer, data.eval, **kwargs)
     result = {"after": after}
     if hasattr(model, "disable_adapter"):
         with model.disable_adapter():
-            result["before"] = heldout_loss(model, data.eval, **kwargs)
-    summary = json.loads((Path(args.run_dir) / "run.json").read_text())
+            result["before"] = evaluate_sft(model, tokenizer, data.eval, **kwargs)
+            if tasks is not None and tasks.prompted:
+                result["prompted"] = tasks.score_prompted(model, device=torch.device("cpu"), dtype=torch.float32,
+                                                          batch_size=4)
+                result["verdict"] = verdict(after, result["prompted"], cfg.eval.task_metrics)
+    summary = json.loads((run_dir / "run.json").read_text())
     memory = summary.get("memory", {})
     result["memory"] = {"peak_bytes": memory.get("peak_bytes"), "budget_bytes": memory.get("budget_bytes"),
                         "predicted_peak_bytes": summary.get("plan", {}).get("peak_bytes")}
     if args.plot:
         from maximus.train.progress import plot_loss
 
-        plot_loss(Path(args.run_dir) / "metrics.jsonl", Path(args.plot), title=f"{Path(cfg.model).name} (maximus eval)",
-                  summary={**summary, "eval": {"before": result.get("before", {}), "after": after}})
+        plot_loss(run_dir / "metrics.jsonl", Path(args.plot), title=f"{Path(cfg.model).name} (maximus eval)",
+                  summary={**summary, "eval": {k: result[k] for k in ("before", "after", "prompted", "verdict")
+                                               if k in result}})
     if args.json:
         print(json.dumps(result))
     else:
         from maximus.config import format_bytes
 
-        before = result.get("before", {})
-        print(f"{'':<20}{'base':>12}{'tuned':>12}")
-        for key in ("loss", "perplexity"):
-            b = f"{before[key]:.4f}" if key in before else "-"
-            print(f"{'held-out ' + key:<20}{b:>12}{after[key]:>12.4f}")
+        for line in summary_lines(result.get("before", {}), after, result.get("prompted"), result.get("verdict"),
+                                  metrics=cfg.eval.task_metrics, prompts=cfg.eval.prompts):
+            print(line)
         m = result["memory"]
         print(f"training memory: peak {format_bytes(m['peak_bytes'])} measured, budget {format_bytes(m['budget_bytes'])}, "
               f"planner prediction {format_bytes(m['predicted_peak_bytes'])}")
@@ -221,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: maximus {" + ",".join(COMMANDS) + "} ...\n\n"
               "  train     fine-tune from a YAML config (same as maximus-train)\n"
               "  plan      predict peak memory and the cheapest GPU for a model and setting\n"
-              "  eval      exact held-out loss of a finished run against its base model\n"
+              "  eval      score a finished run against its base model (and prompting), on any file\n"
               "  export    a run as a merged Hugging Face model, its adapter, GGUF or Ollama\n"
               "  generate  generate text from a run or a model\n"
               "  embed     Matryoshka embeddings of texts to .npy\n"

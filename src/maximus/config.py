@@ -302,9 +302,54 @@ class EvalConfig(_Section):
     every: int | None = Field(None, ge=1, description="Also evaluate every N optimizer steps.")
     before: bool = Field(True, description="Evaluate the base model before training, for the before/after table.")
     max_batches: int | None = Field(None, ge=1, description="Cap on evaluation batches; null = the whole held-out split.")
-    exact_match: int = Field(0, ge=0, description="Score greedy exact match on up to N held-out documents with a prompt of at least 2 tokens (prompt/completion, alpaca, chat); 0 = off. With none (plain text), run.json has exact_match: null and exact_match_note.")
-    prompts: list[str] = Field(default_factory=list, description="Prompts to generate from before and after training.")
-    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt.")
+    exact_match: int = Field(0, ge=0, description="Shorthand: N > 0 adds `exact_match` to `eval.metrics` and scores it on up to N held-out examples (instead of `max_examples`); 0 = off. With no example that has a prompt (plain text), run.json has exact_match: null and exact_match_note.")
+    prompts: list[str] = Field(default_factory=list, description="Prompts to generate from before and after training (objectives sft, dpo and grpo).")
+    max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt, and at most per held-out example for `eval.metrics` (greedy, stopping at EOS).")
+    dataset: Union[str, DatasetSpec, list[Union[str, DatasetSpec]], None] = Field(None, description="Your own held-out data, in the same forms as `dataset` (a path, a mapping with `format`, or a list). When set, the training data is not split (`eval.split` is unused) and every held-out row comes from it; missing or empty after filtering is an error naming it, before training.")
+    metrics: list[str] = Field(default_factory=list, description="Task metrics of greedy completions (chat template for chat data, the format's prompt otherwise) against the held-out answers: `exact_match` (equal after stripping surrounding whitespace), `rouge_l` (ROUGE-L F1, `rouge-score`), `chrf` (chrF, `sacrebleu`, 0-100), or `module:function` / `path/file.py:function` called as f(predictions, references, **columns) -> float, each column a list with one value per example. A metric that raises is recorded as failed (eval.<when>.metrics_failed); training is kept. Objective sft only.")
+    max_examples: int = Field(50, ge=1, description="Held-out examples (those with a prompt and an answer) that `eval.metrics` generate for; the first N in the held-out order.")
+    few_shot: int = Field(0, ge=0, description="Prompting baseline: the base model also scored with K solved training examples in front of each held-out prompt (chat turns for chat data; the format's own prompt, blocks separated by a blank line, for prompt/completion and alpaca), same loss and metrics; run.json eval.prompted. The K are fixed by `training.seed` and never held-out rows; 0 = off. Objective sft only.")
+    system_prompt: str | None = Field(None, description="A system prompt for the prompting baseline (a system turn for chat data, text before the prompt otherwise); alone (few_shot: 0) it makes a zero-shot prompted baseline. Objective sft only.")
+
+    @field_validator("dataset")
+    @classmethod
+    def _dataset_specs(cls, v):
+        if v is None:
+            return None
+        items = v if isinstance(v, list) else [v]
+        if not items:
+            raise ValueError("the list is empty; leave eval.dataset out to hold out eval.split of the training data")
+        return [DatasetSpec(path=i) if isinstance(i, str) else i for i in items]
+
+    @field_validator("metrics")
+    @classmethod
+    def _known_metrics(cls, v):
+        for name in v:
+            if ":" not in name and name not in TASK_METRICS:
+                close = difflib.get_close_matches(name, TASK_METRICS, n=1, cutoff=0.5)
+                hint = f"did you mean '{close[0]}'?" if close else (
+                    f"built-in metrics: {', '.join(TASK_METRICS)}, or module:function for your own")
+                raise ConfigError(f"eval.metrics: unknown metric {name!r}", hint)
+        return v
+
+    @property
+    def task_metrics(self) -> list[str]:
+        """`metrics`, with `exact_match` added by the `exact_match: N` shorthand."""
+        return self.metrics + (["exact_match"] if self.exact_match and "exact_match" not in self.metrics else [])
+
+    @property
+    def task_examples(self) -> int:
+        """Held-out examples the task metrics generate for: `exact_match: N`, else `max_examples`."""
+        return self.exact_match or self.max_examples
+
+    @property
+    def prompted(self) -> bool:
+        """Whether the prompting baseline runs (`few_shot` or `system_prompt`)."""
+        return bool(self.few_shot or self.system_prompt)
+
+
+#: The built-in `eval.metrics` (`maximus.evaluate.metrics`).
+TASK_METRICS = ("exact_match", "rouge_l", "chrf")
 
 
 class DpoConfig(_Section):
@@ -380,6 +425,24 @@ class Config(_Section):
     contrastive: ContrastiveConfig = Field(default_factory=ContrastiveConfig, description="Embedding training settings.")
     grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="Reinforcement learning from rewards (GRPO) settings.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Extra logging sinks.")
+
+    @model_validator(mode="after")
+    def _eval_fits_objective(self):
+        """Evaluation keys that an objective cannot honour are refused by name, never ignored."""
+        e = self.eval
+        if self.objective == "sft":
+            return self
+        used = [k for k, on in (("eval.metrics", e.metrics), ("eval.exact_match", e.exact_match),
+                                ("eval.few_shot", e.few_shot), ("eval.system_prompt", e.system_prompt)) if on]
+        if self.objective == "contrastive" and e.prompts:
+            used.insert(0, "eval.prompts")
+        if used:
+            own = {"dpo": "its held-out rewards/accuracy and chosen-answer perplexity",
+                   "contrastive": "its held-out recall@k (embed texts with maximus embed)",
+                   "grpo": "its held-out greedy reward (the exact_answer reward for exact match)"}[self.objective]
+            raise ConfigError(f"{used[0]} does not apply to objective {self.objective}",
+                              f"remove it; objective {self.objective} reports {own}")
+        return self
 
     @model_validator(mode="after")
     def _normalise(self):

@@ -28,6 +28,7 @@ class Document:
 
     input_ids: list[int]
     labels: list[int]
+    where: str = ""  # the record it came from ("data.jsonl:12"), set by the pipeline
 
     def has_loss(self) -> bool:
         """Whether some token after the first one is in the loss (the first one is never predicted)."""

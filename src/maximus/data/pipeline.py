@@ -50,11 +50,17 @@ class DataSplits:
     truncated (documents or pairs cut to seq_len), dropped_rows (rows without loss tokens), fill
     (train tokens / (train rows x seq_len): how full rows are; padding makes up the rest),
     chat_template_fallback (the fallback chat template was installed on the tokenizer), sources
-    (per spec: path, format, records, skipped, documents)."""
+    (per spec: path, format, records, skipped, documents), eval_sources (the same for `eval.dataset`).
+
+    `train_where` / `eval_where`: the record (`data.jsonl:12`) of each training / held-out
+    document, in split order (SFT data; empty for the other objectives), so that evaluation can
+    go back to the records (`maximus.evaluate.tasks`)."""
 
     train: list[dict]
     eval: list[dict]
     stats: dict = field(default_factory=dict)
+    train_where: list[str] = field(default_factory=list)
+    eval_where: list[str] = field(default_factory=list)
 
 
 def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, train_on_inputs: bool = False,
@@ -126,7 +132,11 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
         raise DataError(f"dataset is empty after filtering: {paths}: no training row has a token in the loss "
                         f"({len(train_docs)} training documents)",
                         "check train_on_inputs, the format (is there a completion or assistant turn?) and seq_len")
-    return DataSplits(train, evaluation, stats)
+    return DataSplits(train, evaluation, stats, train_where=_where(train_docs), eval_where=_where(eval_docs))
+
+
+def _where(documents: list) -> list[str]:
+    return [d.where for d in documents if isinstance(d, Document)]
 
 
 def _eval_count(n_documents: int, eval_split: float) -> int:
@@ -192,6 +202,8 @@ def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -
         if document is None:
             stats["empty"] += 1
             continue
+        if isinstance(document, Document):
+            document.where = record.where
         documents.append(document)
     summary["documents"] = len(documents)
     return documents
@@ -265,9 +277,29 @@ def _contrastive_rows(pairs: list[dict], seq_len: int) -> tuple[list[dict], RowS
 def build_run_datasets(cfg, tokenizer, *, eval_split: float | None = None, objective: str | None = None) -> DataSplits:
     """`build_datasets` with every setting taken from a run's `maximus.config.Config`: the one place
     that maps config keys to the pipeline, for training and for `maximus eval` alike.
-    `eval_split` defaults to `eval.split` (0 when evaluation is off); `objective` to `cfg.objective`."""
+    `eval_split` defaults to `eval.split` (0 when evaluation is off); `objective` to `cfg.objective`.
+
+    With `eval.dataset` (and evaluation on) the training data is not split: every document trains,
+    and the held-out rows are `eval.dataset`'s, built the same way. An `eval.dataset` that is
+    missing or empty after filtering raises DataError naming it, before anything trains."""
+    settings = dict(seq_len=cfg.training.seq_len, packing=cfg.training.packing,
+                    train_on_inputs=cfg.training.train_on_inputs, seed=cfg.training.seed,
+                    objective=objective or cfg.objective)
+    held_out = cfg.eval.dataset if cfg.eval.enabled else None
     if eval_split is None:
-        eval_split = cfg.eval.split if cfg.eval.enabled else 0.0
-    return build_datasets(cfg.datasets, tokenizer, seq_len=cfg.training.seq_len, packing=cfg.training.packing,
-                          train_on_inputs=cfg.training.train_on_inputs, seed=cfg.training.seed,
-                          eval_split=eval_split, objective=objective or cfg.objective)
+        eval_split = cfg.eval.split if cfg.eval.enabled and not held_out else 0.0
+    if not held_out:
+        return build_datasets(cfg.datasets, tokenizer, eval_split=eval_split, **settings)
+    try:
+        evaluation = build_datasets(held_out, tokenizer, eval_split=0.0, **settings)
+    except DataError as exc:
+        paths = ", ".join(str(s.path) for s in held_out)
+        message = exc.message.replace("training row", "row").replace(" training documents", " documents")
+        raise DataError(f"eval.dataset: {message}" + ("" if paths in message else f" ({paths})"), exc.hint) from None
+    splits = build_datasets(cfg.datasets, tokenizer, eval_split=0.0, **settings)
+    e = evaluation.stats
+    splits.stats.update(eval_documents=e["documents"], eval_rows=e["rows"], eval_tokens=e["tokens"],
+                        eval_loss_tokens=e["loss_tokens"], eval_sources=e["sources"])
+    splits.stats["chat_template_fallback"] |= e["chat_template_fallback"]
+    return DataSplits(splits.train, evaluation.train, splits.stats, train_where=splits.train_where,
+                      eval_where=evaluation.train_where)

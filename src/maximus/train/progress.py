@@ -5,6 +5,7 @@ import json
 import math
 import os
 import sys
+import textwrap
 import time
 from pathlib import Path
 
@@ -75,10 +76,17 @@ def run_figure(rows: list[dict], summary: dict | None = None, title: str = ""):
         ax.plot(*zip(*train), label="train loss", linewidth=1.2)
     if evals:
         ax.plot(*zip(*evals), "o-", label="held-out loss (exact)")
+    prompted = summary.get("eval", {}).get("prompted") or {}
+    if prompted.get("loss") is not None:
+        from maximus.evaluate.report import column_label
+
+        ax.axhline(prompted["loss"], color="tab:purple", linestyle="--", linewidth=1.0,
+                   label=f"{column_label(prompted)} held-out loss {prompted['loss']:.2f}")
     ax.set_ylabel("cross-entropy (nats/token)")
     ax.set_title(title or "Maximus training loss")
     ax.grid(alpha=0.3)
-    ax.legend()
+    result = summary.get("eval", {}).get("verdict") or {}
+    ax.legend(title=textwrap.fill(result["text"], 60) if result.get("text") else None, title_fontsize="small")
 
     mib = 2 ** 20
     peaks = [(r["step"], r["peak_memory_bytes"] / mib) for r in rows if r.get("peak_memory_bytes")]

@@ -28,20 +28,17 @@ non-number.
 """
 from __future__ import annotations
 
-import importlib
-import importlib.util
 import math
 import re
-import sys
 import unicodedata
 from dataclasses import dataclass
 from functools import partial
-from pathlib import Path
 from typing import Callable
 
 import torch
 
 from maximus.errors import ConfigError, RewardError
+from maximus.user_code import load_function
 
 BUILTINS = ("exact_answer", "regex_format")
 SIGNATURE = "f(prompts, completions, completion_ids, **columns) -> one float or None per completion"
@@ -118,37 +115,11 @@ def _load_one(spec: str, g) -> RewardFunction:
             raise ConfigError(f"grpo.format_pattern is not a valid regular expression: {exc}",
                               "check the escaping (quote it in YAML)") from None
         return RewardFunction(spec, spec, partial(regex_format, pattern=g.format_pattern))
-    module_name, sep, attr = spec.rpartition(":")
-    if not sep or not module_name or not attr:
+    if ":" not in spec:
         raise ConfigError(f"grpo.rewards: {spec!r} is neither a built-in nor module:function",
                           f"use a built-in ({', '.join(BUILTINS)}), package.module:function or path/file.py:function")
-    module = _import(module_name, spec)
-    fn = getattr(module, attr, None)
-    if not callable(fn):
-        raise ConfigError(f"grpo.rewards: {module_name} has no function {attr!r}",
-                          f"define {attr}({SIGNATURE.split(' -> ')[0][2:-1]}) there, or fix the name")
-    return RewardFunction(attr, spec, fn)
-
-
-def _import(module_name: str, spec: str):
-    try:
-        if module_name.endswith(".py") or "/" in module_name:
-            path = Path(module_name)
-            if not path.is_file():
-                raise ConfigError(f"grpo.rewards: reward file not found: {path} (from {spec!r})",
-                                  "paths are relative to the working directory")
-            key = f"maximus_reward_{abs(hash(str(path.resolve())))}"
-            found = importlib.util.spec_from_file_location(key, path)
-            module = importlib.util.module_from_spec(found)
-            sys.modules[key] = module
-            found.loader.exec_module(module)
-            return module
-        return importlib.import_module(module_name)
-    except ConfigError:
-        raise
-    except Exception as exc:  # the user's module failed to import: say which and why, in one line
-        raise ConfigError(f"grpo.rewards: cannot import {module_name!r}: {type(exc).__name__}: {exc}",
-                          "check the module path (it must be importable, or a .py file path)") from None
+    name, fn = load_function(spec, "grpo.rewards", SIGNATURE.split(' -> ')[0][2:-1], noun="reward")
+    return RewardFunction(name, spec, fn)
 
 
 @dataclass

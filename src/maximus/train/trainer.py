@@ -93,6 +93,7 @@ class Trainer:
         # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
         self.tokenizer = load_tokenizer(cfg)
         self.data = self._load_data()
+        self.tasks = self._task_eval()  # eval.metrics / eval.few_shot: checked here, before the model loads
         self.total_steps = run_steps(cfg, len(self.data.train))
         self.order = RowOrder(len(self.data.train), cfg.training.batch_size, cfg.training.seed)
         # Tokenized before planning: the plan is for the rows the data really has.
@@ -130,6 +131,11 @@ class Trainer:
         from maximus.data import build_run_datasets
 
         return build_run_datasets(self.cfg, self.tokenizer)
+
+    def _task_eval(self):
+        from maximus.evaluate.tasks import task_eval_for_run
+
+        return task_eval_for_run(self.cfg, self.tokenizer, self.data)
 
     def _apply_checkpointing(self):
         """The plan's recompute modes (and MLP tiles) on the model. A plan the estimator could
@@ -323,7 +329,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
-        if not self.cfg.eval.enabled or not self.data.eval:
+        if not self.cfg.eval.enabled or not (self.data.eval or self.cfg.eval.prompts):
             return {}
         return self.objective.evaluate(self)
 
@@ -383,6 +389,9 @@ class Trainer:
                 sinks.eval("before", 0, state["eval_before"])
             if "loss" in state["eval_before"]:
                 out.message(f"base model: held-out loss {state['eval_before']['loss']:.4f}")
+        if start_step == 0 and self.tasks is not None and self.tasks.prompted:  # the base, before any step
+            state["eval_prompted"] = self.tasks.score_prompted(self.model, device=self.device, dtype=self.dtype,
+                                                               batch_size=self.plan.micro_batch_size)
         previous = self._install_signal_handlers()
         bad_in_row = state.get("bad_in_row", 0)
         skipped = state.get("skipped_steps", 0)
@@ -473,7 +482,7 @@ class Trainer:
                        "breakdown": self.meter.breakdown(self.model, self.optimizer)},
             "checkpointing": self.checkpointing.to_dict() if hasattr(self.checkpointing, "to_dict") else None,
             "data": self.data.stats,
-            "eval": {"before": state.get("eval_before", {}), "after": eval_after},
+            "eval": self._eval_summary(state, eval_after),
             "distributed": self.dist.describe(),
             "kernels": self.kernels.to_dict(),
         }
@@ -484,6 +493,16 @@ class Trainer:
         except Exception as exc:  # a plot must never fail a finished run
             print(f"warning: could not draw loss.png: {exc}")
         self._summary = summary
+
+    def _eval_summary(self, state: dict, eval_after: dict) -> dict:
+        """run.json's `eval`: before, after, and with a prompting baseline `prompted` and `verdict`."""
+        from maximus.evaluate.report import verdict
+
+        summary = {"before": state.get("eval_before", {}), "after": eval_after}
+        if state.get("eval_prompted"):
+            summary["prompted"] = state["eval_prompted"]
+            summary["verdict"] = verdict(eval_after, state["eval_prompted"], self.cfg.eval.task_metrics)
+        return summary
 
     def _save_final_weights(self, run_dir: Path) -> None:
         """adapter/ (PEFT) or model/ (full), written beside and renamed into place."""
@@ -517,23 +536,11 @@ class Trainer:
             out.message("  " + line)
 
     def _print_summary(self, before: dict, after: dict, out: ProgressDisplay) -> None:
-        lines = [f"{'':<26}{'base (before)':>16}{'tuned (after)':>16}"]
-        recall = sorted((k for k in after if k.startswith("recall@")), key=lambda k: (len(k), k))
-        rewards = sorted(k for k in after if k.startswith("reward/"))
-        for key, fmt in (("loss", "{:.4f}"), ("perplexity", "{:.2f}"), ("exact_match", "{:.1%}"),
-                         ("reward", "{:.3f}"), *((k, "{:.3f}") for k in rewards),
-                         ("rewards/accuracy", "{:.1%}"), ("rewards/margin", "{:.3f}"),
-                         *((k, "{:.1%}") for k in recall)):
-            if key in after and after[key] is not None:
-                b = before.get(key)
-                lines.append(f"{'held-out ' + key:<26}{fmt.format(b) if b is not None else '-':>16}{fmt.format(after[key]):>16}")
-        if after.get("exact_match_note"):
-            lines.append(f"held-out exact_match: none scored: {after['exact_match_note']}")
-        for i, prompt in enumerate(self.cfg.eval.prompts):
-            lines.append(f"prompt: {prompt!r}")
-            if before.get("generations"):
-                lines.append(f"  before: {before['generations'][i]!r}")
-            lines.append(f"  after:  {after.get('generations', [''])[i]!r}")
+        from maximus.evaluate.report import summary_lines
+
+        ev = self._summary.get("eval", {})
+        lines = summary_lines(before, after, ev.get("prompted"), ev.get("verdict"), metrics=self.cfg.eval.task_metrics,
+                              prompts=self.cfg.eval.prompts)
         lines.append(f"run directory: {self.run_dir} (adapter/, run.json, metrics.jsonl, loss.png)")
         for line in lines:
             print(line, flush=True)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import torch
 
 from maximus.data import trains_on_chat
-from maximus.evaluate import NO_PROMPT_NOTE, exact_match, generate_text, heldout_loss, prompt_completion_pairs
+from maximus.evaluate import evaluate_sft
 from maximus.forward import IGNORE_INDEX, sft_loss_sum, shift_labels
 from maximus.memory.plan import Plan
 
@@ -83,21 +83,9 @@ class SFTObjective(Objective):
         return loss, {}
 
     def evaluate(self, trainer) -> dict:
-        cfg = self.cfg
-        result = heldout_loss(trainer.model, trainer.data.eval, pad_token_id=self.pad_token_id, device=trainer.device,
-                              dtype=trainer.dtype, batch_size=self.plan.micro_batch_size,
-                              max_batches=cfg.eval.max_batches)
-        if cfg.eval.exact_match:
-            pairs = prompt_completion_pairs(trainer.data.eval, cfg.eval.exact_match)
-            result["exact_match"] = exact_match(trainer.model, pairs, eos_token_id=trainer.tokenizer.eos_token_id,
-                                                pad_token_id=self.pad_token_id, device=trainer.device)
-            if result["exact_match"] is None:
-                result["exact_match_note"] = NO_PROMPT_NOTE
-        if cfg.eval.prompts:
-            result["generations"] = generate_text(trainer.model, trainer.tokenizer, cfg.eval.prompts,
-                                                  device=trainer.device, max_new_tokens=cfg.eval.max_new_tokens,
-                                                  chat=trains_on_chat(trainer.data.stats))
-        return result
+        return evaluate_sft(trainer.model, trainer.tokenizer, trainer.data.eval, cfg=self.cfg,
+                            tasks=getattr(trainer, "tasks", None), device=trainer.device, dtype=trainer.dtype,
+                            batch_size=self.plan.micro_batch_size, chat=trains_on_chat(trainer.data.stats))
 
 
 class ObjectiveModule(torch.nn.Module):

@@ -177,9 +177,15 @@ class PreferenceObjective(Objective):
                 pairs += n
         finally:
             model.train(was_training)
-        result = {k: v / max(pairs, 1) for k, v in totals.items()}
-        chosen_nll = nll / max(nll_tokens, 1)
-        result.update(perplexity=math.exp(min(chosen_nll, 50.0)), pairs=pairs)
+        result = {}
+        if pairs:
+            result = {k: v / pairs for k, v in totals.items()}
+            result.update(perplexity=math.exp(min(nll / max(nll_tokens, 1), 50.0)), pairs=pairs)
+        if self.cfg.eval.prompts:
+            from maximus.evaluate import generate_text
+
+            result["generations"] = generate_text(model, trainer.tokenizer, self.cfg.eval.prompts, device=trainer.device,
+                                                  max_new_tokens=self.cfg.eval.max_new_tokens)
         return result
 
     # ------------------------------------------------------------------------------ internals
@@ -281,3 +287,4 @@ def _write_cache(path: Path, cache: dict, meta: dict) -> None:
     tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
     save_file({"keys": keys, "logps": values}, str(tmp), metadata={"setup": json.dumps(meta, sort_keys=True)})
     os.replace(tmp, path)  # atomic: a crash leaves the old file or none, never half of one
+

@@ -1,0 +1,98 @@
+"""Evaluation against the base model: always the exact loss, never an approximation.
+
+- `heldout_loss`: mean next-token cross-entropy over the held-out rows (exact chunked loss) and
+  perplexity.
+- `evaluate_sft`: what an SFT run reports before and after training: the held-out loss, the task
+  metrics of `eval.metrics` (`maximus.evaluate.tasks`, `maximus.evaluate.metrics`), generations
+  for `eval.prompts`, and the seconds it took.
+- `generate_text` / `greedy_texts`: greedy generations (through the chat template for runs
+  trained on conversations).
+- The prompting baseline (`eval.few_shot`) is `TaskEval.score_prompted`; the end-of-run table and
+  the verdict against it are in `maximus.evaluate.report`.
+"""
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from maximus.forward import autocast_for, sft_loss_sum
+
+
+@torch.no_grad()
+def heldout_loss(model, rows: list[dict], *, pad_token_id: int, device: torch.device, dtype: torch.dtype,
+                 batch_size: int = 4, max_batches: int | None = None, chunk_size: int | None = None) -> dict:
+    """{"loss", "perplexity", "tokens"} over `rows` with the exact loss (sum / token count)."""
+    from maximus.data import collate
+
+    was_training = model.training
+    model.eval()
+    total = torch.zeros((), dtype=torch.float64, device=device)
+    count = 0
+    try:
+        for i, start in enumerate(range(0, len(rows), batch_size)):
+            if max_batches is not None and i >= max_batches:
+                break
+            batch = {k: v.to(device) for k, v in collate(rows[start:start + batch_size], pad_token_id).items()}
+            with autocast_for(device, dtype):
+                loss_sum, n_target = sft_loss_sum(model, batch, mode="exact", chunk_size=chunk_size)
+            total += loss_sum.double()
+            count += int(n_target)
+    finally:
+        model.train(was_training)
+    loss = float(total / max(count, 1))
+    return {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+
+
+def evaluate_sft(model, tokenizer, rows: list[dict], *, cfg, tasks=None, device: torch.device, dtype: torch.dtype,
+                 batch_size: int, chat: bool) -> dict:
+    """An SFT model's held-out report: `loss` / `perplexity` / `tokens` over `rows` (when there are
+    any), the task metrics of `tasks` (a `TaskEval`), `generations` for `eval.prompts`, `seconds`."""
+    started = time.perf_counter()
+    result: dict = {}
+    if rows:
+        result.update(heldout_loss(model, rows, pad_token_id=tokenizer.pad_token_id, device=device, dtype=dtype,
+                                   batch_size=batch_size, max_batches=cfg.eval.max_batches))
+    if tasks is not None:
+        result.update(tasks.score(model, device=device))
+    if cfg.eval.prompts:
+        result["generations"] = generate_text(model, tokenizer, cfg.eval.prompts, device=device,
+                                              max_new_tokens=cfg.eval.max_new_tokens, chat=chat)
+    if result:
+        result["seconds"] = round(time.perf_counter() - started, 3)
+    return result
+
+
+@torch.no_grad()
+def greedy_texts(model, tokenizer, prompts: list[list[int]], *, device: torch.device, max_new_tokens: int) -> list[str]:
+    """Greedy completion of each prompt (token ids), up to `max_new_tokens`, stopping at EOS (the
+    tokenizer's and the model's generation config's), decoded without special tokens."""
+    was_training = model.training
+    model.eval()
+    stops = [tokenizer.eos_token_id]
+    configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    stops += list(configured) if isinstance(configured, (list, tuple)) else [configured]
+    stops = [int(t) for t in dict.fromkeys(stops) if t is not None]
+    outputs = []
+    try:
+        for prompt in prompts:
+            ids = torch.tensor([prompt], device=device)
+            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
+                                 do_sample=False, pad_token_id=tokenizer.pad_token_id, eos_token_id=stops,
+                                 use_cache=True)
+            outputs.append(tokenizer.decode(out[0, ids.shape[1]:], skip_special_tokens=True))
+    finally:
+        model.train(was_training)
+    return outputs
+
+
+def generate_text(model, tokenizer, prompts: list[str], *, device: torch.device, max_new_tokens: int = 32,
+                  chat: bool = False) -> list[str]:
+    """Greedy generations for `prompts`. With `chat` (runs trained on conversations, see
+    `maximus.data.trains_on_chat`) each prompt is one user turn through the chat template, as the
+    model saw its training data; otherwise the raw text, as for text and prompt/completion runs."""
+    from maximus.data import chat_prompt_ids
+
+    ids = [chat_prompt_ids(tokenizer, p) if chat else tokenizer(p, add_special_tokens=True).input_ids for p in prompts]
+    return greedy_texts(model, tokenizer, ids, device=device, max_new_tokens=max_new_tokens)
