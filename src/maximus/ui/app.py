@@ -1,34 +1,55 @@
-"""The `maximus ui` web app (Flask): the planner and the runs under ``--runs``, read-only.
+"""The `maximus ui` web app (Flask): plan, train, stop, resume, chat and export from the browser.
 
-Pages: ``/`` (planner), ``/runs`` (every run and its status), ``/runs/<name>`` (live charts, plan,
-before/after, generations, config). JSON: ``/api/plan``, ``/api/runs``, ``/api/runs/<name>``,
-``/api/runs/<name>/metrics?since=N`` (the page polls it), ``/runs/<name>/loss.png``.
+Pages: ``/`` (planner), ``/train`` (the run form: the config schema's keys, or a pasted YAML;
+checked and planned before start), ``/runs`` (every run and its status), ``/runs/<name>`` (live
+charts, stop / resume, chat base | tuned, export, plan, before/after, config).
 
-Every planner number comes from `maximus.memory.plan_command.plan_json`, the function behind
-``maximus plan --json``, so the page and the CLI cannot disagree. Safety:
+JSON API (documented in docs/ui.md; the pages and the tests use it):
 
-- read-only: no route writes anywhere, least of all into a run directory;
-- a token, when the app was started with one (required off loopback), is checked on every
-  request: ``?token=`` (which also sets a cookie for the pages' own requests), the cookie, or an
-  ``Authorization: Bearer`` header; a wrong or missing token gets 403;
-- run names are confined to ``--runs`` (`maximus.ui.runs.confined_run_dir`): 404 otherwise;
-- an uploaded config.json is capped at `MAX_UPLOAD_BYTES` and parsed as JSON, nothing else;
-- a planner mistake (unknown model, a budget that is not a size) shows the planner's one-line
-  message; any other failure shows one generic line, never a traceback.
+- reads: ``GET /api/runs``, ``GET /api/runs/<name>`` (status, step, plan, the child's exit code
+  and log tail), ``/api/runs/<name>/metrics?since=N``, ``/api/plan`` (the planner form);
+- mutating (POST): ``/api/check`` (validate and plan a config), ``/api/runs`` (start: 201
+  ``{"run": NAME}``), ``/api/runs/<name>/stop``, ``/api/runs/<name>/resume``, ``/api/chat``
+  (streams NDJSON rows), ``/api/runs/<name>/export``.
+
+Every planner number comes from `maximus.memory.plan_command` (``maximus plan --json`` and
+``maximus plan --config``), every config check from `Config.from_dict`, so the pages and the CLI
+cannot disagree. Safety (a server that starts processes):
+
+- a mutating request needs the token in an ``Authorization: Bearer`` header or in the
+  SameSite=Strict HttpOnly cookie set from the printed ``?token=`` URL, also on loopback; a server
+  started without a token refuses every mutating request;
+- every POST must come from this server's own pages: an ``Origin`` (or ``Sec-Fetch-Site``) of
+  another site is refused, and when bound to loopback a ``Host`` other than a loopback name is
+  refused on every request (DNS rebinding);
+- reads need the token too unless `open_reads` (loopback), as before;
+- configs from the browser are confined by `maximus.ui.guard` (paths under the roots, no code
+  unless `allow_code`); run names are confined to ``--runs`` (`maximus.ui.runs.confined_run_dir`);
+- uploads and configs are capped (`MAX_UPLOAD_BYTES`, `guard.MAX_CONFIG_BYTES`), chats in tokens
+  and to one generation per model (`maximus.ui.chat`);
+- any failure is one line: a `MaximusError` its own, anything else a generic line (the traceback
+  stays in the server log); the API answers ``{"error": "<one line>"}`` with a 4xx (5xx for a bug).
 """
 from __future__ import annotations
 
 import hmac
 import json
+import re
 import tempfile
+import zipfile
 from pathlib import Path
 from typing import Any
 
+import yaml
 from flask import Flask, Response, abort, jsonify, render_template, request, send_file
+from werkzeug.exceptions import HTTPException
 
 from maximus.config import format_bytes
-from maximus.errors import MaximusError
-from maximus.ui.runs import confined_run_dir, list_runs, read_metrics, run_detail
+from maximus.errors import ConfigError, MaximusError
+from maximus.ui.chat import Busy, ChatModels, chat_settings
+from maximus.ui.guard import Refused, Roots, confine_config
+from maximus.ui.jobs import Conflict, Jobs
+from maximus.ui.runs import confined_run_dir, list_runs, lock_is_held, read_metrics, run_detail, run_status
 
 MAX_UPLOAD_BYTES = 256 * 1024
 TOKEN_COOKIE = "maximus_ui_token"
@@ -36,41 +57,122 @@ METHODS = ("qlora", "lora", "full", "auto")
 OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
 DTYPES = ("bf16", "fp16", "fp32")
 INT_FIELDS = {"seq": "sequence length", "batch": "batch", "lora_r": "LoRA rank"}
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+EXPORT_FORMATS = ("merged", "adapter", "gguf", "ollama")
+STATUS_CODES = {Refused: 403, Conflict: 409, Busy: 429}
 
 
 class FormError(MaximusError):
     """A planner form field is not what the planner needs."""
 
 
-def create_app(runs_dir: str | Path, token: str | None = None) -> Flask:
+class NotFound(MaximusError):
+    """No such run (or it lies outside --runs)."""
+
+
+def error_key(message: str) -> str | None:
+    """The config key a one-line error names (`Config.from_dict`'s and `guard`'s wording)."""
+    m = re.search(r"(?:key|value for) '([^']+)'", message) or re.match(r"(?:config: )?([a-z_]+(?:\.[a-z_]+)*)[ :]", message)
+    return m.group(1) if m else None
+
+
+def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bool = False,
+               roots: Roots | None = None, allow_code: bool = False, allowed_hosts: frozenset[str] | None = None,
+               train_argv: list[str] | None = None, export_argv: list[str] | None = None) -> Flask:
+    """The app over `runs_dir`. `token`: needed by every mutating request, and by reads unless
+    `open_reads`; `roots`: where a browser's config may point (default: the working directory for
+    data and models, `runs_dir` for runs); `allowed_hosts`: the Host names served (None: any);
+    `train_argv` / `export_argv`: the child commands (`maximus.ui.jobs.Jobs`)."""
     app = Flask(__name__)
     app.url_map.merge_slashes = False  # '/runs//etc' must reach the confinement check, not be redirected
     app.jinja_env.filters.update(gib=format_bytes, plan_text=plan_text)
     app.config["MAX_CONTENT_LENGTH"] = MAX_UPLOAD_BYTES + 16 * 1024  # the form fields around the file
     root = Path(runs_dir)
+    roots = roots or Roots.of(Path.cwd(), Path.cwd(), root)
+    jobs = Jobs(root, train_argv=train_argv, export_argv=export_argv)
+    chats = ChatModels()
+    app.extensions["maximus_jobs"] = jobs
+
+    def token_given(*, query: bool) -> str | None:
+        auth = request.headers.get("Authorization", "")
+        return ((request.args.get("token") if query else None) or request.cookies.get(TOKEN_COOKIE)
+                or (auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else None))
+
+    def token_ok(given: str | None) -> bool:
+        return token is not None and bool(given) and hmac.compare_digest(given.encode(), token.encode())
 
     @app.before_request
-    def check_token() -> None:
-        if token is None:
-            return
-        given = (request.args.get("token") or request.cookies.get(TOKEN_COOKIE)
-                 or request.headers.get("Authorization", "").removeprefix("Bearer ").strip())
-        if not given or not hmac.compare_digest(given.encode(), token.encode()):
+    def check_request():
+        if allowed_hosts is not None and request.host.rsplit(":", 1)[0] not in allowed_hosts:
+            return _refuse(f"Host {request.host!r} is not this server", "open the URL maximus ui printed")
+        if request.method == "POST":
+            origin = request.headers.get("Origin")
+            if origin is not None and origin != f"{request.scheme}://{request.host}":
+                return _refuse(f"a request from {origin} is not from this server's pages",
+                               "use the pages maximus ui serves, or send no Origin (curl, scripts)")
+            site = request.headers.get("Sec-Fetch-Site")
+            if site is not None and site not in ("same-origin", "none"):
+                return _refuse(f"a {site} request is not from this server's pages", "use the pages maximus ui serves")
+            if request.path.startswith("/api/") and request.path != "/api/plan":
+                if token is None:
+                    return _refuse("this server was started without a token, so it changes nothing",
+                                   "start maximus ui again: it prints a URL with a token")
+                if not token_ok(token_given(query=False)):
+                    return _refuse("a mutating request needs the token",
+                                   "send Authorization: Bearer TOKEN, or open the ?token= URL maximus ui printed")
+                return None
+        if token is not None and not open_reads and not token_ok(token_given(query=True)):
             abort(403)
+        return None
+
+    def _refuse(message: str, hint: str):
+        line = Refused(message, hint).one_line()
+        if request.path.startswith("/api/"):
+            return jsonify({"error": line}), 403
+        return Response(f"error: {line}\n", status=403, mimetype="text/plain")
 
     @app.after_request
     def remember_token(resp: Response) -> Response:
-        if token is not None and request.args.get("token"):
+        if token is not None and request.args.get("token") and token_ok(request.args.get("token")):
             resp.set_cookie(TOKEN_COOKIE, token, httponly=True, samesite="Strict")
         resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["X-Frame-Options"] = "DENY"
         resp.headers["Cache-Control"] = "no-store"
         return resp
 
     @app.errorhandler(413)
-    def too_large(_exc) -> tuple[str, int]:
+    def too_large(_exc):
+        if request.path.startswith("/api/"):
+            return jsonify({"error": f"the request is larger than {MAX_UPLOAD_BYTES // 1024} KiB "
+                                     "(hint: send the config only)"}), 413
         return render_template("planner.html", **_planner_context(
             error=f"config.json is larger than {MAX_UPLOAD_BYTES // 1024} KiB (hint: upload only the model's config.json)",
             form={})), 413
+
+    @app.errorhandler(HTTPException)
+    def http_error(exc: HTTPException):
+        if request.path.startswith("/api/"):
+            return jsonify({"error": f"{exc.code} {exc.name}: {exc.description}".split("\n")[0]}), exc.code
+        return exc
+
+    @app.errorhandler(MaximusError)
+    def user_error(exc: MaximusError):
+        status = next((code for cls, code in STATUS_CODES.items() if isinstance(exc, cls)),
+                      404 if isinstance(exc, NotFound) else 400)
+        body = {"error": exc.one_line()}
+        if (key := error_key(exc.message)) is not None:
+            body["key"] = key
+        if request.path.startswith("/api/"):
+            return jsonify(body), status
+        return Response(f"error: {body['error']}\n", status=status, mimetype="text/plain")
+
+    @app.errorhandler(Exception)
+    def bug(exc: Exception):  # one line for the client; the traceback stays in the server log
+        app.logger.exception("maximus ui failed on %s", request.path)
+        line = f"the server failed on this request ({type(exc).__name__}) (hint: see the server log)"
+        if request.path.startswith("/api/"):
+            return jsonify({"error": line}), 500
+        return Response(f"error: {line}\n", status=500, mimetype="text/plain")
 
     # ------------------------------------------------------------------ planner
     @app.route("/", methods=["GET", "POST"])
@@ -92,38 +194,75 @@ def create_app(runs_dir: str | Path, token: str | None = None) -> Flask:
     @app.route("/api/plan", methods=["GET", "POST"])
     def api_plan():
         form = request.form if request.method == "POST" else request.args
-        try:
-            report = _plan_from_form(form, request.files.get("config_file"))
-        except MaximusError as exc:
-            return jsonify({"error": exc.one_line()}), 400
-        return jsonify(report)
+        return jsonify(_plan_from_form(form, request.files.get("config_file")))
 
     # ------------------------------------------------------------------ runs
+    def run_rows() -> list[dict]:
+        rows = {r.name: r.to_dict() for r in list_runs(root)}
+        for name in jobs.launched():  # started here and still loading: no run files yet
+            if name not in rows and confined(name) is not None:
+                cfg = jobs.config(name) or {}
+                rows[name] = {"name": name, "status": "failed", "model": cfg.get("model"), "method": cfg.get("method"),
+                              "steps_done": 0, "steps_total": None, "best_eval_loss": None, "peak_bytes": None,
+                              "budget_bytes": None, "predicted_peak_bytes": None}
+        for name, row in rows.items():
+            row["status"] = jobs.status(name, row["status"])
+            row["exit_code"] = (jobs.record("train", name) or {}).get("exit_code")
+        return list(rows.values())
+
+    def confined(name: str) -> Path | None:
+        """A run directory under --runs: one with run files, or one this server launched."""
+        path = confined_run_dir(root, name)
+        if path is None and name in jobs.launched():
+            candidate = (root / name).resolve()
+            if candidate.is_relative_to(root.resolve()) and candidate != root.resolve():
+                path = candidate
+        return path
+
+    def run_dir_of(name: str) -> Path:
+        path = confined(name)
+        if path is None:
+            raise NotFound(f"no run {name!r} under --runs {root}", "GET /api/runs lists the runs")
+        return path
+
     @app.route("/runs")
     def runs() -> str:
-        return render_template("runs.html", runs=[r.to_dict() for r in list_runs(root)], root=str(root))
+        return render_template("runs.html", runs=run_rows(), root=str(root))
 
-    @app.route("/api/runs")
+    @app.route("/api/runs", methods=["GET"])
     def api_runs():
-        return jsonify([r.to_dict() for r in list_runs(root)])
-
-    def _run_dir(name: str) -> Path:
-        path = confined_run_dir(root, name)
-        if path is None:
-            abort(404)
-        return path
+        return jsonify(run_rows())
 
     @app.route("/runs/<path:name>/loss.png")
     def loss_png(name: str):
-        path = _run_dir(name) / "loss.png"
+        path = _page_run_dir(name) / "loss.png"
         if not path.is_file() or path.is_symlink():
             abort(404)
         return send_file(path, mimetype="image/png")
 
+    def _page_run_dir(name: str) -> Path:
+        path = confined(name)
+        if path is None:
+            abort(404)
+        return path
+
+    def detail_of(name: str, path: Path) -> dict[str, Any]:
+        detail = run_detail(root, path) if path.is_dir() and confined_run_dir(root, name) else {
+            "info": {"name": name, "status": "failed", "steps_done": 0}, "config": jobs.config(name), "plan": None,
+            "eval_before": {}, "eval_after": {}, "memory": None, "replans": None, "has_loss_png": False}
+        detail["info"]["status"] = jobs.status(name, detail["info"]["status"] if path.is_dir() else "failed")
+        record = jobs.record("train", name)
+        detail["job"] = None if record is None else {
+            "exit_code": record.get("exit_code"), "started": record.get("started"), "ended": record.get("ended"),
+            "log_tail": jobs.log_tail("train", name)}
+        detail["exports"] = export_rows(name, path)
+        return detail
+
     @app.route("/runs/<path:name>")
     def run_page(name: str) -> str:
-        detail = run_detail(root, _run_dir(name))
-        return render_template("run.html", name=name, detail=detail,
+        path = _page_run_dir(name)
+        detail = detail_of(name, path)
+        return render_template("run.html", name=name, detail=detail, export_formats=EXPORT_FORMATS,
                                config_text=json.dumps(detail["config"], indent=2) if detail["config"] else "")
 
     @app.route("/api/runs/<path:name>/metrics")
@@ -131,13 +270,159 @@ def create_app(runs_dir: str | Path, token: str | None = None) -> Flask:
         since = request.args.get("since", "0")
         if not since.isdigit():
             abort(400)
-        path = _run_dir(name)
+        path = _page_run_dir(name)
         rows = read_metrics(path, int(since))
-        return jsonify({"since": int(since), "rows": rows, "info": run_detail(root, path)["info"]})
+        return jsonify({"since": int(since), "rows": rows, "info": detail_of(name, path)["info"]})
 
-    @app.route("/api/runs/<path:name>")
+    @app.route("/api/runs/<path:name>", methods=["GET"])
     def api_run(name: str):
-        return jsonify(run_detail(root, _run_dir(name)))
+        return jsonify(detail_of(name, run_dir_of(name)))
+
+    # ------------------------------------------------------------------ train, stop, resume
+    def body() -> dict:
+        data = request.get_json(silent=True)
+        if not isinstance(data, dict):
+            raise ConfigError("the request body is not a JSON object", "send Content-Type: application/json")
+        return data
+
+    def run_name(cfg_dir: str) -> str:
+        return Path(cfg_dir).relative_to(roots.runs).as_posix()
+
+    @app.route("/api/check", methods=["POST"])
+    def api_check():
+        req = body()
+        data, cfg = confine_config(req.get("config"), roots, allow_code=allow_code, overrides=req.get("overrides"))
+        from maximus.memory.plan_command import plan_report
+
+        report = {k: v for k, v in plan_report(cfg).items() if not k.startswith("_")}
+        return jsonify({"run": run_name(data["output_dir"]), "config": data, "plan": report})
+
+    @app.route("/api/runs", methods=["POST"])
+    def api_start():
+        req = body()
+        data, _ = confine_config(req.get("config"), roots, allow_code=allow_code, overrides=req.get("overrides"))
+        name = run_name(data["output_dir"])
+        path = Path(data["output_dir"])
+        if jobs.alive("train", name) or lock_is_held(path):
+            raise Conflict(f"output_dir {path} is in use by a run", "stop it first, or choose another output_dir")
+        if path.exists() and (not path.is_dir() or any(path.iterdir())):
+            raise Conflict(f"output_dir {path} already exists and is not empty",
+                           f"resume it with POST /api/runs/{name}/resume, or choose another output_dir")
+        jobs.start_train(name, path, data)
+        return jsonify({"run": name}), 201
+
+    @app.route("/api/runs/<path:name>/stop", methods=["POST"])
+    def api_stop(name: str):
+        jobs.stop(name, run_dir_of(name))
+        return jsonify({"run": name, "status": "stopping"}), 202
+
+    @app.route("/api/runs/<path:name>/resume", methods=["POST"])
+    def api_resume(name: str):
+        path = run_dir_of(name)
+        status = jobs.status(name, run_status(path) if path.is_dir() else "failed")
+        if status in ("running", "starting", "stopping"):
+            raise Conflict(f"run {name} is {status}", "wait for it to stop first")
+        if status == "finished":
+            raise Conflict(f"run {name} is finished", "start a new run, or export this one")
+        # The config this server started it with, else the one its trainer recorded; confined again either way.
+        saved = jobs.config(name) or run_detail(root, path).get("config")
+        if not saved:
+            raise Conflict(f"run {name} recorded no config to resume from", "re-run its maximus-train command")
+        saved, _ = confine_config(yaml.safe_dump(saved), roots, allow_code=allow_code)
+        if Path(saved["output_dir"]) != path:
+            raise Refused(f"run {name} recorded output_dir {saved['output_dir']}, not this directory",
+                          "resume it with its own maximus-train command")
+        jobs.start_train(name, path, saved)
+        return jsonify({"run": name, "status": "starting"}), 202
+
+    # ------------------------------------------------------------------ chat
+    @app.route("/api/chat", methods=["POST"])
+    def api_chat():
+        data = body()
+        name = data.get("run")
+        if not isinstance(name, str):
+            raise ConfigError("the chat request names no run", 'send "run": NAME (GET /api/runs lists them)')
+        path = run_dir_of(name)
+        if not (path / "run.json").is_file():
+            raise Conflict(f"run {name} is not finished", "chat with a finished run")
+        settings = chat_settings(data)
+        rows = chats.stream(path, settings)
+        return Response((json.dumps(r) + "\n" for r in rows), mimetype="application/x-ndjson")
+
+    # ------------------------------------------------------------------ export
+    def export_target(path: Path, fmt: str, quant: str | None) -> tuple[str, Path]:
+        export_id = fmt if quant is None else f"{fmt}-{quant}"
+        return export_id, path / "exports" / (f"{export_id}.gguf" if fmt == "gguf" else export_id)
+
+    def export_rows(name: str, path: Path) -> list[dict]:
+        rows = []
+        for fmt in EXPORT_FORMATS:
+            for rec_path in sorted(jobs.state_dir(name).glob(f"export-{fmt}*.json")):
+                export_id = rec_path.stem[len("export-"):]
+                rec = jobs.record(f"export-{export_id}", name) or {}
+                code = rec.get("exit_code")
+                quant = export_id.split("-", 1)[1] if "-" in export_id else None
+                _, out = export_target(path, fmt, quant)
+                tail = jobs.log_tail(f"export-{export_id}", name).strip().splitlines()
+                rows.append({"id": export_id, "format": fmt, "quant": quant, "path": str(out),
+                             "status": "running" if code is None and jobs.alive(f"export-{export_id}", name)
+                             else "done" if code == 0 and out.exists() else "failed",
+                             "exit_code": code, "last_line": tail[-1] if tail else "",
+                             "download": f"/runs/{name}/exports/{export_id}" if code == 0 and out.exists() else None})
+        return rows
+
+    @app.route("/api/runs/<path:name>/export", methods=["POST"])
+    def api_export(name: str):
+        from maximus.export.to_gguf import check_quant
+
+        data = body()
+        path = run_dir_of(name)
+        fmt, quant = data.get("format"), data.get("quant")
+        if fmt not in EXPORT_FORMATS:
+            raise ConfigError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}", 'e.g. "format": "gguf"')
+        if quant is not None and fmt not in ("gguf", "ollama"):
+            raise ConfigError(f"quant applies to format gguf or ollama, not {fmt}", "drop quant or change format")
+        if fmt in ("gguf", "ollama"):
+            quant = quant or ("f16" if fmt == "gguf" else "q8_0")
+            if not isinstance(quant, str):
+                raise ConfigError(f"quant must be a string, got {quant!r}", 'e.g. "quant": "q8_0"')
+            check_quant(quant)
+        if not (path / "run.json").is_file():
+            raise Conflict(f"run {name} is not finished", "export a finished run")
+        export_id, out = export_target(path, fmt, quant)
+        args = [str(path), "--out", str(out), "--format", fmt] + (["--quant", quant] if quant else [])
+        if out.exists():
+            args.append("--overwrite")  # replaces only a previous export of ours (maximus.export.target)
+        out.parent.mkdir(exist_ok=True)
+        jobs.start_export(name, export_id, args)
+        return jsonify({"run": name, "export": export_id, "path": str(out)}), 202
+
+    @app.route("/runs/<path:name>/exports/<export_id>")
+    def download_export(name: str, export_id: str):
+        path = _page_run_dir(name)
+        fmt, _, quant = export_id.partition("-")
+        if fmt not in EXPORT_FORMATS or not re.fullmatch(r"[a-z0-9_]*", quant):
+            abort(404)
+        _, out = export_target(path, fmt, quant or None)
+        if out.is_symlink() or not out.exists() or not out.resolve().is_relative_to(path):
+            abort(404)
+        if out.is_file():
+            return send_file(out, as_attachment=True, download_name=out.name)
+        buf = tempfile.SpooledTemporaryFile(max_size=64 * 2**20)
+        with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
+            for f in sorted(out.rglob("*")):
+                if f.is_file() and not f.is_symlink():
+                    zf.write(f, f.relative_to(out).as_posix())
+        buf.seek(0)
+        return send_file(buf, as_attachment=True, download_name=f"{Path(name).name}-{export_id}.zip",
+                         mimetype="application/zip")
+
+    # ------------------------------------------------------------------ train form
+    @app.route("/train")
+    def train_page() -> str:
+        from maximus.ui.form import config_sections
+
+        return render_template("train.html", sections=config_sections())
 
     return app
 
