@@ -47,7 +47,7 @@ class Api:
 
         self.runs, self.data, self.models = tmp / "runs", tmp / "data", tmp / "models"
         for d in (self.runs, self.data, self.models):
-            d.mkdir(exist_ok=True)
+            d.mkdir(parents=True, exist_ok=True)
         self.app = create_app(self.runs, token=TOKEN, open_reads=True, roots=Roots.of(self.data, self.models, self.runs),
                               allowed_hosts=LOOPBACK_HOSTS, **kw)
         self.httpd = make_server("127.0.0.1", 0, self.app, threaded=True)
@@ -147,3 +147,222 @@ def test_start_stop_resume_equals_an_uninterrupted_run(api, tiny_model_dirs, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     listed = {r["name"]: r for r in api.call("GET", "/api/runs")[1]}
     assert listed["r1"]["status"] == "finished" and listed["r1"]["exit_code"] == 0
+
+
+def _finished_run(api: Api, model: Path, name: str = "done") -> Path:
+    d = api.runs / name
+    d.mkdir(parents=True)
+    (d / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (d / "run.json").write_text(json.dumps({"config": {"model": str(model), "dataset": "x"}, "steps": 1}))
+    return d
+
+
+def test_every_mutating_endpoint_refuses_and_changes_nothing(api, tiny_llama, tmp_path):
+    (tmp_path / "outside").mkdir()
+    secret_data = write_prompt_completion(tmp_path / "outside" / "secret.jsonl")
+    (api.data / "link-out.jsonl").symlink_to(secret_data)
+    model = api.models / "m"
+    model.mkdir()
+    _finished_run(api, model)
+    good = _cfg(api, model, "new")
+    endpoints = [("/api/runs", {"config": yaml.safe_dump(good)}), ("/api/check", {"config": yaml.safe_dump(good)}),
+                 ("/api/runs/done/stop", {}), ("/api/runs/done/resume", {}),
+                 ("/api/runs/done/export", {"format": "adapter"}),
+                 ("/api/chat", {"run": "done", "messages": [{"role": "user", "content": "hi"}]})]
+    before = _tree(tmp_path)
+    refusals = []
+    for path, body in endpoints:
+        for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"},
+                        {"Origin": "http://evil.example"}, {"Origin": f"http://localhost:{api.port}"},
+                        {"Sec-Fetch-Site": "cross-site"}, {"Host": f"evil.example:{api.port}"}):
+            status, answer = api.post(path, body, headers)
+            assert status == 403, (path, headers, status, answer)
+            refusals.append(answer["error"])
+    assert refusals[:6] == [
+        "a mutating request needs the token (hint: send Authorization: Bearer TOKEN, or open the ?token= URL maximus ui printed)",
+        "a mutating request needs the token (hint: send Authorization: Bearer TOKEN, or open the ?token= URL maximus ui printed)",
+        "a request from http://evil.example is not from this server's pages (hint: use the pages maximus ui serves, "
+        "or send no Origin (curl, scripts))",
+        f"a request from http://localhost:{api.port} is not from this server's pages (hint: use the pages maximus ui "
+        "serves, or send no Origin (curl, scripts))",
+        "a cross-site request is not from this server's pages (hint: use the pages maximus ui serves)",
+        f"Host 'evil.example:{api.port}' is not this server (hint: open the URL maximus ui printed)"]
+    # DNS rebinding: reads are open on loopback, but only under a loopback Host.
+    assert api.call("GET", "/api/runs", headers={"Host": f"evil.example:{api.port}"})[0] == 403
+    assert api.call("GET", "/api/runs")[0] == 200
+
+    # Paths outside the roots, and code, with a valid token: refused with the rule broken.
+    outside = str(tmp_path / "outside")
+    cases = {
+        "dataset": ({"dataset": {"path": str(secret_data), "format": "prompt_completion"}},
+                    f"dataset.path {secret_data} is outside --data-root {api.data}"),
+        "dataset link": ({"dataset": str(api.data / "link-out.jsonl")},
+                         f"dataset {api.data / 'link-out.jsonl'} is outside --data-root {api.data}"),
+        "dotdot": ({"dataset": str(api.data / ".." / "outside" / "secret.jsonl")},
+                   f"dataset {api.data / '..' / 'outside' / 'secret.jsonl'} is outside --data-root {api.data}"),
+        "model": ({"model": str(tiny_llama)}, f"model {tiny_llama} is outside --models-root {api.models}"),
+        "tokenizer": ({"tokenizer": outside}, f"tokenizer {outside} is outside --models-root {api.models}"),
+        "init_adapter": ({"init_adapter": outside},
+                         f"init_adapter {outside} is outside --models-root {api.models} or --runs {api.runs}"),
+        "output_dir": ({"output_dir": outside}, f"output_dir {outside} is outside --runs {api.runs}"),
+        "runs itself": ({"output_dir": str(api.runs)}, f"output_dir {api.runs} is --runs itself"),
+        "trust_remote_code": ({"trust_remote_code": True},
+                              "trust_remote_code: model code from the hub is code, and this server does not run code "
+                              "from the browser"),
+        "pickle": ({"allow_pickle": True}, "allow_pickle: unpickling .bin / .pt weights is code"),
+        "reward": ({"objective": "grpo", "grpo": {"rewards": [f"{outside}/r.py:score"]},
+                    "dataset": {"path": str(api.data / "pc.jsonl"), "format": "prompt"}},
+                   f"grpo.rewards: the reward '{outside}/r.py:score' is code"),
+        "mlflow": ({"logging": {"mlflow": True, "mlflow_uri": f"sqlite:///{outside}/x.db"}},
+                   "logging.mlflow_uri is not accepted from the browser"),
+    }
+    for case, (change, message) in cases.items():
+        cfg = {**good, **change}
+        for path in ("/api/runs", "/api/check"):
+            status, answer = api.post(path, {"config": yaml.safe_dump(cfg)})
+            assert status == 403 and answer["error"].startswith(message), (case, answer)
+    status, answer = api.post("/api/runs", {"config": "model: [unclosed"})
+    assert status == 400 and answer["error"].startswith("config: YAML syntax error at line 1")
+    status, answer = api.post("/api/runs", {"config": yaml.safe_dump({**good, "training": {"max_stepz": 3}})})
+    assert (status, answer) == (400, {"error": "config: unknown key 'training.max_stepz' (hint: did you mean "
+                                                "'training.max_steps'?)", "key": "training.max_stepz"})
+    status, answer = api.post("/api/runs", {"config": "!!python/object/apply:os.system ['touch pwned']"})
+    assert status == 400 and not list(Path.cwd().glob("pwned"))
+    assert _tree(tmp_path) == before  # nothing written, nothing deleted
+    assert api.jobs._procs == {}  # nothing started
+    # --allow-code lets code keys through the guard (the plan still runs).
+    code = Api(tmp_path / "code", allow_code=True)
+    try:
+        import shutil
+
+        copied = Path(shutil.copytree(tiny_llama, code.models / "llama"))
+        status, answer = code.post("/api/check", {"config": yaml.safe_dump({**_cfg(code, copied, "c"),
+                                                                              "trust_remote_code": True})})
+        assert status == 200 and answer["run"] == "c" and answer["plan"]["peak_bytes"] > 0
+    finally:
+        code.close()
+
+
+def test_a_server_without_token_changes_nothing_and_the_cookie_works(tmp_path, tiny_llama):
+    from werkzeug.serving import make_server
+
+    from maximus.ui.app import create_app
+
+    (tmp_path / "runs").mkdir()
+    httpd = make_server("127.0.0.1", 0, create_app(tmp_path / "runs"), threaded=True)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", httpd.server_port, timeout=30)
+        conn.request("POST", "/api/runs", body=b'{"config": "model: x"}', headers={"Content-Type": "application/json"})
+        resp = conn.getresponse()
+        assert resp.status == 403 and json.loads(resp.read()) == {
+            "error": "this server was started without a token, so it changes nothing "
+                     "(hint: start maximus ui again: it prints a URL with a token)"}
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+    api = Api(tmp_path / "c")
+    try:
+        conn = http.client.HTTPConnection("127.0.0.1", api.port, timeout=30)
+        conn.request("GET", f"/runs?token={TOKEN}")
+        cookie = conn.getresponse().getheader("Set-Cookie")
+        assert "SameSite=Strict" in cookie and "HttpOnly" in cookie
+        status, answer = api.call("POST", "/api/check", {"config": "model: x\ndataset: y\n"},
+                                  {"Cookie": cookie.split(";")[0], "Origin": api.url})
+        assert status == 400, answer  # past the token and origin checks: the planner's own one line
+        assert answer == {"error": "cannot find the config of 'x' offline (hint: pass a local model directory or "
+                          "config.json, or a known id such as meta-llama/Llama-3.1-8B, mistralai/Mistral-7B-v0.1, "
+                          "Qwen/Qwen2.5-7B (all: KNOWN_SHAPES))"}
+    finally:
+        api.close()
+
+
+@pytest.fixture(scope="module")
+def served_run(tiny_llama, tmp_path_factory):
+    """A server over a real finished tiny run (trained in this process: 3 steps), shared by the
+    chat and export tests."""
+    import shutil
+
+    from maximus import Config, Trainer
+
+    api = Api(tmp_path_factory.mktemp("served"))
+    model = Path(shutil.copytree(tiny_llama, api.models / "llama"))
+    cfg = _cfg(api, model, "fin", training={"max_steps": 3}, lora={"r": 4, "alpha": 64})
+    Trainer(Config.from_dict(cfg)).train()
+    yield api, api.runs / "fin", model
+    api.close()
+
+
+@pytest.fixture
+def finished(served_run):
+    return served_run[1:]
+
+
+@pytest.fixture
+def served(served_run):
+    return served_run[0]
+
+
+def test_chat_streams_and_its_greedy_columns_equal_maximus_generate(served, finished, capsys):
+    api = served
+    from maximus.cli import main
+
+    run, model = finished
+    prompt = "Reverse: red gold stone\nAnswer:"
+    expected = {}
+    for which, source in (("tuned", run), ("base", model)):
+        assert main(["generate", str(source), "-p", prompt, "--max-new-tokens", "12"]) == 0
+        expected[which] = capsys.readouterr().out.removeprefix(prompt).removesuffix("\n")
+    assert expected["tuned"] != expected["base"]  # the adapter changed the answer, so the columns are told apart
+    for which in ("tuned", "base"):
+        status, rows = api.post("/api/chat", {"run": "fin", "model": which, "max_new_tokens": 12,
+                                              "messages": [{"role": "user", "content": prompt}]})
+        assert status == 200, rows
+        done = rows[-1]
+        assert done["done"] and done["text"] == expected[which] and done["label"] == which
+        assert len(rows) > 2 and "".join(r["token"] for r in rows[:-1]) == done["text"]  # streamed piece by piece
+    status, rows = api.post("/api/chat", {"run": "fin", "temperature": 0.8, "top_p": 0.9, "max_new_tokens": 5,
+                                          "messages": [{"role": "user", "content": prompt}]})
+    assert status == 200 and rows[-1]["done"] and rows[-1]["tokens"] <= 5
+    # Capped, and one generation at a time per model.
+    status, answer = api.post("/api/chat", {"run": "fin", "max_new_tokens": 100000,
+                                            "messages": [{"role": "user", "content": prompt}]})
+    assert (status, answer["error"]) == (400, "max_new_tokens must be a whole number from 1 to 512, got 100000 "
+                                              "(hint: this server caps generations so that a tab cannot exhaust the machine)")
+    loaded = api.app.extensions["maximus_chats"].get(run, "tuned")
+    with loaded.lock:
+        status, answer = api.post("/api/chat", {"run": "fin", "messages": [{"role": "user", "content": prompt}]})
+    assert (status, answer["error"]) == (429, "the tuned model of this run is answering another request "
+                                              "(hint: wait for it to finish; one generation at a time per model)")
+    assert api.post("/api/chat", {"run": "fin", "model": "base",
+                                  "messages": [{"role": "user", "content": prompt}]})[0] == 200
+
+
+def test_export_from_the_api_obeys_the_export_rules_and_downloads(served, finished):
+    api = served
+    run, _ = finished
+    foreign = run / "exports" / "adapter"
+    foreign.mkdir(parents=True)
+    (foreign / "notes.txt").write_text("mine")
+    assert api.post("/api/runs/fin/export", {"format": "gguf", "quant": "q9_9"})[0] == 400
+    status, answer = api.post("/api/runs/fin/export", {"format": "gguf", "quant": "q8_0"})
+    assert (status, answer) == (202, {"run": "fin", "export": "gguf-q8_0", "path": str(run / "exports" / "gguf-q8_0.gguf")})
+    assert api.post("/api/runs/fin/export", {"format": "adapter"})[0] == 202
+    assert api.jobs.wait("export-gguf-q8_0", "fin", timeout=180) == 0
+    assert api.jobs.wait("export-adapter", "fin", timeout=180) == 2
+    rows = {r["id"]: r for r in api.call("GET", "/api/runs/fin")[1]["exports"]}
+    assert rows["adapter"]["status"] == "failed" and rows["adapter"]["download"] is None
+    assert rows["adapter"]["last_line"].startswith(f"error: --out {foreign} already exists and holds files no Maximus "
+                                                   "export wrote (e.g. 'notes.txt')")
+    assert (foreign / "notes.txt").read_text() == "mine"  # never replaced
+    assert rows["gguf-q8_0"]["status"] == "done" and rows["gguf-q8_0"]["download"] == "/runs/fin/exports/gguf-q8_0"
+    status, data = api.call("GET", rows["gguf-q8_0"]["download"])
+    gguf = run / "exports" / "gguf-q8_0.gguf"
+    assert status == 200 and data == gguf.read_bytes()
+    assert api.call("GET", "/runs/fin/exports/gguf-..%2f..%2fx")[0] == 404
+    try:
+        import llama_cpp
+    except ImportError:
+        pytest.skip("llama-cpp-python is not installed: the exported GGUF was checked by the export rules only")
+    llm = llama_cpp.Llama(str(gguf), n_ctx=128, n_threads=1, verbose=False)
+    assert llm.n_vocab() == json.loads((api.models / "llama" / "config.json").read_text())["vocab_size"]

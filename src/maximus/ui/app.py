@@ -71,9 +71,14 @@ class NotFound(MaximusError):
 
 
 def error_key(message: str) -> str | None:
-    """The config key a one-line error names (`Config.from_dict`'s and `guard`'s wording)."""
-    m = re.search(r"(?:key|value for) '([^']+)'", message) or re.match(r"(?:config: )?([a-z_]+(?:\.[a-z_]+)*)[ :]", message)
-    return m.group(1) if m else None
+    """The config key a one-line error names (`Config.from_dict`'s and `guard`'s wording), if any."""
+    from maximus.ui.form import config_keys
+
+    m = re.search(r"(?:key|value for) '([^']+)'", message)
+    if m:
+        return m.group(1)
+    m = re.match(r"(?:config: )?([a-z_]+(?:\.[a-z_]+)*)[ :]", message)
+    return m.group(1) if m and m.group(1) in config_keys() else None
 
 
 def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bool = False,
@@ -91,7 +96,7 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
     roots = roots or Roots.of(Path.cwd(), Path.cwd(), root)
     jobs = Jobs(root, train_argv=train_argv, export_argv=export_argv)
     chats = ChatModels()
-    app.extensions["maximus_jobs"] = jobs
+    app.extensions.update(maximus_jobs=jobs, maximus_chats=chats)
 
     def token_given(*, query: bool) -> str | None:
         auth = request.headers.get("Authorization", "")

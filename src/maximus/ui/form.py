@@ -7,6 +7,7 @@ the YAML and `maximus-train` overrides are validated by the same code (`Config.f
 """
 from __future__ import annotations
 
+import functools
 import typing
 from dataclasses import dataclass
 
@@ -14,7 +15,7 @@ from pydantic import BaseModel
 
 from maximus.config import Config
 
-__all__ = ["FormField", "config_sections"]
+__all__ = ["FormField", "config_keys", "config_sections"]
 
 
 @dataclass(frozen=True)
@@ -56,6 +57,7 @@ def _default_text(value) -> str:
     return str(value)
 
 
+@functools.lru_cache(maxsize=1)
 def config_sections() -> list[tuple[str, str, list[FormField]]]:
     """(section key, section doc, fields) for the top level and each section, in schema order."""
     out: list[tuple[str, str, list[FormField]]] = []
@@ -80,3 +82,9 @@ def config_sections() -> list[tuple[str, str, list[FormField]]]:
 
     walk(Config, "", "", (Config.__doc__ or "").strip())
     return out
+
+
+@functools.lru_cache(maxsize=1)
+def config_keys() -> set[str]:
+    """Every dotted key of the form (plus `dataset.path`, which a dataset mapping holds)."""
+    return {f.key for _, _, fields in config_sections() for f in fields} | {"dataset.path"}
