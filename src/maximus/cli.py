@@ -238,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
               "  export    a run as a merged Hugging Face model, its adapter, GGUF or Ollama\n"
               "  generate  generate text from a run or a model\n"
               "  embed     Matryoshka embeddings of texts to .npy\n"
-              "  ui        the planner and live runs in the browser (loopback, read-only)")
+              "  ui        plan, train, stop, chat with and export runs in the browser")
         return 0
     if argv[0] in ("-V", "--version"):
         from maximus import __version__

@@ -400,3 +400,136 @@ def test_run_page_charts_grow_while_a_real_run_trains(browser, server, runs_dir,
         if proc.poll() is None:
             proc.kill()
             proc.wait()
+
+
+def _wait_until(cond, timeout=180, what="condition"):
+    deadline = time.time() + timeout
+    while True:
+        value = cond()
+        if value:
+            return value
+        assert time.time() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.1)
+
+
+@needs_browser
+def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, tmp_path, capsys):
+    """The whole job in the browser: the run form (a field error beside its field, the plan equal to
+    `maximus plan --config --json`), start, the chart grows, stop (exit 75, checkpoint), resume, the
+    adapter bit-equal to an uninterrupted run's; chat (greedy tuned = `maximus generate`); GGUF export
+    from the page, downloaded and loaded by llama.cpp."""
+    from selenium.webdriver.common.by import By
+    from selenium.webdriver.support.ui import Select
+    from test_ui_api import SLOW_TRAIN, STEPS, TOKEN, Api, _adapter, _cfg
+
+    from maximus import Config, Trainer
+    from maximus.cli import main
+    from maximus.memory.plan_command import plan_json
+
+    api = Api(tmp_path, train_argv=[sys.executable, "-c", SLOW_TRAIN])
+    try:
+        model = Path(shutil.copytree(tiny_model_dirs["llama"], api.models / "llama"))
+        cfg = _cfg(api, model, "flow", training={"max_steps": 2, "save_every": 2}, eval={"enabled": False},
+                   optimization={"target_vram": "1GB", "gradient_checkpointing": "off"})
+        browser.get(api.url + f"/train?token={TOKEN}")  # the printed URL: sets the SameSite=Strict cookie
+        browser.find_element(By.ID, "yaml").send_keys(yaml.safe_dump(cfg))
+        browser.find_element(By.CSS_SELECTOR, "details[data-section='training'] summary").click()
+        steps = browser.find_element(By.ID, "f-training.max_steps")
+        steps.clear()
+        steps.send_keys("abc")
+        browser.find_element(By.ID, "check-button").click()
+        beside = browser.find_element(By.CSS_SELECTOR, "[data-error-for='training.max_steps']")
+        expected = None
+        try:
+            Config.from_dict({**cfg}, ["training.max_steps=abc"], source="config")
+        except Exception as exc:  # the CLI's own message for the same override
+            expected = f"error: {exc}"
+        _wait_until(lambda: beside.text, what="the field error")
+        assert beside.text == expected and expected.startswith("error: config: invalid value for 'training.max_steps'")
+        steps.clear()
+        steps.send_keys(str(STEPS))  # sent as the override training.max_steps=6 over the YAML's 2
+        browser.find_element(By.ID, "check-button").click()
+        _wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#plan-result #cards tbody tr"), what="the plan")
+        assert beside.text == ""
+        run_cfg = {**cfg, "training": {**cfg["training"], "max_steps": STEPS}}
+        cfg_path = tmp_path / "flow.yaml"
+        cfg_path.write_text(yaml.safe_dump(run_cfg))
+        cli = plan_json(["--config", str(cfg_path)])  # what `maximus plan --config flow.yaml --json` prints
+        _assert_page_equals_cli(browser, cli)
+        assert browser.find_element(By.ID, "budget-plan").text.startswith("fits: lora mb 2 x acc 2")
+        _shot(browser, "train.png")
+        browser.find_element(By.ID, "start-button").click()
+        _wait_until(lambda: browser.current_url.endswith("/runs/flow"), what="the run page")
+        run = api.runs / "flow"
+        status, body = api.post("/api/runs", {"config": yaml.safe_dump(run_cfg)})  # one run per output dir
+        assert status == 409 and body["error"].startswith(f"output_dir {run} is in use by a run")
+        points = lambda: int(browser.find_element(By.ID, "points").text)  # noqa: E731
+        first = _wait_until(points, what="the first point")
+        _wait_until(lambda: points() > first, what="the chart to grow")
+        browser.find_element(By.ID, "stop-button").click()
+        assert api.jobs.wait("train", "flow", timeout=120) == 75
+        _wait_until(lambda: browser.find_element(By.ID, "status").text == "interrupted", what="interrupted")
+        _wait_until(lambda: browser.find_element(By.ID, "exit-code").text == "last exit code 75", what="exit code")
+        stopped = int(browser.find_element(By.ID, "steps-done").text)
+        assert stopped < STEPS and (run / "checkpoints" / f"step-{stopped:06d}").is_dir()
+        assert api.post("/api/runs/flow/stop")[0] == 409  # not running
+        old = api.jobs.record("train", "flow")["pid"]
+        browser.find_element(By.ID, "resume-button").click()
+        _wait_until(lambda: (api.jobs.record("train", "flow") or {}).get("pid") != old, what="the resumed child")
+        assert api.jobs.wait("train", "flow", timeout=180) == 0
+        _wait_until(lambda: browser.find_element(By.ID, "status").text == "finished", what="finished")
+        assert api.post("/api/runs/flow/resume")[0] == 409  # finished
+        rows = [json.loads(line)["step"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+        assert rows == list(range(1, STEPS + 1))
+        Trainer(Config.from_dict({**run_cfg, "output_dir": str(tmp_path / "ref")})).train()
+        a, b = _adapter(run), _adapter(tmp_path / "ref")
+        assert a.keys() == b.keys() and all(torch_equal(a[k], b[k]) for k in a)
+
+        # Chat: base | tuned, streamed; greedy tuned = maximus generate.
+        browser.get(api.url + "/runs/flow")
+        prompt = "Reverse: red gold stone\nAnswer:"
+        capsys.readouterr()  # the reference run's summary
+        assert main(["generate", str(run), "-p", prompt, "--max-new-tokens", "12"]) == 0
+        generated = capsys.readouterr().out.removeprefix(prompt).removesuffix("\n")
+        box = browser.find_element(By.ID, "chat-max")
+        box.clear()
+        box.send_keys("12")
+        browser.execute_script("document.getElementById('chat-prompt').value = arguments[0]", prompt)
+        browser.find_element(By.ID, "chat-send").click()
+        answers = _wait_until(lambda: [e for e in browser.find_elements(By.CSS_SELECTOR, ".chat pre.answer")
+                                       if e.get_attribute("data-done") == "yes"] if len(
+            [e for e in browser.find_elements(By.CSS_SELECTOR, ".chat pre.answer") if e.get_attribute("data-done")]) == 2
+            else None, what="both answers")
+        tuned = browser.find_element(By.CSS_SELECTOR, "#chat-tuned pre.answer")
+        assert len(answers) == 2 and tuned.get_attribute("textContent") == generated
+
+        # Export GGUF from the page; the download link serves the file llama.cpp loads.
+        Select(browser.find_element(By.ID, "export-format")).select_by_value("gguf")
+        Select(browser.find_element(By.ID, "export-quant")).select_by_value("q8_0")
+        browser.find_element(By.ID, "export-button").click()
+        _wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#exports tr[data-export='gguf-q8_0']"), what="row")
+        assert api.jobs.wait("export-gguf-q8_0", "flow", timeout=180) == 0
+        row = _wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#exports tr[data-status='done']"), what="done")[0]
+        link = row.find_element(By.LINK_TEXT, "download").get_attribute("href")
+        assert link == f"{api.url}/runs/flow/exports/gguf-q8_0"
+        status, data = api.call("GET", "/runs/flow/exports/gguf-q8_0")
+        gguf = run / "exports" / "gguf-q8_0.gguf"
+        assert status == 200 and data == gguf.read_bytes()
+        _shot(browser, "run.png")
+        browser.get(api.url + "/runs")
+        assert browser.find_element(By.CSS_SELECTOR, "#runs tr[data-run='flow']").get_attribute("data-status") == "finished"
+        _shot(browser, "runs.png")
+        try:
+            import llama_cpp
+        except ImportError:
+            pytest.skip("llama-cpp-python is not installed: the exported GGUF was not loaded")
+        llm = llama_cpp.Llama(str(gguf), n_ctx=128, n_threads=1, verbose=False)
+        assert llm.n_vocab() == json.loads((model / "config.json").read_text())["vocab_size"]
+    finally:
+        api.close()
+
+
+def torch_equal(a, b) -> bool:
+    import torch
+
+    return torch.equal(a, b)

@@ -49,7 +49,7 @@ from maximus.errors import ConfigError, MaximusError
 from maximus.ui.chat import Busy, ChatModels, chat_settings
 from maximus.ui.guard import Refused, Roots, confine_config
 from maximus.ui.jobs import Conflict, Jobs
-from maximus.ui.runs import confined_run_dir, list_runs, lock_is_held, read_metrics, run_detail, run_status
+from maximus.ui.runs import RunInfo, confined_run_dir, list_runs, lock_is_held, read_metrics, run_detail, run_status
 
 MAX_UPLOAD_BYTES = 256 * 1024
 TOKEN_COOKIE = "maximus_ui_token"
@@ -206,14 +206,18 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
         rows = {r.name: r.to_dict() for r in list_runs(root)}
         for name in jobs.launched():  # started here and still loading: no run files yet
             if name not in rows and confined(name) is not None:
-                cfg = jobs.config(name) or {}
-                rows[name] = {"name": name, "status": "failed", "model": cfg.get("model"), "method": cfg.get("method"),
-                              "steps_done": 0, "steps_total": None, "best_eval_loss": None, "peak_bytes": None,
-                              "budget_bytes": None, "predicted_peak_bytes": None}
+                rows[name] = launched_info(name)
         for name, row in rows.items():
             row["status"] = jobs.status(name, row["status"])
             row["exit_code"] = (jobs.record("train", name) or {}).get("exit_code")
         return list(rows.values())
+
+    def launched_info(name: str) -> dict[str, Any]:
+        """The runs-page row of a run this server started that has written no run files yet."""
+        cfg = jobs.config(name) or {}
+        return RunInfo(name=name, status="failed", model=cfg.get("model"), method=cfg.get("method"), steps_done=0,
+                       steps_total=None, best_eval_loss=None, peak_bytes=None, budget_bytes=None,
+                       predicted_peak_bytes=None).to_dict()
 
     def confined(name: str) -> Path | None:
         """A run directory under --runs: one with run files, or one this server launched."""
@@ -253,7 +257,7 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
 
     def detail_of(name: str, path: Path) -> dict[str, Any]:
         detail = run_detail(root, path) if path.is_dir() and confined_run_dir(root, name) else {
-            "info": {"name": name, "status": "failed", "steps_done": 0}, "config": jobs.config(name), "plan": None,
+            "info": launched_info(name), "config": jobs.config(name), "plan": None,
             "eval_before": {}, "eval_after": {}, "memory": None, "replans": None, "has_loss_png": False}
         detail["info"]["status"] = jobs.status(name, detail["info"]["status"] if path.is_dir() else "failed")
         record = jobs.record("train", name)
@@ -267,7 +271,13 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
     def run_page(name: str) -> str:
         path = _page_run_dir(name)
         detail = detail_of(name, path)
-        return render_template("run.html", name=name, detail=detail, export_formats=EXPORT_FORMATS,
+        import importlib.util
+
+        from maximus.export.to_gguf import K_QUANTS, QUANTS
+
+        quants = list(QUANTS) + (list(K_QUANTS) if importlib.util.find_spec("llama_cpp") is not None else [])
+        return render_template("run.html", name=name, detail=detail, export_formats=EXPORT_FORMATS, quants=quants,
+                               has_run_json=(path / "run.json").is_file(),
                                config_text=json.dumps(detail["config"], indent=2) if detail["config"] else "")
 
     @app.route("/api/runs/<path:name>/metrics")
@@ -300,7 +310,8 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
         from maximus.memory.plan_command import plan_report
 
         report = {k: v for k, v in plan_report(cfg).items() if not k.startswith("_")}
-        return jsonify({"run": run_name(data["output_dir"]), "config": data, "plan": report})
+        return jsonify({"run": run_name(data["output_dir"]), "config": data, "plan": report,
+                        "plan_html": render_template("_plan_report.html", report=report)})
 
     @app.route("/api/runs", methods=["POST"])
     def api_start():

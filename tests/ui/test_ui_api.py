@@ -7,6 +7,7 @@ from __future__ import annotations
 import http.client
 import json
 import os
+import shutil
 import subprocess
 import sys
 import threading
@@ -109,6 +110,12 @@ def _wait(cond, timeout=180, what="condition"):
         time.sleep(0.05)
 
 
+BROWSER = shutil.which("chromium") and shutil.which("chromedriver")
+
+
+@pytest.mark.skipif(bool(BROWSER) or os.environ.get("CI") == "true",
+                    reason="the browser test (test_ui.py::test_train_stop_resume_chat_export_from_the_pages) runs this "
+                           "flow through the same API; this one covers it where no browser is installed")
 def test_start_stop_resume_equals_an_uninterrupted_run(api, tiny_model_dirs, tmp_path):
     import shutil
 
