@@ -386,6 +386,9 @@ class GrpoConfig(_Section):
     epsilon_high: float | None = Field(None, gt=0, description="Upper clipping bound (DAPO's clip-higher, e.g. 0.28); null = epsilon.")
     kl_ratio_correction: bool = Field(True, description="Weight the KL term by the importance ratio to the sampling policy: an unbiased estimate of KL(policy || reference) from samples of the old policy (DeepSeek-V3.2; TRL's use_bias_correction_kl, on by default); false = the GRPO paper's plain k3 term.")
     updates_per_generation: int = Field(1, ge=1, description="Optimizer steps on each generation's completions (TRL's num_iterations); the sampling policy's log-probs are kept from generation time, not recomputed.")
+    steps_per_generation: int = Field(1, ge=1, description="Optimizer steps that share one generation batch (TRL's name): the `training.batch_size` prompts x `group_size` completions are sampled at once and split into this many steps, each on its share; the sampling policy's log-probs are kept and the clipped ratio corrects the later steps. Must divide batch_size x group_size.")
+    async_generation: bool = Field(False, description="Sample the next generation batch while the current step's forward and backward run (a second thread), with the weights before this step's update: one step off-policy, corrected by the clipped ratio against the kept sampling log-probs (as TRL's async GRPO). Needs grpo.beta: 0 or an adapter.")
+    generation: Literal["batched", "vllm"] = Field("batched", description="Sampler: `batched` (all prompts x group in one KV-cached decode loop, prefilling each prompt once) or `vllm` (CUDA only, the `vllm` package: a colocated vLLM engine that receives the adapter after each update).")
     loss_type: Literal["grpo", "dr_grpo", "dapo"] = Field("dapo", description="Normalisation of the token losses: `grpo` = mean of per-completion token means, `dr_grpo` = sum / (completions x max_completion_tokens), `dapo` = sum / completion tokens (TRL's default).")
     scale_rewards: Literal["group", "batch", "none"] = Field("group", description="Advantages are reward - group mean, divided by the group's standard deviation (`group`), the batch's (`batch`), or not divided (`none`, Dr. GRPO).")
     rewards: list[str] = Field(default_factory=list, description="Reward functions, each `module:function` (an importable module or a .py file path) or a built-in name (`exact_answer`, `regex_format`); called as f(prompts, completions, completion_ids, **columns) -> list of float or None (TRL's convention).")
@@ -451,6 +454,12 @@ class Config(_Section):
             raise ValueError("dataset: the list is empty")
         specs = [DatasetSpec(path=i) if isinstance(i, str) else i for i in items]
         object.__setattr__(self, "dataset", specs)
+        rows, k = self.training.batch_size * self.grpo.group_size, self.grpo.steps_per_generation
+        if self.objective == "grpo" and rows % k:
+            divisors = [d for d in range(2, rows + 1) if rows % d == 0][:4]
+            raise ConfigError(f"grpo.steps_per_generation {k} does not divide the generation batch of {rows} completions "
+                              f"(training.batch_size {self.training.batch_size} x grpo.group_size {self.grpo.group_size})",
+                              f"use a divisor of {rows} ({', '.join(map(str, divisors))}, ...) or change training.batch_size")
         if self.output_dir is None:
             name = Path(self.model.rstrip("/")).name or "model"
             object.__setattr__(self, "output_dir", str(Path("runs") / name))

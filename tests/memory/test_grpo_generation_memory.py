@@ -34,12 +34,19 @@ def test_rollout_rows_and_the_generation_budget_check(model_dir, tmp_path):
                                     "training": {"batch_size": 3, "seq_len": 100},
                                     "grpo": {"group_size": 64, "max_completion_tokens": 4000, "rewards": ["exact_answer"]}})
     assert rollout_rows(cfg) == (3 * 64, 4100)
+    assert rollout_rows(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"steps_per_generation": 4})})) == (48, 4100)
     plan = plan_for_budget(model_dir, None, batch_size=8, seq_len=128, micro_batch_size=1, dtype="fp32", device="cpu")
     parts = check_generation(model_dir, plan, cfg, budget=None)
     resident = plan.breakdown["weights"] + plan.breakdown["adapters"] + plan.breakdown["optimizer"]
-    assert parts == generation_peak_bytes(model_dir, resident_bytes=resident, group_size=64, tokens=4100, dtype_bytes=4)
-    assert parts["kv_cache"] == 2 * 2 * 2 * 16 * 64 * 4100 * 4  # layers x kv heads x head_dim x tokens, K and V
-    assert parts["logits"] == 3 * 64 * 300 * 4 and parts["total"] == resident + parts["kv_cache"] + parts["logits"]
+    # No budget: all 3 prompts x 64 completions in one decode loop.
+    assert parts == {**generation_peak_bytes(model_dir, resident_bytes=resident, group_size=64, tokens=4100,
+                                             dtype_bytes=4, prompts=3), "prompts_at_once": 3}
+    one = 2 * 2 * 2 * 16 * 64 * 4100 * 4  # layers x kv heads x head_dim x tokens, K and V, for one group
+    assert parts["kv_cache"] == 3 * one
+    assert parts["logits"] == 3 * 3 * 64 * 300 * 4 and parts["total"] == resident + parts["kv_cache"] + parts["logits"]
+    # A budget between two and three groups' caches: two prompts at once.
+    budget = resident + 2 * one + 2 * 3 * 64 * 300 * 4 + 2**20
+    assert check_generation(model_dir, plan, cfg, budget=budget)["prompts_at_once"] == 2
     with pytest.raises(BudgetError, match=r"^GRPO generation needs about 129.\d\d MiB \(KV cache 128.12 MiB for 64 x 4100 "
                                           r"tokens, on top of .* of weights and optimizer state\), over the budget of "
                                           r"32.00 MiB \(hint: lower grpo.group_size"):

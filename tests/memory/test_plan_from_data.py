@@ -113,7 +113,9 @@ def test_grpo_plans_the_longest_prompt_plus_the_completion(tiny, tmp_path):
     assert lengths.longest == max(row_length(r) for r in prompts) + 12
     plan = plan_run(cfg, device="cpu", lengths=lengths)
     assert plan.rows_tokens_max == lengths.longest < 128 + 12
-    assert plan.generation["kv_cache"] == 2 * 2 * 2 * 16 * 2 * lengths.longest * 4  # K,V x layers x kv x dim x group
+    # Both prompts of a step sampled at once (the batched sampler): K,V x layers x kv x dim x prompts x group
+    assert plan.generation["prompts_at_once"] == 2
+    assert plan.generation["kv_cache"] == 2 * 2 * 2 * 16 * 2 * 2 * lengths.longest * 4
 
 
 def test_rows_all_cut_to_seq_len_give_one_note(tiny, tmp_path):

@@ -165,14 +165,16 @@ def test_top_p_near_zero_samples_the_greedy_completion_and_generation_stops_at_e
 def test_the_loss_pass_scores_sampled_tokens_with_the_distribution_they_were_sampled_from(tiny, tmp_path):
     """On-policy: log p of each sampled completion token in the loss pass (train mode, padded
     micro-batches of several lengths, logits / temperature, through the chunked head) equals the
-    log-softmax of the logits / temperature that `generate` sampled it from (KV cache, eval mode)."""
-    from maximus.train.objectives.grpo import _cut_at_eos, completion_logps
+    log-softmax of the logits / temperature that the batched sampler drew it from (all prompts x
+    group in one call: left-padded prompts, each prefilled once, its KV cache expanded to the
+    group, finished rows dropped; eval mode)."""
+    from maximus.train.objectives.grpo import completion_logps
     from maximus.train.trainer import Trainer
 
     T = 0.7
     trainer = Trainer(maximus.Config.from_dict(config(tiny, tmp_path / "run", grpo={"temperature": T,
                                                                                     "max_completion_tokens": 12},
-                                                      training={"micro_batch_size": 4})))
+                                                      training={"micro_batch_size": 4, "batch_size": 3})))
     trainer.setup()
     objective, model, eos = trainer.objective, trainer.model, trainer.tokenizer.eos_token_id
     torch.manual_seed(1)
@@ -182,17 +184,12 @@ def test_the_loss_pass_scores_sampled_tokens_with_the_distribution_they_were_sam
                 p.normal_(0.0, 0.05)
         model.get_output_embeddings().weight[eos] *= 25.0  # EOS now and then: completions of several lengths
     prompts = trainer.rows_for_step(1)
-    config_ = objective.sampling_config(eos, output_logits=True, return_dict_in_generate=True)
-    completions, sampled = [], []
+    assert len({len(p["prompt_ids"]) for p in prompts}) > 1  # left padding in the sampler
     with objective._generating(model), torch.no_grad():
-        for prompt in prompts:
-            ids = torch.tensor([prompt["prompt_ids"]]).repeat(G, 1)
-            out = model.generate(input_ids=ids, attention_mask=torch.ones_like(ids), generation_config=config_)
-            new = out.sequences[:, ids.shape[1]:]
-            logps = torch.log_softmax(torch.stack(out.logits, 1).float() / T, dim=-1)
-            group = [_cut_at_eos(row, eos) for row in new.tolist()]
-            completions.append(group)
-            sampled.extend(logps[i, :len(c)].gather(-1, torch.tensor(c)[:, None])[:, 0] for i, c in enumerate(group))
+        out = objective.sample(trainer, [p["prompt_ids"] for p in prompts], 0, record_logps=True)
+    completions = out.completions
+    sampled = [lp for group in out.logps for lp in group]
+    assert out.forwards <= 1 + 11  # one prefill for all prompts x group, then one forward per token
     assert len({len(c) for group in completions for c in group}) > 1  # padded micro-batches below
     gen = objective.build_generation(trainer, 0, prompts, completions)
     assert model.training
@@ -302,3 +299,131 @@ def test_a_reference_needs_an_adapter_and_approximate_losses_are_refused(tiny, t
     cfg = config(tiny, tmp_path / "ghost", optimization={"use_ghost_logit": True, "gradient_checkpointing": "off"})
     with pytest.raises(ConfigError, match=r"use_ghost_logit does not apply to objective grpo"):
         maximus.Trainer(maximus.Config.from_dict(cfg)).train()
+
+
+# ------------------------------------------------------------------------------ sampling at speed
+def _soft_capped_dir(path: Path, softcap: float = 4.0) -> Path:
+    """A tiny Gemma-3 text model with Gemma-2-style final logit soft-capping."""
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(vocab_size=300)
+    config = Gemma3TextConfig(vocab_size=len(tok), hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                          num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=256,
+                          final_logit_softcapping=softcap, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                          bos_token_id=None, sliding_window=256)
+    torch.manual_seed(0)
+    Gemma3ForCausalLM(config).save_pretrained(str(path), safe_serialization=True)
+    tok.save_pretrained(str(path))
+    return path
+
+
+def test_a_soft_capped_model_samples_and_scores_at_a_temperature(tiny, tmp_path):
+    """Soft-capped logits (Gemma's final_logit_softcapping) at temperature 0.7: z = softcap(y) / T both when sampling
+    and in the loss pass (per-token log-probs agree); refused before."""
+    from maximus.train.objectives.grpo import completion_logps
+    from maximus.train.trainer import Trainer
+
+    T = 0.7
+    cfg = config(tiny, tmp_path / "run", grpo={"temperature": T, "max_completion_tokens": 8})
+    cfg["model"] = str(_soft_capped_dir(tmp_path / "gemma"))
+    trainer = Trainer(maximus.Config.from_dict(cfg))
+    trainer.setup()
+    objective, model = trainer.objective, trainer.model
+    objective.prepare(trainer)
+    prompts = trainer.rows_for_step(1)
+    with objective._generating(model), torch.no_grad():
+        out = objective.sample(trainer, [p["prompt_ids"] for p in prompts], 0, record_logps=True)
+    gen = objective.build_generation(trainer, 0, prompts, out.completions)
+    batch = objective._collate(gen, range(len(gen.rows)))
+    with torch.no_grad():
+        logps, mask = completion_logps(model, batch, temperature=T, mode=objective.mode)
+    ours = [logps[j][mask[j]] for j in range(logps.shape[0])]
+    for a, b in zip(ours, [lp for group in out.logps for lp in group], strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=2e-5)
+
+
+def test_eval_generations_of_chat_prompts_go_through_the_chat_template(tiny, tmp_path):
+    from maximus.evaluate import generate_text
+    from maximus.train.trainer import Trainer
+
+    cfg = config(tiny, tmp_path / "run", grpo={"rewards": [f"{REWARDS}:chat_shapes"]},
+                 eval={"prompts": ["Reverse: red gold blue\nAnswer:"], "max_new_tokens": 6})
+    cfg["dataset"]["path"] = str(tiny["chat"])
+    trainer = Trainer(maximus.Config.from_dict(cfg))
+    trainer.setup()
+    result = trainer.objective.evaluate(trainer)
+    kwargs = dict(device=trainer.device, max_new_tokens=6)
+    templated = generate_text(trainer.model, trainer.tokenizer, cfg["eval"]["prompts"], chat=True, **kwargs)
+    raw = generate_text(trainer.model, trainer.tokenizer, cfg["eval"]["prompts"], chat=False, **kwargs)
+    assert templated != raw and result["generations"] == templated
+
+
+def test_steps_per_generation_splits_one_generation_batch_over_several_steps(tiny, tmp_path):
+    out = tmp_path / "run"
+    cfg = config(tiny, out, grpo={"steps_per_generation": 2}, training={"max_steps": 4, "micro_batch_size": 4},
+                 eval={"enabled": False})
+    trainer = maximus.Trainer(maximus.Config.from_dict(cfg))
+    trainer.train()
+    rows = metrics_rows(out)
+    assert ["generation_s" in r for r in rows] == [True, False, True, False]
+    assert rows[1]["reward"] == rows[0]["reward"] != rows[2]["reward"]
+    assert rows[0]["clip_ratio"] == 0.0  # the first share is on-policy: ratio 1
+    gen, objective = trainer.objective.generation, trainer.objective
+    assert gen.old_logps is not None and len(gen.rows) == 2 * G
+    shares = [objective.step_batches(trainer, step) for step in (3, 4)]
+    assert [sum(b["input_ids"].shape[0] for b in batches) for batches in shares] == [G, G]
+    assert torch.equal(shares[0][0]["advantages"], gen.advantages[:G])
+    assert torch.equal(shares[1][0]["advantages"], gen.advantages[G:])
+
+
+def test_a_steps_per_generation_that_does_not_divide_the_generation_batch_is_one_line(tiny, tmp_path):
+    cfg = config(tiny, tmp_path / "run", grpo={"steps_per_generation": 3})
+    with pytest.raises(ConfigError, match=r"^config: grpo.steps_per_generation 3 does not divide the generation batch "
+                                          r"of 8 completions \(training.batch_size 2 x grpo.group_size 4\) \(hint: use "
+                                          r"a divisor of 8 \(2, 4, 8, \.\.\.\) or change training.batch_size\)$"):
+        maximus.Config.from_dict(cfg)
+
+
+def test_async_generation_samples_the_next_batch_with_the_weights_before_the_update(tiny, tmp_path):
+    """While step 1 runs its backward, generation 1 is sampled on a second thread with the weights
+    before step 1's update; its kept log-probs are that policy's, so step 2 (one step
+    off-policy) is corrected by the clipped ratio."""
+    from maximus.train.trainer import Trainer
+
+    trainer = Trainer(maximus.Config.from_dict(config(tiny, tmp_path / "run", grpo={"async_generation": True},
+                                                      training={"max_steps": 3})))
+    trainer.setup()
+    objective, model = trainer.objective, trainer.model
+    before = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    trainer.train_step(1)
+    pending = objective._pending
+    assert pending is not None and pending.index == 1
+    after = {k: v.detach().clone() for k, v in model.named_parameters() if v.requires_grad}
+    assert any(not torch.equal(before[k], after[k]) for k in before)
+    with torch.no_grad():  # reproduce generation 1 with the weights before step 1's update
+        for k, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(before[k])
+        prompts = trainer.rows_for_step(2)
+        expected = objective.sample(trainer, [p["prompt_ids"] for p in prompts], 1).completions
+        old = objective.build_generation(trainer, 1, prompts, expected).old_logps
+        for k, p in model.named_parameters():
+            if p.requires_grad:
+                p.copy_(after[k])
+    gen = pending.take()
+    assert [r["input_ids"] for r in gen.rows] == [p["prompt_ids"] + c for p, group in zip(prompts, expected) for c in group]
+    for a, b in zip(gen.old_logps, old, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-6)
+    objective._pending = pending
+    result = trainer.train_step(2)
+    assert objective.generation.index == 1 and result["metrics"]["clip_ratio"] >= 0
+
+
+def test_vllm_generation_without_cuda_is_one_line_before_the_model_loads(tiny, tmp_path):
+    cfg = config(tiny, tmp_path / "run", grpo={"generation": "vllm"})
+    with pytest.raises(ConfigError, match=r"^grpo.generation: vllm needs a CUDA GPU, but this run is on cpu \(hint: "
+                                          r"set grpo.generation: batched"):
+        maximus.Trainer(maximus.Config.from_dict(cfg)).train()
+    assert not (tmp_path / "run").exists()

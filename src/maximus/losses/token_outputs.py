@@ -227,3 +227,40 @@ def naive_token_outputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
               "mean_logits": z.mean(dim=1).detach(), "is_top1": z.argmax(dim=1) == labels}
     fields["log_sum_sq_probs"] = fields["log_sum_sq_probs"].detach()
     return {k: (v if k == "log_probs" or k in outputs else None) for k, v in fields.items()}
+
+
+def label_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
+                    bias: torch.Tensor | None = None, softcap: float | None = None, temperature: float = 1.0,
+                    ignore_index: int = -100, chunk_size: int | None = None, mode: str = "exact") -> torch.Tensor:
+    """Per-token ``log p(label)`` under ``softmax(softcap(hidden @ weight.T + bias) / temperature)``,
+    shaped like ``labels`` (float32, 0 where ``labels == ignore_index``), differentiable: the one
+    per-token log-prob of the preference and GRPO objectives.
+
+    ``mode`` ``exact`` never holds the full logits (the chunked exact loss, or `token_outputs` for a
+    soft-capped head at a temperature); ``naive`` does (the reference path). Without a softcap the
+    temperature is a scale of ``hidden`` and ``bias`` (``z = (hidden / T) @ weight.T + bias / T``)."""
+    from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy
+
+    if mode not in ("exact", "naive"):
+        raise ValueError(f"label_log_probs: unknown mode {mode!r} (use exact or naive)")
+    if softcap is None or temperature == 1.0:
+        scale = 1.0 / float(temperature)
+        if scale != 1.0:
+            hidden = hidden * scale
+            bias = None if bias is None else bias * scale
+        loss = naive_cross_entropy if mode == "naive" else linear_cross_entropy
+        return -loss(hidden, weight, labels, ignore_index, chunk_size=chunk_size, softcap=softcap,
+                     reduction="none", bias=bias)
+    # A soft-capped head at a temperature: z = softcap(y) / T, the labelled rows only.
+    flat_labels = labels.reshape(-1)
+    valid = flat_labels != ignore_index
+    rows = hidden.reshape(-1, hidden.shape[-1])[valid]
+    if mode == "naive":
+        picked = naive_token_outputs(rows, weight, flat_labels[valid], bias=bias, softcap=softcap,
+                                     temperature=temperature)["log_probs"]
+    else:
+        picked = token_outputs(rows, weight, flat_labels[valid], bias=bias, softcap=softcap, temperature=temperature,
+                               chunk_size=chunk_size)["log_probs"]
+    out = torch.zeros(flat_labels.shape, dtype=picked.dtype, device=picked.device)
+    out = out.index_put((valid.nonzero().squeeze(1),), picked)
+    return out.reshape(labels.shape)

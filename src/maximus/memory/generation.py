@@ -1,19 +1,24 @@
-"""What a GRPO step adds to a training step's memory: sampling the group with the KV cache.
+"""What a GRPO step adds to a training step's memory: sampling the groups with the KV cache.
 
-A GRPO step (`objective: grpo`, `maximus.train.objectives.grpo`) has two phases that never overlap:
+A GRPO step (`objective: grpo`, `maximus.train.objectives.grpo`) has two phases that never overlap (with
+`grpo.async_generation` they do: see below):
 
-1. **generation**, in `no_grad`: one prompt's `group_size` completions at a time, each decoding
-   step holding the KV cache of `group_size x (prompt + completion)` tokens (K and V for every
-   layer, `num_kv_heads x head_dim` each, in the compute dtype), the last position's logits
-   `[group_size, V]` in float32 with the sampler's softmax / top-p copies of that size, and the
-   resident state (weights, adapters, optimizer moments). Then the reference and sampling-policy
-   log-prob passes (`no_grad`, one micro-batch at a time) cost less than the backward below.
-2. **the backward**: an ordinary training step over `batch_size x group_size` completion rows of
-   `seq_len + max_completion_tokens` tokens, `micro_batch_size` of them at a time, with the
-   chunked head. That is what `maximus.memory.estimate.estimate_peak` models;
-   `rollout_rows` gives it the rows and their length.
+1. **generation**, in `no_grad` (`maximus.train.sampling`): `prompts_at_once` prompts at a time
+   are prefilled once and their cache expanded to the group, so each decoding step holds the KV
+   cache of `prompts_at_once x group_size` rows of up to `prompt + completion` tokens (K and V for
+   every layer, `num_kv_heads x head_dim` each, in the compute dtype), the last position's logits
+   `[rows, V]` in float32 with the sampler's softmax / race copies of that size, and the resident
+   state (weights, adapters, optimizer moments). Then the reference and sampling-policy log-prob
+   passes (`no_grad`, one micro-batch at a time) cost less than the backward below.
+2. **the backward**: an ordinary training step over the step's share of the generation batch
+   (`batch_size x group_size / steps_per_generation` completion rows of `seq_len +
+   max_completion_tokens` tokens), `micro_batch_size` of them at a time, with the chunked head.
+   That is what `maximus.memory.estimate.estimate_peak` models; `rollout_rows` gives it the rows
+   and their length.
 
-The step's peak is the larger of the two; `generation_peak_bytes` is phase 1.
+The step's peak is the larger of the two (their sum under `async_generation`, where the next
+batch is sampled during the backward); `check_generation` picks the largest `prompts_at_once`
+(up to `training.batch_size`) whose generation fits the budget, or the free memory.
 """
 from __future__ import annotations
 
@@ -26,9 +31,11 @@ SAMPLER_LOGIT_COPIES = 3
 
 def rollout_rows(cfg) -> tuple[int, int]:
     """(completion rows per optimizer step, tokens per row) of a GRPO config: what the backward
-    trains on, for the planner (`batch_size` prompts x `group_size`; prompt + completion tokens)."""
+    trains on, for the planner (the step's share of `batch_size` prompts x `group_size`; prompt +
+    completion tokens)."""
     g = cfg.grpo
-    return cfg.training.batch_size * g.group_size, cfg.training.seq_len + g.max_completion_tokens
+    return (cfg.training.batch_size * g.group_size // g.steps_per_generation,
+            cfg.training.seq_len + g.max_completion_tokens)
 
 
 def kv_cache_bytes(model_config: Any, *, sequences: int, tokens: int, dtype_bytes: int) -> int:
@@ -40,32 +47,51 @@ def kv_cache_bytes(model_config: Any, *, sequences: int, tokens: int, dtype_byte
 
 
 def generation_peak_bytes(model_config: Any, *, resident_bytes: int, group_size: int, tokens: int,
-                          dtype_bytes: int) -> dict[str, int]:
-    """Phase 1 of the module doc: {"resident", "kv_cache", "logits", "total"} in bytes, for one
-    group of `group_size` sequences of up to `tokens` (prompt + completion) tokens."""
+                          dtype_bytes: int, prompts: int = 1) -> dict[str, int]:
+    """Phase 1 of the module doc: {"resident", "kv_cache", "logits", "total"} in bytes, for
+    `prompts` groups of `group_size` sequences of up to `tokens` (prompt + completion) tokens
+    sampled in one decode loop."""
     from maximus.memory.estimate import model_shape
 
     shape = model_shape(model_config)
-    kv = kv_cache_bytes(shape, sequences=group_size, tokens=tokens, dtype_bytes=dtype_bytes)
-    logits = SAMPLER_LOGIT_COPIES * group_size * shape.vocab_size * 4
+    rows = prompts * group_size
+    kv = kv_cache_bytes(shape, sequences=rows, tokens=tokens, dtype_bytes=dtype_bytes)
+    logits = SAMPLER_LOGIT_COPIES * rows * shape.vocab_size * 4
     return {"resident": resident_bytes, "kv_cache": kv, "logits": logits, "total": resident_bytes + kv + logits}
 
 
 def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dict[str, int]:
     """`generation_peak_bytes` for a GRPO config and its training `plan` (the resident state is
-    the plan's weights, adapters and optimizer moments; gradients are freed between steps).
+    the plan's weights, adapters and optimizer moments; gradients are freed between steps), at
+    the largest `prompts_at_once` (returned with the parts) that fits `budget`, else the plan's
+    free memory; all `training.batch_size` prompts when neither is known.
 
-    Raises BudgetError when a budget is set and generation does not fit in it."""
+    Raises BudgetError when a budget is set and one prompt's group does not fit in it;
+    ConfigError for `grpo.generation: vllm` without CUDA or the vllm package (before any model
+    is loaded)."""
     from maximus.config import format_bytes
     from maximus.errors import BudgetError
     from maximus.memory.estimate import DTYPE_BYTES
 
+    check_sampler(cfg, plan.device)
     resident = sum(plan.breakdown.get(k, 0) for k in ("weights", "adapters", "optimizer"))
     g = cfg.grpo
     # The longest prompt the data has (planned from it) or the cap, plus the longest completion.
     tokens = plan.rows_tokens_max or cfg.training.seq_len + g.max_completion_tokens
-    parts = generation_peak_bytes(model_config, resident_bytes=resident, group_size=g.group_size, tokens=tokens,
-                                  dtype_bytes=DTYPE_BYTES[plan.dtype])
+
+    def parts_for(prompts: int) -> dict[str, int]:
+        parts = generation_peak_bytes(model_config, resident_bytes=resident, group_size=g.group_size, tokens=tokens,
+                                      dtype_bytes=DTYPE_BYTES[plan.dtype], prompts=prompts)
+        if g.async_generation:  # sampled while the backward runs: on top of the training step
+            parts["total"] = max(parts["total"], (plan.peak_bytes or resident) + parts["kv_cache"] + parts["logits"])
+        return {**parts, "prompts_at_once": prompts}
+
+    limit = budget if budget is not None else getattr(plan, "free_memory_bytes", None)
+    prompts = cfg.training.batch_size
+    if limit is not None:
+        while prompts > 1 and parts_for(prompts)["total"] > limit:
+            prompts -= 1
+    parts = parts_for(prompts)
     if budget is not None and parts["total"] > budget:
         raise BudgetError(f"GRPO generation needs about {format_bytes(parts['total'])} (KV cache "
                           f"{format_bytes(parts['kv_cache'])} for {g.group_size} x {tokens} tokens, on top of "
@@ -73,3 +99,22 @@ def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dic
                           f"{format_bytes(budget)}", "lower grpo.group_size, grpo.max_completion_tokens or "
                           "training.seq_len (the longest prompt), or use method: qlora")
     return parts
+
+
+def check_sampler(cfg, device_type: str) -> None:
+    """`grpo.generation: vllm` needs CUDA and the vllm package: one line otherwise."""
+    if cfg.grpo.generation != "vllm":
+        return
+    import importlib.util
+
+    from maximus.errors import ConfigError
+
+    if device_type != "cuda":
+        raise ConfigError(f"grpo.generation: vllm needs a CUDA GPU, but this run is on {device_type}",
+                          "set grpo.generation: batched (the KV-cached sampler, on any device)")
+    if cfg.method == "full":
+        raise ConfigError("grpo.generation: vllm receives the policy as a LoRA adapter, but method is full",
+                          "use method: lora or qlora, or set grpo.generation: batched")
+    if importlib.util.find_spec("vllm") is None:
+        raise ConfigError("grpo.generation: vllm needs the vllm package, which is not installed",
+                          "pip install vllm, or set grpo.generation: batched")

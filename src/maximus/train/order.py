@@ -46,11 +46,13 @@ class RowOrder:
 
 def run_steps(cfg, n_rows: int) -> int:
     """Optimizer steps of the run `cfg` over `n_rows` training rows: ``max_steps``, else the epochs'
-    steps (GRPO: each generation of ``batch_size`` prompts serves ``updates_per_generation`` steps)."""
+    steps (GRPO: each generation of ``batch_size`` prompts serves ``steps_per_generation x
+    updates_per_generation`` steps)."""
     t = cfg.training
     if t.max_steps:
         return t.max_steps
-    updates = cfg.grpo.updates_per_generation if cfg.objective == "grpo" else 1
+    g = cfg.grpo
+    updates = g.updates_per_generation * g.steps_per_generation if cfg.objective == "grpo" else 1
     return max(1, math.ceil(t.epochs * n_rows / t.batch_size)) * updates
 
 
@@ -80,21 +82,25 @@ def run_lengths(cfg, rows: list[dict], *, steps: int, world_size: int = 1) -> Ro
     """The row lengths of every optimizer step of the run `cfg` over the training `rows`, per rank
     (`RowLengths`). GRPO: each prompt of a generation becomes ``group_size`` rollout rows of the
     prompt plus ``max_completion_tokens`` (the longest completion the sampler may draw), one
-    generation per ``updates_per_generation`` steps. Unpacked SFT rows go in unpadded when the
+    generation per ``steps_per_generation x updates_per_generation`` steps, each of its
+    ``steps_per_generation`` shares one step's rows. Unpacked SFT rows go in unpadded when the
     trainer would flatten them (padding-free attention, which Kronecker Sketching replaces)."""
     t = cfg.training
     order = RowOrder(len(rows), t.batch_size, t.seed)
     lengths = [row_length(r) for r in rows]
-    extra, repeat, every = 0, 1, 1
+    extra, repeat, every, shares = 0, 1, 1, 1
     if cfg.objective == "grpo":
         g = cfg.grpo
-        extra, repeat, every = g.max_completion_tokens, g.group_size, g.updates_per_generation
+        extra, repeat, shares = g.max_completion_tokens, g.group_size, g.steps_per_generation
+        every = g.updates_per_generation * shares
     per = -(-t.batch_size // world_size)
     out = []
     for step in range(1, steps + 1, every):
         step_lengths = [lengths[i] + extra for i in order.step((step - 1) // every + 1)]
         for rank in range(world_size):
-            out.append(tuple(n for n in step_lengths[rank * per:(rank + 1) * per] for _ in range(repeat)))
+            rows = tuple(n for n in step_lengths[rank * per:(rank + 1) * per] for _ in range(repeat))
+            share = len(rows) // shares  # GRPO's steps_per_generation: each step trains on its share
+            out.extend(rows[k * share:(k + 1) * share] for k in range(shares))
     flatten = None
     if cfg.objective == "sft" and not t.packing and cfg.optimization.kronecker is None:
         from maximus.attention.varlen import per_document

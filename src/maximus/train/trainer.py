@@ -233,6 +233,7 @@ class Trainer:
             loss_total += loss_sum.detach().double()
             for k, v in metric_sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
+        obj.after_backward(self, step)  # GRPO: an asynchronous generation finishes before the weights change
         if "after_backward" in self.hooks:
             self.hooks["after_backward"](self, step)
         loss_total = self.dist.all_reduce_sum(loss_total)

@@ -30,6 +30,10 @@ class Objective:
         samples them); None = the trainer collates `rows_for_step(step)`."""
         return None
 
+    def after_backward(self, trainer, step: int) -> None:
+        """Called once the step's backward is done, before the optimizer step (GRPO waits for its
+        asynchronous generation here); nothing by default."""
+
     def step_metrics(self) -> dict:
         """Metrics of the step just run that are not per-unit sums (GRPO's rewards); {} by default."""
         return {}

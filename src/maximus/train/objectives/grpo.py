@@ -33,16 +33,16 @@ errors. RewardError: a reward function raising or returning the wrong thing (one
 """
 from __future__ import annotations
 
-import math
 import time
-from contextlib import contextmanager
+import threading
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 
 import torch
 
 from maximus.errors import ConfigError
 from maximus.losses.grpo import group_advantages, grpo_loss_sum
-from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
+from maximus.losses.token_outputs import label_log_probs
 from maximus.memory.plan import Plan
 from maximus.forward import IGNORE_INDEX, autocast_for, hidden_states, output_head, shift_labels, through_head
 from maximus.structure import peft_model_of
@@ -66,16 +66,8 @@ def completion_logps(model, batch: dict, *, temperature: float = 1.0, chunk_size
 
     def logps_of(hidden: torch.Tensor) -> torch.Tensor:
         head = output_head(model)  # read inside: a sharded head is gathered only here
-        scale = 1.0 / temperature
-        h = hidden * scale if scale != 1.0 else hidden
-        bias = head.bias * scale if head.bias is not None and scale != 1.0 else head.bias
-        if mode == "naive":
-            return -naive_cross_entropy(h, head.weight, target, IGNORE_INDEX, softcap=head.softcap,
-                                        reduction="none", bias=bias)
-        if head.softcap is not None:  # temperature 1 only (GRPOObjective.prepare refuses the rest)
-            return -linear_cross_entropy(h, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size,
-                                         softcap=head.softcap, reduction="none", bias=bias)
-        return token_log_probs(h, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size, bias=bias)
+        return label_log_probs(hidden, head.weight, target, bias=head.bias, softcap=head.softcap,
+                               temperature=temperature, ignore_index=IGNORE_INDEX, chunk_size=chunk_size, mode=mode)
 
     return through_head(model, hidden, logps_of), target != IGNORE_INDEX
 
@@ -111,6 +103,8 @@ class GRPOObjective(Objective):
         self.g = cfg.grpo
         self.rewards = load_rewards(cfg)
         self.generation: Generation | None = None
+        self._pending: "_PendingGeneration | None" = None
+        self._vllm = None  # grpo.generation: vllm, started on the first generation
         self._sums: dict[str, float] = {}
 
     @property
@@ -133,9 +127,6 @@ class GRPOObjective(Objective):
         if self.g.beta > 0 and peft_model_of(trainer.model) is None:
             raise ConfigError(f"grpo.beta > 0 compares with the model with its adapter switched off, but method is "
                               f"{trainer.method}", "use method: lora or qlora, or set grpo.beta: 0 (no reference)")
-        if self.g.temperature != 1.0 and output_head(trainer.model).softcap is not None:
-            raise ConfigError(f"grpo.temperature {self.g.temperature} on a model with soft-capped logits: the "
-                              "log-probs at that temperature are not computed", "set grpo.temperature: 1.0")
 
     def count(self, batch: dict) -> int:
         if self.g.loss_type == "dapo":
@@ -145,18 +136,42 @@ class GRPOObjective(Objective):
     def tokens(self, batch: dict) -> int:
         return int(batch["lengths"].sum())
 
+    @property
+    def steps_per_generation_batch(self) -> int:
+        """Optimizer steps one generation batch serves: `steps_per_generation` shares, each
+        trained `updates_per_generation` times (TRL: steps_per_generation x num_iterations)."""
+        return self.g.steps_per_generation * self.g.updates_per_generation
+
+    @property
+    def keeps_old_logps(self) -> bool:
+        """Whether a step can train on completions its weights did not sample (later updates,
+        later shares, or an asynchronous generation): then the sampling policy's log-probs are kept."""
+        return self.steps_per_generation_batch > 1 or self.g.async_generation
+
     def step_batches(self, trainer, step: int) -> list[dict]:
-        """The micro-batches of optimizer step `step`: one generation serves
-        `updates_per_generation` consecutive steps (generated on the first of them)."""
-        index = (step - 1) // self.g.updates_per_generation
+        """The micro-batches of optimizer step `step`: one generation batch serves
+        `steps_per_generation_batch` consecutive steps (sampled before the first of them); each
+        step trains on its share (TRL's order: every share once, then again per update)."""
+        per_batch = self.steps_per_generation_batch
+        index, within = divmod(step - 1, per_batch)
         if self.generation is None or self.generation.index != index:
+            pending = self._take_pending(trainer, index)
             self.generation = None  # free the last one before sampling the next
-            self.generation = self._generate(trainer, index)
+            self.generation = pending if pending is not None else self._generate(trainer, index)
         self._sums = {k: 0.0 for k in _TOKEN_SUMS}
-        self._sampled_now = (step - 1) % self.g.updates_per_generation == 0
+        self._sampled_now = within == 0
+        if self.g.async_generation and within == per_batch - 1 and step < trainer.total_steps:
+            self._start_pending(trainer, index + 1)  # sampled with the weights before this step's update
         gen = self.generation
+        share = len(gen.rows) // self.g.steps_per_generation
+        first = (within % self.g.steps_per_generation) * share
         micro = self.micro_batch_size
-        return [self._collate(gen, range(i, min(i + micro, len(gen.rows)))) for i in range(0, len(gen.rows), micro)]
+        return [self._collate(gen, range(i, min(i + micro, first + share))) for i in range(first, first + share, micro)]
+
+    def after_backward(self, trainer, step: int) -> None:
+        """Before the optimizer changes the weights: wait for an asynchronous generation."""
+        if self._pending is not None:
+            self._pending.join()
 
     def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
         logps, mask = completion_logps(model, batch, temperature=self.g.temperature,
@@ -208,8 +223,11 @@ class GRPOObjective(Objective):
         if self.cfg.eval.prompts:
             from maximus.evaluate import generate_text
 
+            # Chat prompts (message lists) went through the chat template: so do the eval prompts.
+            chat = any(isinstance(row["prompt"], list) for row in trainer.data.train)
             result["generations"] = generate_text(trainer.model, trainer.tokenizer, self.cfg.eval.prompts,
-                                                  device=trainer.device, max_new_tokens=self.cfg.eval.max_new_tokens)
+                                                  device=trainer.device, max_new_tokens=self.cfg.eval.max_new_tokens,
+                                                  chat=chat)
         return result
 
     # ------------------------------------------------------------------------------ generation
@@ -223,25 +241,54 @@ class GRPOObjective(Objective):
         finally:
             model.train(was_training)
 
-    def _generate(self, trainer, index: int) -> Generation:
-
+    def _generate(self, trainer, index: int, *, in_thread: bool = False) -> Generation:
+        """Generation batch `index`: the rows of step `index + 1`'s position in the data order,
+        sampled in one batched call (`maximus.train.sampling`), scored, with the log-probs the
+        steps need. `in_thread` (asynchronous generation): the model stays in training mode (the
+        main thread is training it) and the reference pass, which switches the adapter off, is
+        left to `_take_pending`."""
         prompts = trainer.rows_for_step(index + 1)
         started = time.perf_counter()
-        with self._generating(trainer.model), torch.no_grad(), autocast_for(trainer.device, trainer.dtype):
-            completions = [self._sample(trainer, prompt["prompt_ids"], seed=(self.cfg.training.seed, index, p))
-                           for p, prompt in enumerate(prompts)]
+        mode = nullcontext() if in_thread else self._generating(trainer.model)
+        with mode, torch.no_grad(), autocast_for(trainer.device, trainer.dtype):
+            sampled = self.sample(trainer, [p["prompt_ids"] for p in prompts], index)
         generation_s = time.perf_counter() - started
-        gen = self.build_generation(trainer, index, prompts, completions)
-        tokens = sum(len(c) for group in completions for c in group)
-        gen.metrics.update(generation_s=generation_s, generation_tokens_per_s=tokens / max(generation_s, 1e-9))
+        gen = self.build_generation(trainer, index, prompts, sampled.completions, reference=not in_thread)
+        gen.metrics.update(generation_s=generation_s, generation_tokens_per_s=sampled.tokens / max(generation_s, 1e-9),
+                           generation_prefill_s=sampled.prefill_s, generation_decode_s=sampled.decode_s)
         return gen
 
-    def build_generation(self, trainer, index: int, prompts: list[dict], completions: list[list[list[int]]]) -> Generation:
+    def sample(self, trainer, prompt_ids: list[list[int]], index: int, **extra):
+        """`group_size` sampled completions of each prompt, all in one batched call, seeded by
+        (seed, generation index) (`extra`: e.g. `record_logps=True`)."""
+        from maximus.train.sampling import sample_groups
+
+        g, tok, device = self.g, trainer.tokenizer, trainer.device
+        seed = hash((self.cfg.training.seed, index)) % 2**63
+        if g.generation == "vllm":
+            if self._vllm is None:
+                from maximus.train.vllm_generation import VllmSampler
+
+                self._vllm = VllmSampler(self.cfg, trainer)
+            return self._vllm.sample(trainer.model, prompt_ids, seed=seed % 2**31, eos_token_id=tok.eos_token_id)
+        generator = torch.Generator(device=device).manual_seed(seed)
+        return sample_groups(trainer.model, prompt_ids, group_size=g.group_size, max_new_tokens=g.max_completion_tokens,
+                             eos_token_id=tok.eos_token_id, pad_token_id=self.pad_token_id,
+                             temperature=g.temperature, top_p=g.top_p, generator=generator,
+                             prompts_at_once=self.prompts_at_once, **extra)
+
+    @property
+    def prompts_at_once(self) -> int | None:
+        """Prompts (x group) per decode loop: the plan's (`maximus.memory.generation`); None = all."""
+        return (self.plan.generation or {}).get("prompts_at_once")
+
+    def build_generation(self, trainer, index: int, prompts: list[dict], completions: list[list[list[int]]], *,
+                         reference: bool = True) -> Generation:
         """Score the sampled `completions[p][i]` (token ids, cut after EOS) of each prompt row,
-        and take the reference / sampling-policy log-probs the updates need (module doc)."""
+        and take the reference (`reference`) and sampling-policy log-probs the steps need (module doc)."""
         g, eos = self.g, trainer.tokenizer.eos_token_id
         rows, totals, per_function, truncated, dropped = [], [], [], 0, 0
-        step = index * g.updates_per_generation + 1
+        step = index * self.steps_per_generation_batch + 1
         for p, (prompt, ids) in enumerate(zip(prompts, completions)):
             truncated += sum(eos not in c for c in ids)
             scores = self._score(trainer, prompt, ids, where=f"prompt {p} of step {step} ({prompt['where']})")
@@ -261,50 +308,42 @@ class GRPOObjective(Objective):
         for k, function in enumerate(self.rewards):
             metrics[f"reward/{function.name}"] = _nanmean(per_function[:, k])
         gen = Generation(index, rows, advantages, None, None, metrics)
-        if g.beta > 0:
-            with peft_model_of(trainer.model).disable_adapter():
-                gen.ref_logps = self._logps_of_rows(trainer, gen)
-        if g.updates_per_generation > 1:
+        if reference:
+            self._reference_logps(trainer, gen)
+        if self.keeps_old_logps:
             gen.old_logps = self._logps_of_rows(trainer, gen)
         return gen
 
-    def sampling_config(self, eos_token_id: int, **extra):
-        """The `GenerationConfig` of the policy's sampling (`extra`: e.g. `output_logits=True`)."""
-        from transformers import GenerationConfig
+    def _reference_logps(self, trainer, gen: Generation) -> None:
+        if self.g.beta > 0:
+            with peft_model_of(trainer.model).disable_adapter():
+                gen.ref_logps = self._logps_of_rows(trainer, gen)
 
-        g = self.g
-        return GenerationConfig(do_sample=True, temperature=g.temperature, top_p=g.top_p, top_k=0,
-                                max_new_tokens=g.max_completion_tokens, eos_token_id=eos_token_id,
-                                pad_token_id=self.pad_token_id, num_beams=1, use_cache=True, **extra)
+    # ------------------------------------------------------------------------------ asynchronous generation
+    def _start_pending(self, trainer, index: int) -> None:
+        if self._pending is None or self._pending.index != index:
+            self._pending = _PendingGeneration(index, lambda: self._generate(trainer, index, in_thread=True))
 
-    def _sample(self, trainer, prompt_ids: list[int], seed: tuple) -> list[list[int]]:
-        """`group_size` sampled completions of one prompt, each cut after its first EOS (kept)."""
-        g, tok, device = self.g, trainer.tokenizer, trainer.device
-        config = self.sampling_config(tok.eos_token_id)
-        prompt = torch.tensor([prompt_ids], device=device).repeat(g.group_size, 1)
-        devices = [device.index or 0] if device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(hash(seed) % 2**63)
-            out = trainer.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
-                                         generation_config=config)
-        return [_cut_at_eos(row, tok.eos_token_id) for row in out[:, len(prompt_ids):].tolist()]
+    def _take_pending(self, trainer, index: int) -> Generation | None:
+        """The asynchronous generation `index` (waited for, its reference pass done now), or None."""
+        pending, self._pending = self._pending, None
+        if pending is None:
+            return None
+        gen = pending.take()
+        if pending.index != index:
+            return None
+        self._reference_logps(trainer, gen)
+        return gen
 
     def _greedy(self, trainer, rows: list[dict]) -> list[list[int]]:
-        """One greedy completion per prompt row, batched with left padding."""
-        from transformers import GenerationConfig
+        """One greedy completion per prompt row, all rows in one batched call."""
+        from maximus.train.sampling import sample_groups
 
-        tok, device = trainer.tokenizer, trainer.device
-        width = max(len(r["prompt_ids"]) for r in rows)
-        ids = torch.full((len(rows), width), self.pad_token_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), width), dtype=torch.long)
-        for i, r in enumerate(rows):
-            ids[i, width - len(r["prompt_ids"]):] = torch.tensor(r["prompt_ids"])
-            mask[i, width - len(r["prompt_ids"]):] = 1
-        config = GenerationConfig(do_sample=False, max_new_tokens=self.g.max_completion_tokens, num_beams=1,
-                                  eos_token_id=tok.eos_token_id, pad_token_id=self.pad_token_id, use_cache=True)
-        out = trainer.model.generate(input_ids=ids.to(device), attention_mask=mask.to(device),
-                                     generation_config=config)
-        return [_cut_at_eos(row, tok.eos_token_id) for row in out[:, width:].tolist()]
+        tok = trainer.tokenizer
+        out = sample_groups(trainer.model, [r["prompt_ids"] for r in rows], group_size=1,
+                            max_new_tokens=self.g.max_completion_tokens, eos_token_id=tok.eos_token_id,
+                            pad_token_id=self.pad_token_id, greedy=True)
+        return [group[0] for group in out.completions]
 
     def _score(self, trainer, row: dict, completion_ids: list[list[int]], *, where: str):
         tok = trainer.tokenizer
@@ -349,8 +388,30 @@ class GRPOObjective(Objective):
         return batch
 
 
-def _cut_at_eos(ids: list[int], eos: int) -> list[int]:
-    return ids[:ids.index(eos) + 1] if eos in ids else ids
+class _PendingGeneration:
+    """A generation batch sampled on a second thread; `take()` waits and returns it (or raises
+    what the thread raised)."""
+
+    def __init__(self, index: int, produce):
+        self.index = index
+        self._result, self._error = None, None
+        self._thread = threading.Thread(target=self._run, args=(produce,), name=f"grpo-generation-{index}", daemon=True)
+        self._thread.start()
+
+    def _run(self, produce) -> None:
+        try:
+            self._result = produce()
+        except BaseException as error:  # re-raised in the training thread by take()
+            self._error = error
+
+    def join(self) -> None:
+        self._thread.join()
+
+    def take(self) -> Generation:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        return self._result
 
 
 def _nanmean(x: torch.Tensor) -> float | None:

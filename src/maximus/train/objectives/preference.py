@@ -3,7 +3,7 @@
 One micro-batch of N pairs is one forward of 2N rows (chosen rows then rejected rows, padded to
 one length by `maximus.data.collate`). Sequence log-probabilities are sums of per-token
 `log p(label)` over the answer tokens only (prompt and padding labels are -100), computed by
-`maximus.losses.linear_cross_entropy.token_log_probs` from the hidden states: no
+`maximus.losses.token_outputs.label_log_probs` from the hidden states: no
 tokens x vocabulary logits tensor is ever held.
 
 Reference log-probs (for sigmoid / ipo / hinge; SimPO and ORPO need none), never a second model:
@@ -40,8 +40,8 @@ import torch
 
 from maximus.errors import ConfigError
 from maximus.memory.plan import Plan
-from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy, token_log_probs
 from maximus.losses.preference import dpo_loss, needs_reference
+from maximus.losses.token_outputs import label_log_probs
 from maximus.forward import IGNORE_INDEX, hidden_states, output_head, shift_labels, through_head
 from maximus.structure import peft_model_of, row_lengths
 from maximus.train.objectives.base import Objective
@@ -61,14 +61,8 @@ def sequence_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor | 
 
     def logps_of(hidden: torch.Tensor) -> torch.Tensor:
         head = output_head(model)  # read inside: under FSDP2 the sharded head is gathered only for this call
-        if mode == "naive":
-            return -naive_cross_entropy(hidden, head.weight, target, IGNORE_INDEX, softcap=head.softcap,
-                                        reduction="none", bias=head.bias)
-        if head.softcap is None:
-            return token_log_probs(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size, bias=head.bias)
-        # Gemma-style soft-capped logits: same chunked kernel, with the cap
-        return -linear_cross_entropy(hidden, head.weight, target, IGNORE_INDEX, chunk_size=chunk_size,
-                                     softcap=head.softcap, reduction="none", bias=head.bias)
+        return label_log_probs(hidden, head.weight, target, bias=head.bias, softcap=head.softcap,
+                               ignore_index=IGNORE_INDEX, chunk_size=chunk_size, mode=mode)
 
     per_token = through_head(model, hidden, logps_of)
     return per_token.sum(dim=-1), (target != IGNORE_INDEX).sum(dim=-1)

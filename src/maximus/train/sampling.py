@@ -1,0 +1,162 @@
+"""Batched sampling with the KV cache: every prompt x its group in one decode loop.
+
+`sample_groups` is GRPO's generation (`maximus.train.objectives.grpo`), and its greedy evaluation:
+
+1. **prefill once per prompt**: the prompts are left-padded to one width (positions count from
+   each row's first real token, the padding is masked out) and run through the model once, with
+   only the last position's logits formed (`logits_to_keep=1`: no prompt x vocabulary tensor);
+2. **expand the cache to the group**: each prompt's K / V rows are repeated `group_size` times
+   (`DynamicCache.batch_repeat_interleave`), so a group of G costs one prefill, not G;
+3. **decode**: one token for every unfinished row per forward, again with the last position's
+   logits only (`[rows, V]` float32). Temperature divides them in place; top-p masks them in
+   place (Transformers' `TopPLogitsWarper` rule: drop the tokens whose cumulative probability,
+   counted from the least likely, stays at or below 1 - top_p, keeping at least one); the next
+   token is drawn by the exponential race `argmax p / E` (E ~ Exp(1)), which picks token v with
+   probability p_v. A row that emits EOS leaves the batch (its cache rows are dropped,
+   `batch_select_indices`), so finished completions cost nothing further.
+
+Sampling is seeded by a `torch.Generator` the caller passes (GRPO seeds it with (seed, generation)),
+so the same prompts give the same completions again (a redone or resumed step).
+
+`prompts_at_once` bounds how many prompts (x group) share one decode loop: the KV cache of that
+many rows is what generation holds (`maximus.memory.generation`); the planner picks it.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass
+class Sampled:
+    """`completions[p][i]`: the token ids of prompt p's completion i, cut after its first EOS
+    (kept); `logps[p][i]`: float32 log-probs of those tokens under the tempered distribution they
+    were drawn from (before top-p), when asked; seconds spent in prefill and decode forwards."""
+
+    completions: list[list[list[int]]]
+    logps: list[list[torch.Tensor]] | None = None
+    prefill_s: float = 0.0
+    decode_s: float = 0.0
+    forwards: int = 0
+
+    @property
+    def tokens(self) -> int:
+        return sum(len(c) for group in self.completions for c in group)
+
+
+def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """(input_ids, attention_mask) [P, width] of `prompts` left-padded to the longest."""
+    width = max(len(p) for p in prompts)
+    ids = torch.full((len(prompts), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for i, p in enumerate(prompts):
+        ids[i, width - len(p):] = torch.tensor(p, dtype=torch.long)
+        mask[i, width - len(p):] = 1
+    return ids.to(device), mask.to(device)
+
+
+def next_tokens(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                generator: torch.Generator | None = None, want_logps: bool = False):
+    """(next token [N], its log-prob at `temperature` [N] or None) from the last position's
+    float32 `logits` [N, V], which are overwritten (tempered and top-p-masked in place)."""
+    if greedy:
+        return logits.argmax(dim=-1), None
+    if temperature != 1.0:
+        logits.div_(temperature)
+    log_z = torch.logsumexp(logits, dim=-1) if want_logps else None
+    raw = logits.clone() if want_logps and top_p < 1.0 else logits
+    if top_p < 1.0:
+        ordered, order = logits.sort(dim=-1)
+        cumulative = ordered.softmax(dim=-1).cumsum_(dim=-1)
+        drop = cumulative <= 1.0 - top_p
+        drop[:, -1] = False
+        logits.masked_fill_(drop.scatter(1, order, drop), float("-inf"))
+    probs = logits.softmax(dim=-1)
+    race = torch.empty_like(probs).exponential_(generator=generator)
+    tokens = probs.div_(race).argmax(dim=-1)
+    logps = raw.gather(1, tokens[:, None]).squeeze(1) - log_z if want_logps else None
+    return tokens, logps
+
+
+def _cache_keyword(model) -> str:
+    """The forward's name for the KV cache: `cache` (Transformers >= 5.2x), else `past_key_values`."""
+    import inspect
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return "cache" if "cache" in inspect.signature(type(base).forward).parameters else "past_key_values"
+
+
+def _sync(device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+@torch.no_grad()
+def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_id: int,
+                  pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
+                  generator: torch.Generator | None = None, record_logps: bool = False,
+                  prompts_at_once: int | None = None) -> Sampled:
+    """`group_size` completions of each prompt (token id lists), batched as the module doc says."""
+    from transformers import DynamicCache
+
+    device = next(model.parameters()).device
+    cache_kw = _cache_keyword(model)
+    out = Sampled(completions=[], logps=[] if record_logps else None)
+    step = max(1, prompts_at_once or len(prompts))
+    for start in range(0, len(prompts), step):
+        chunk = prompts[start:start + step]
+        ids, mask = left_pad(chunk, pad_token_id, device)
+        positions = (mask.cumsum(dim=1) - 1).clamp_(min=0)
+        _sync(device)
+        t0 = time.perf_counter()
+        cache = DynamicCache(config=model.config)
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                       logits_to_keep=1, **{cache_kw: cache}).logits[:, -1].float()
+        if group_size > 1:
+            cache.batch_repeat_interleave(group_size)
+            logits = logits.repeat_interleave(group_size, dim=0)
+            mask = mask.repeat_interleave(group_size, dim=0)
+            positions = positions.repeat_interleave(group_size, dim=0)
+        _sync(device)
+        t1 = time.perf_counter()
+        out.prefill_s += t1 - t0
+        out.forwards += 1
+        rows = len(chunk) * group_size
+        tokens: list[list[int]] = [[] for _ in range(rows)]
+        logps: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        alive = torch.arange(rows, device=device)
+        last = positions[:, -1]
+        for t in range(max_new_tokens):
+            new, new_logps = next_tokens(logits, temperature=temperature, top_p=top_p, greedy=greedy,
+                                         generator=generator, want_logps=record_logps)
+            values = new.tolist()
+            for row, token in zip(alive.tolist(), values):
+                tokens[row].append(token)
+            if record_logps:
+                for row, lp in zip(alive.tolist(), new_logps.float().cpu()):
+                    logps[row].append(lp)
+            if t == max_new_tokens - 1:
+                break
+            keep = new != eos_token_id
+            if not bool(keep.all()):
+                if not bool(keep.any()):
+                    break
+                index = keep.nonzero().squeeze(1)
+                cache.batch_select_indices(index)
+                alive, new, mask, last = alive[index], new[index], mask[index], last[index]
+            mask = torch.cat([mask, mask.new_ones(mask.shape[0], 1)], dim=1)
+            last = last + 1
+            logits = model(input_ids=new[:, None], attention_mask=mask, position_ids=last[:, None],
+                           use_cache=True, **{cache_kw: cache}).logits[:, -1].float()
+            out.forwards += 1
+        del cache
+        _sync(device)
+        out.decode_s += time.perf_counter() - t1
+        for p in range(len(chunk)):
+            group = tokens[p * group_size:(p + 1) * group_size]
+            out.completions.append(group)
+            if record_logps:
+                out.logps.append([torch.stack(logps[r]) for r in range(p * group_size, (p + 1) * group_size)])
+    return out
