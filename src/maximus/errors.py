@@ -54,3 +54,16 @@ class UsageError(MaximusError):
 
 class RewardError(MaximusError):
     """A reward function (objective grpo) raised, or returned something other than one number per completion."""
+
+
+class TrainingError(MaximusError):
+    """Training cannot go on (e.g. too many non-finite steps in a row, out of memory at the smallest plan)."""
+
+
+PREEMPTED_EXIT_CODE = 75
+
+
+class Preempted(MaximusError):
+    """A stop signal arrived; a checkpoint was written and the run can resume."""
+
+    exit_code = PREEMPTED_EXIT_CODE

@@ -18,6 +18,10 @@
   model after, generations for `eval.prompts`; outputs `adapter/` (PEFT format), `run.json`,
   `metrics.jsonl`, `loss.png`.
 
+`_train` is a short loop over named steps (`_measured_step`, `_count_bad_step`, `_log_step`,
+`_evaluate_during`, `_checkpoint_or_stop`); re-planning lives in `maximus.train.replanning`, what
+a run writes and prints in `maximus.train.outputs`.
+
 Raises (all `MaximusError`, printed as one line by the CLI): ConfigError, DataError, ModelError,
 BudgetError, CheckpointError, TrainingError (too many non-finite steps), Preempted (signal).
 Nothing in `output_dir` is touched until the config, data and model have loaded.
@@ -26,43 +30,51 @@ from __future__ import annotations
 
 import math
 import os
-import platform
 import random
-import shutil
 import signal
 import sys
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from maximus.config import Config
-from maximus.errors import MaximusError
+from maximus.errors import PREEMPTED_EXIT_CODE, MaximusError, Preempted, TrainingError
 from maximus.forward import autocast_for
 from maximus.kernels import apply_kernels, cpu_threads
 from maximus.memory.run_plan import plan_run, replan, resolve_dtype
-from maximus.models import check_model_source, count_parameters, load_model, load_tokenizer, resolve_device
+from maximus.models import check_model_source, load_model, load_tokenizer, resolve_device
 from maximus.train import distributed as dist_env
-from maximus.train.checkpoint import fsync_dir, latest_good_checkpoint, save_checkpoint, write_json
+from maximus.train.checkpoint import latest_good_checkpoint, save_checkpoint
 from maximus.train.lock import RunLock
 from maximus.train.objectives import ObjectiveModule, build_objective
 from maximus.memory.lengths import split_by_tokens
 from maximus.train.order import RowOrder, row_length, run_lengths, run_steps
-from maximus.train.progress import MetricsLog, ProgressDisplay, plot_loss
+from maximus.train.outputs import print_header, print_summary, write_live_plan, write_outputs
+from maximus.train.progress import MetricsLog, ProgressDisplay
+from maximus.train.replanning import check_budget, guarded_step
 from maximus.train.sinks import open_sinks
 
-PREEMPTED_EXIT_CODE = 75
+__all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Trainer", "TrainingError"]
 
 
-class TrainingError(MaximusError):
-    """Training cannot go on (e.g. too many non-finite steps in a row)."""
+@dataclass
+class _Run:
+    """What the loop carries from one step to the next."""
 
-
-class Preempted(MaximusError):
-    """A stop signal arrived; a checkpoint was written and the run can resume."""
-
-    exit_code = PREEMPTED_EXIT_CODE
+    out: ProgressDisplay
+    ckpt_root: Path
+    state: dict  # restored from, and saved into, checkpoints
+    start_step: int
+    sinks: Any
+    metrics: MetricsLog | None
+    step: int = 0
+    bad_in_row: int = 0
+    skipped: int = 0
+    peak: int = 0
 
 
 class Trainer:
@@ -251,83 +263,6 @@ class Trainer:
         return {"loss": loss if finite else None, "grad_norm": float(grad_norm) if finite else None,
                 "finite": finite, "tokens": tokens * self.dist.world_size, "units": units, "metrics": extra}
 
-    # ------------------------------------------------------------------------------ runtime guard
-    def _guarded_step(self, step: int, out: ProgressDisplay) -> dict:
-        """`train_step`, redone after an out-of-memory error with a smaller plan. The step's rows
-        do not change, so neither the effective batch nor the data order does."""
-        while True:
-            try:
-                return self.train_step(step)
-            except torch.OutOfMemoryError:
-                self.optimizer.zero_grad(set_to_none=True)
-                if self.device.type == "cuda":
-                    torch.cuda.empty_cache()
-                smaller = self._smaller_plan()
-                if smaller is None:
-                    raise TrainingError(f"out of memory at step {step} with micro-batch 1 and full recomputation",
-                                        "lower training.seq_len, use method: qlora, or set a smaller target_vram "
-                                        "so the planner offloads more") from None
-                change = self._adopt(smaller, step=step, reason="out of memory")
-                out.message(f"warning: out of memory at step {step}; re-planned ({change}) and redoing the step")
-
-    def _check_budget(self, step: int, out: ProgressDisplay) -> None:
-        """After a step: when its measured peak (CUDA: max_memory_allocated; CPU: the meter's
-        storage tracker) passed the budget, re-plan downward for the next steps. The planner's
-        search runs again with its estimate scaled by measured / predicted (whatever the
-        estimator missed is taken to grow with it); failing that, the micro-batch halves, then
-        every layer recomputes."""
-        if not self.meter.over_budget_bytes():
-            return
-        from maximus.memory.run_plan import plan_below_measured
-
-        budget, measured = int(self.meter.budget_bytes), self.meter.peak_bytes()
-        smaller = plan_below_measured(self.cfg, self.plan, measured, budget, lengths=self.lengths) or self._smaller_plan()
-        reason = f"measured peak {measured:,} bytes over the budget of {budget:,}"
-        change = "nothing left to shrink"
-        if smaller is not None:
-            change = self._adopt(smaller, step=step, reason=reason, measured_peak_bytes=measured)
-        out.message(f"warning: step {step} peaked at {measured:,} bytes, over the budget of {budget:,}; "
-                    f"re-planned for the next steps: {change}")
-
-    def _smaller_plan(self):
-        """The next cheaper plan, or None: halve the micro-batch (the accumulation doubles), then
-        recompute every layer."""
-        plan = self.plan
-        if plan.micro_batch_tokens and plan.micro_batch_tokens > self.lengths.longest:
-            return replan(self.cfg, plan, micro_batch_tokens=max(self.lengths.longest, plan.micro_batch_tokens // 2),
-                          lengths=self.lengths)
-        if plan.micro_batch_size > 1 and not plan.micro_batch_tokens:
-            return replan(self.cfg, plan, micro_batch_size=plan.micro_batch_size // 2, lengths=self.lengths)
-        if set(plan.recompute) != {"full"}:
-            return replan(self.cfg, plan, recompute=("full",) * len(plan.recompute), lengths=self.lengths)
-        return None
-
-    def _adopt(self, new, *, step: int, reason: str, **measured) -> str:
-        """Switch to plan `new` between steps (recompute modes on the model, the objective's
-        plan), record it in `replans` (run.json) and return what changed."""
-        old = self.plan
-        if new.recompute != old.recompute or new.offload_activations != old.offload_activations:
-            from maximus.memory.checkpointing import apply_checkpointing
-
-            self.checkpointing = apply_checkpointing(self.model, list(new.recompute), micro_batch=new.micro_batch_size,
-                                                     seq_len=self.cfg.training.seq_len,
-                                                     offload_activations=new.offload_activations,
-                                                     tile_tokens=new.tile_tokens)
-        self.plan = self.objective.plan = new
-        change = _plan_change(old, new)
-        self.replans.append({"step": step, "reason": reason, "change": change,
-                             "predicted_peak_bytes": new.peak_bytes, **measured})
-        self._write_live_plan()
-        return change
-
-    def _write_live_plan(self) -> None:
-        """output_dir/plan.json: the plan in force while the run goes on (budget, predicted peak,
-        re-plans), for live views (`maximus ui`) that cannot wait for run.json. Rewritten atomically."""
-        if self.dist.is_main:
-            write_json(self.run_dir / "plan.json", {"config": self.cfg.to_dict(), "plan": self.plan.to_dict(),
-                                                    "method": self.method, "steps": self.total_steps,
-                                                    "replans": self.replans})
-
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
         if not self.cfg.eval.enabled or not (self.data.eval or self.cfg.eval.prompts):
@@ -364,6 +299,33 @@ class Trainer:
                 self.dist.shutdown(clean=finished)  # destroys the process group, also after an error
 
     def _train(self, started: float) -> dict:
+        run = self._open_run()
+        self._evaluate_before(run)
+        previous = self._install_signal_handlers()
+        try:
+            for step in range(run.start_step + 1, self.total_steps + 1):
+                run.step = step
+                row, finite = self._measured_step(step, run)
+                self._count_bad_step(row, finite, run)
+                self._log_step(row, run)
+                self._evaluate_during(step, run)
+                self._checkpoint_or_stop(step, run)
+            self._save(run.ckpt_root, run.step, run.state)
+        finally:
+            self._restore_signal_handlers(previous)
+            self._close_logs(run, failed=sys.exc_info()[1] is not None)
+        eval_after = self.evaluate() if self.cfg.eval.enabled else {}
+        if run.sinks is not None:
+            run.sinks.eval("after", run.step, eval_after)
+            run.sinks.close()
+        if self.dist.is_main:
+            self._summary = write_outputs(self, run.state, eval_after, run.peak, run.skipped, started)
+            print_summary(self, run.state.get("eval_before", {}), eval_after)
+        return self._summary
+
+    # ------------------------------------------------------------------------------ the loop's steps
+    def _open_run(self) -> _Run:
+        """Resume from the newest good checkpoint, print the header, open metrics.jsonl and the sinks."""
         cfg, run_dir = self.cfg, self.run_dir
         ckpt_root = run_dir / "checkpoints"
         out = ProgressDisplay(self.total_steps, mode=cfg.logging.progress if self.dist.is_main else "none",
@@ -377,84 +339,100 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
             out.message(f"resuming from {ckpt.path} (step {start_step}/{self.total_steps})")
         out.start = start_step
-        self._print_header(out)
-        self._write_live_plan()
+        print_header(self, out)
+        write_live_plan(self)
         # Rank 0 alone owns metrics.jsonl (another rank re-creating it would cut rank 0's file) and the sinks.
         sinks = (open_sinks(cfg.logging, run_dir, resume_step=start_step, budget_bytes=self.plan.budget_bytes,
                             config=cfg.model_dump(mode="json")) if self.dist.is_main else None)
         metrics = MetricsLog(run_dir / "metrics.jsonl", resume_step=start_step, sinks=sinks) if self.dist.is_main else None
+        return _Run(out=out, ckpt_root=ckpt_root, state=state, start_step=start_step, sinks=sinks, metrics=metrics,
+                    step=start_step, bad_in_row=state.get("bad_in_row", 0), skipped=state.get("skipped_steps", 0),
+                    peak=state.get("peak_memory_bytes", 0))
 
-        if start_step == 0 and cfg.eval.enabled and cfg.eval.before:
-            state["eval_before"] = self.evaluate()
-            if sinks:
-                sinks.eval("before", 0, state["eval_before"])
-            if "loss" in state["eval_before"]:
-                out.message(f"base model: held-out loss {state['eval_before']['loss']:.4f}")
-        if start_step == 0 and self.tasks is not None and self.tasks.prompted:  # the base, before any step
+    def _evaluate_before(self, run: _Run) -> None:
+        """The base model's held-out metrics and its prompting baseline, on a fresh start only
+        (a resumed run has them)."""
+        cfg, state = self.cfg, run.state
+        if run.start_step != 0:
+            return
+        if cfg.eval.enabled and cfg.eval.before:
+            before = state["eval_before"] = self.evaluate()
+            if run.sinks:
+                run.sinks.eval("before", 0, before)
+            if "loss" in before:
+                run.out.message(f"base model: held-out loss {before['loss']:.4f}")
+        if self.tasks is not None and self.tasks.prompted:  # the base, before any step
             state["eval_prompted"] = self.tasks.score_prompted(self.model, device=self.device, dtype=self.dtype,
                                                                batch_size=self.plan.micro_batch_size)
-        previous = self._install_signal_handlers()
-        bad_in_row = state.get("bad_in_row", 0)
-        skipped = state.get("skipped_steps", 0)
-        peak = state.get("peak_memory_bytes", 0)
-        step = start_step
-        try:
-            for step in range(start_step + 1, self.total_steps + 1):
-                t0 = time.perf_counter()
-                self.meter.reset_peak()  # each row's peak_memory_bytes is that step's own peak
-                with self.meter.track(self.model, self.optimizer):
-                    result = self._guarded_step(step, out)
-                elapsed = time.perf_counter() - t0
-                peak = max(peak, self.meter.peak_bytes())
-                step_peak = self.meter.peak_bytes()
-                self._check_budget(step, out)
-                row = {"step": step, "loss": result["loss"], "lr": self.scheduler.get_last_lr()[0],
-                       "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
-                       "step_time_s": elapsed, "tokens": result["tokens"], "memory_bytes": self.meter.current_bytes(),
-                       "peak_memory_bytes": step_peak, **result["metrics"]}
-                if not result["finite"]:
-                    bad_in_row += 1
-                    skipped += 1
-                    row["skipped"] = True
-                    out.message(f"warning: step {step} had a non-finite loss or gradient; skipped (no update)")
-                    if bad_in_row >= cfg.training.max_bad_steps:
-                        if metrics is not None:
-                            metrics.write(row)
-                        raise TrainingError(f"{bad_in_row} consecutive steps had a non-finite loss or gradient (last: step {step})",
-                                            "lower training.learning_rate or check the data; the last good checkpoint is kept")
-                else:
-                    bad_in_row = 0
-                if metrics is not None:
-                    metrics.write(row)
-                out.update(row)
-                state.update(bad_in_row=bad_in_row, skipped_steps=skipped, peak_memory_bytes=peak)
-                if cfg.eval.every and step % cfg.eval.every == 0 and step < self.total_steps:
-                    ev = self.evaluate()
-                    if ev and metrics is not None:
-                        metrics.write({"step": step, "eval_loss": ev.get("loss"), "eval_perplexity": ev.get("perplexity")})
-                stop = self.dist.any(self._stop_signal is not None)  # every rank stops at the same step
-                if step < self.total_steps and ((cfg.training.save_every and step % cfg.training.save_every == 0) or stop):
-                    self._save(ckpt_root, step, state)
-                if stop:
-                    name = signal.Signals(self._stop_signal).name
-                    raise Preempted(f"stopped by {name} after step {step}/{self.total_steps}; checkpoint saved in {ckpt_root}",
-                                    "re-run the same command to resume")
-            self._save(ckpt_root, step, state)
-        finally:
-            self._restore_signal_handlers(previous)
-            if metrics is not None:
-                metrics.close()
-            if sinks is not None and sys.exc_info()[1] is not None:
-                sinks.close()  # a failed or stopped run still ends its W&B / MLflow run
-            out.close()
-        eval_after = self.evaluate() if cfg.eval.enabled else {}
-        if sinks is not None:
-            sinks.eval("after", step, eval_after)
-            sinks.close()
-        if self.dist.is_main:
-            self._write_outputs(state, eval_after, peak, skipped, started)
-            self._print_summary(state.get("eval_before", {}), eval_after, out)
-        return self._summary
+
+    def _measured_step(self, step: int, run: _Run) -> tuple[dict, bool]:
+        """One optimizer step under the memory meter (re-planned after an out-of-memory error or
+        a peak over the budget): its metrics row, and whether its loss and gradient were finite."""
+        t0 = time.perf_counter()
+        self.meter.reset_peak()  # each row's peak_memory_bytes is that step's own peak
+        with self.meter.track(self.model, self.optimizer):
+            result = guarded_step(self, step, run.out.message)
+        elapsed = time.perf_counter() - t0
+        step_peak = self.meter.peak_bytes()
+        run.peak = max(run.peak, step_peak)
+        check_budget(self, step, run.out.message)
+        row = {"step": step, "loss": result["loss"], "lr": self.scheduler.get_last_lr()[0],
+               "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
+               "step_time_s": elapsed, "tokens": result["tokens"], "memory_bytes": self.meter.current_bytes(),
+               "peak_memory_bytes": step_peak, **result["metrics"]}
+        return row, result["finite"]
+
+    def _count_bad_step(self, row: dict, finite: bool, run: _Run) -> None:
+        """The bad-step policy: a non-finite step was skipped (no update); `max_bad_steps` of them
+        in a row stop the run with TrainingError (its row is logged first)."""
+        if finite:
+            run.bad_in_row = 0
+            return
+        run.bad_in_row += 1
+        run.skipped += 1
+        row["skipped"] = True
+        step = row["step"]
+        run.out.message(f"warning: step {step} had a non-finite loss or gradient; skipped (no update)")
+        if run.bad_in_row >= self.cfg.training.max_bad_steps:
+            if run.metrics is not None:
+                run.metrics.write(row)
+            raise TrainingError(f"{run.bad_in_row} consecutive steps had a non-finite loss or gradient (last: step {step})",
+                                "lower training.learning_rate or check the data; the last good checkpoint is kept")
+
+    def _log_step(self, row: dict, run: _Run) -> None:
+        """metrics.jsonl (and the sinks through it), the progress display, the checkpointed state."""
+        if run.metrics is not None:
+            run.metrics.write(row)
+        run.out.update(row)
+        run.state.update(bad_in_row=run.bad_in_row, skipped_steps=run.skipped, peak_memory_bytes=run.peak)
+
+    def _evaluate_during(self, step: int, run: _Run) -> None:
+        """Held-out loss every `eval.every` steps (the last step's comes with the after-evaluation)."""
+        every = self.cfg.eval.every
+        if every and step % every == 0 and step < self.total_steps:
+            ev = self.evaluate()
+            if ev and run.metrics is not None:
+                run.metrics.write({"step": step, "eval_loss": ev.get("loss"), "eval_perplexity": ev.get("perplexity")})
+
+    def _checkpoint_or_stop(self, step: int, run: _Run) -> None:
+        """A checkpoint every `save_every` steps; after a stop signal (on any rank: every rank
+        stops at the same step), a checkpoint and Preempted."""
+        save_every = self.cfg.training.save_every
+        stop = self.dist.any(self._stop_signal is not None)
+        if step < self.total_steps and ((save_every and step % save_every == 0) or stop):
+            self._save(run.ckpt_root, step, run.state)
+        if stop:
+            name = signal.Signals(self._stop_signal).name
+            raise Preempted(f"stopped by {name} after step {step}/{self.total_steps}; checkpoint saved in {run.ckpt_root}",
+                            "re-run the same command to resume")
+
+    @staticmethod
+    def _close_logs(run: _Run, *, failed: bool) -> None:
+        if run.metrics is not None:
+            run.metrics.close()
+        if run.sinks is not None and failed:
+            run.sinks.close()  # a failed or stopped run still ends its W&B / MLflow run
+        run.out.close()
 
     def _save(self, root: Path, step: int, state: dict) -> None:
         # Under FSDP2 every rank helps gather whole tensors; rank 0 alone writes.
@@ -464,87 +442,6 @@ class Trainer:
         self._gathered = model if model is not self.model else None  # for _save_final_weights
         save_checkpoint(root, step, model, optimizer, {**state, "scheduler": self.scheduler.state_dict()},
                         keep=self.cfg.training.keep_checkpoints)
-
-    # ------------------------------------------------------------------------------ outputs
-    def _write_outputs(self, state: dict, eval_after: dict, peak: int, skipped: int, started: float) -> None:
-        run_dir = self.run_dir
-        self._save_final_weights(run_dir)
-        trainable, total = count_parameters(self.model)
-        summary = {
-            "config": self.cfg.to_dict(),
-            "plan": self.plan.to_dict(),
-            "versions": _versions(),
-            "device": str(self.device), "dtype": str(self.dtype).replace("torch.", ""),
-            "method": self.method,
-            "parameters": {"trainable": trainable, "total": total},
-            "steps": self.total_steps, "skipped_steps": skipped, "replans": self.replans,
-            "wall_time_s": round(time.time() - started, 3),
-            "memory": {"peak_bytes": peak, "budget_bytes": self.plan.budget_bytes,
-                       "breakdown": self.meter.breakdown(self.model, self.optimizer)},
-            "checkpointing": self.checkpointing.to_dict() if hasattr(self.checkpointing, "to_dict") else None,
-            "data": self.data.stats,
-            "eval": self._eval_summary(state, eval_after),
-            "distributed": self.dist.describe(),
-            "kernels": self.kernels.to_dict(),
-        }
-        write_json(run_dir / "run.json", summary)
-        try:
-            plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"{Path(self.cfg.model).name} ({self.method})",
-                      summary=summary)
-        except Exception as exc:  # a plot must never fail a finished run
-            print(f"warning: could not draw loss.png: {exc}")
-        self._summary = summary
-
-    def _eval_summary(self, state: dict, eval_after: dict) -> dict:
-        """run.json's `eval`: before, after, and with a prompting baseline `prompted` and `verdict`."""
-        from maximus.evaluate.report import verdict
-
-        summary = {"before": state.get("eval_before", {}), "after": eval_after}
-        if state.get("eval_prompted"):
-            summary["prompted"] = state["eval_prompted"]
-            summary["verdict"] = verdict(eval_after, state["eval_prompted"], self.cfg.eval.task_metrics)
-        return summary
-
-    def _save_final_weights(self, run_dir: Path) -> None:
-        """adapter/ (PEFT) or model/ (full), written beside and renamed into place."""
-        if self.streamer is not None:
-            self.streamer.remove()
-            self.streamer = None
-        name = "adapter" if hasattr(self.model, "peft_config") else "model"
-        final = run_dir / name
-        tmp = run_dir / f".{name}.tmp"
-        shutil.rmtree(tmp, ignore_errors=True)
-        # Under FSDP2 the live parameters are shards: save the whole ones the last _save gathered.
-        gathered = getattr(self, "_gathered", None)
-        extra = {"state_dict": gathered.tensors} if gathered is not None else {}
-        self.model.save_pretrained(str(tmp), safe_serialization=True, **extra)
-        self.tokenizer.save_pretrained(str(tmp))
-        old = run_dir / f".{name}.old"
-        shutil.rmtree(old, ignore_errors=True)
-        if final.exists():
-            os.replace(final, old)
-        os.replace(tmp, final)
-        shutil.rmtree(old, ignore_errors=True)
-        fsync_dir(run_dir)
-
-    def _print_header(self, out: ProgressDisplay) -> None:
-        trainable, total = count_parameters(self.model)
-        out.message(f"maximus: {self.cfg.model} | {self.method} | {trainable:,} trainable of {total:,} parameters | "
-                    f"{self.device} {str(self.dtype).replace('torch.', '')} | {len(self.data.train)} train rows, "
-                    f"{len(self.data.eval)} eval rows | {self.total_steps} steps of {self.cfg.training.batch_size} x "
-                    f"{self.cfg.training.seq_len} tokens")
-        for line in self.plan.text().splitlines():
-            out.message("  " + line)
-
-    def _print_summary(self, before: dict, after: dict, out: ProgressDisplay) -> None:
-        from maximus.evaluate.report import summary_lines
-
-        ev = self._summary.get("eval", {})
-        lines = summary_lines(before, after, ev.get("prompted"), ev.get("verdict"), metrics=self.cfg.eval.task_metrics,
-                              prompts=self.cfg.eval.prompts)
-        lines.append(f"run directory: {self.run_dir} (adapter/, run.json, metrics.jsonl, loss.png)")
-        for line in lines:
-            print(line, flush=True)
 
     # ------------------------------------------------------------------------------ signals
     def _install_signal_handlers(self) -> dict:
@@ -580,27 +477,3 @@ def _seed_everything(seed: int) -> None:
     except ImportError:  # pragma: no cover
         pass
 
-
-def _versions() -> dict:
-    import importlib.metadata as md
-
-    out = {"python": platform.python_version()}
-    for pkg in ("maximusllm", "torch", "transformers", "peft", "bitsandbytes", "datasets"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = None
-    return out
-
-
-def _plan_change(old, new) -> str:
-    """What differs between two plans, e.g. ``micro-batch 4 -> 2, checkpointing none -> full``."""
-    parts = []
-    for label, a, b in (("micro-batch", old.micro_batch_size, new.micro_batch_size),
-                        ("micro-batch tokens", old.micro_batch_tokens, new.micro_batch_tokens),
-                        ("checkpointing", old.checkpointing_label, new.checkpointing_label),
-                        ("activation offload", old.offload_activations, new.offload_activations),
-                        ("loss chunk", old.loss_chunk_size, new.loss_chunk_size)):
-        if a != b:
-            parts.append(f"{label} {a} -> {b}")
-    return ", ".join(parts) or "no change"

@@ -1,0 +1,128 @@
+"""What a run writes and prints besides its checkpoints: the live plan.json, the header and the
+before/after table on the terminal, and at the end the final weights (`adapter/` or `model/`),
+run.json and loss.png.
+"""
+from __future__ import annotations
+
+import os
+import platform
+import shutil
+import time
+from pathlib import Path
+
+from maximus.models import count_parameters
+from maximus.train.checkpoint import fsync_dir, write_json
+from maximus.train.progress import ProgressDisplay, plot_loss
+
+
+def write_live_plan(trainer) -> None:
+    """output_dir/plan.json: the plan in force while the run goes on (budget, predicted peak,
+    re-plans), for live views (`maximus ui`) that cannot wait for run.json. Rewritten atomically."""
+    if trainer.dist.is_main:
+        write_json(trainer.run_dir / "plan.json", {"config": trainer.cfg.to_dict(), "plan": trainer.plan.to_dict(),
+                                                   "method": trainer.method, "steps": trainer.total_steps,
+                                                   "replans": trainer.replans})
+
+
+def write_outputs(trainer, state: dict, eval_after: dict, peak: int, skipped: int, started: float) -> dict:
+    """The final weights, run.json and loss.png; returns the run summary (run.json's content)."""
+    run_dir = trainer.run_dir
+    save_final_weights(trainer)
+    trainable, total = count_parameters(trainer.model)
+    checkpointing = trainer.checkpointing
+    summary = {
+        "config": trainer.cfg.to_dict(),
+        "plan": trainer.plan.to_dict(),
+        "versions": versions(),
+        "device": str(trainer.device), "dtype": str(trainer.dtype).replace("torch.", ""),
+        "method": trainer.method,
+        "parameters": {"trainable": trainable, "total": total},
+        "steps": trainer.total_steps, "skipped_steps": skipped, "replans": trainer.replans,
+        "wall_time_s": round(time.time() - started, 3),
+        "memory": {"peak_bytes": peak, "budget_bytes": trainer.plan.budget_bytes,
+                   "breakdown": trainer.meter.breakdown(trainer.model, trainer.optimizer)},
+        "checkpointing": checkpointing.to_dict() if hasattr(checkpointing, "to_dict") else None,
+        "data": trainer.data.stats,
+        "eval": eval_summary(trainer.cfg, state, eval_after),
+        "distributed": trainer.dist.describe(),
+        "kernels": trainer.kernels.to_dict(),
+    }
+    write_json(run_dir / "run.json", summary)
+    try:
+        plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"{Path(trainer.cfg.model).name} ({trainer.method})",
+                  summary=summary)
+    except Exception as exc:  # a plot must never fail a finished run
+        print(f"warning: could not draw loss.png: {exc}")
+    return summary
+
+
+def eval_summary(cfg, state: dict, eval_after: dict) -> dict:
+    """run.json's `eval`: before, after, and with a prompting baseline `prompted` and `verdict`."""
+    from maximus.evaluate.report import verdict
+
+    summary = {"before": state.get("eval_before", {}), "after": eval_after}
+    if state.get("eval_prompted"):
+        summary["prompted"] = state["eval_prompted"]
+        summary["verdict"] = verdict(eval_after, state["eval_prompted"], cfg.eval.task_metrics)
+    return summary
+
+
+def save_final_weights(trainer) -> None:
+    """adapter/ (PEFT) or model/ (full), written beside and renamed into place."""
+    if trainer.streamer is not None:
+        trainer.streamer.remove()
+        trainer.streamer = None
+    run_dir, model = trainer.run_dir, trainer.model
+    name = "adapter" if hasattr(model, "peft_config") else "model"
+    final = run_dir / name
+    tmp = run_dir / f".{name}.tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    # Under FSDP2 the live parameters are shards: save the whole ones the last checkpoint gathered.
+    gathered = getattr(trainer, "_gathered", None)
+    extra = {"state_dict": gathered.tensors} if gathered is not None else {}
+    model.save_pretrained(str(tmp), safe_serialization=True, **extra)
+    trainer.tokenizer.save_pretrained(str(tmp))
+    old = run_dir / f".{name}.old"
+    shutil.rmtree(old, ignore_errors=True)
+    if final.exists():
+        os.replace(final, old)
+    os.replace(tmp, final)
+    shutil.rmtree(old, ignore_errors=True)
+    fsync_dir(run_dir)
+
+
+def print_header(trainer, out: ProgressDisplay) -> None:
+    """The run's first lines: model, method, parameters, device, data, steps, then the plan."""
+    cfg = trainer.cfg
+    trainable, total = count_parameters(trainer.model)
+    out.message(f"maximus: {cfg.model} | {trainer.method} | {trainable:,} trainable of {total:,} parameters | "
+                f"{trainer.device} {str(trainer.dtype).replace('torch.', '')} | {len(trainer.data.train)} train rows, "
+                f"{len(trainer.data.eval)} eval rows | {trainer.total_steps} steps of {cfg.training.batch_size} x "
+                f"{cfg.training.seq_len} tokens")
+    for line in trainer.plan.text().splitlines():
+        out.message("  " + line)
+
+
+def print_summary(trainer, before: dict, after: dict) -> None:
+    """The before/after (and prompted) table of the held-out metrics, the generations, the run directory."""
+    from maximus.evaluate.report import summary_lines
+
+    ev = trainer._summary.get("eval", {})
+    lines = summary_lines(before, after, ev.get("prompted"), ev.get("verdict"), metrics=trainer.cfg.eval.task_metrics,
+                          prompts=trainer.cfg.eval.prompts)
+    lines.append(f"run directory: {trainer.run_dir} (adapter/, run.json, metrics.jsonl, loss.png)")
+    for line in lines:
+        print(line, flush=True)
+
+
+def versions() -> dict:
+    """Python and the library versions a run records in run.json."""
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version()}
+    for pkg in ("maximusllm", "torch", "transformers", "peft", "bitsandbytes", "datasets"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = None
+    return out
