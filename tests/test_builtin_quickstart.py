@@ -33,3 +33,21 @@ def test_quickstart_config_resolves(tmp_path, monkeypatch):
     cfg = resolve(Config.from_yaml(ROOT / "examples" / "quickstart.yaml"))
     assert Path(cfg.model).is_dir() and Path(cfg.datasets[0].path).is_dir()
     assert cfg.eval.exact_match > 0 and cfg.training.max_steps >= 100
+
+
+def test_quickstart_shows_the_planner(tmp_path, monkeypatch):
+    """The embedded default has a budget the planner must work for: the 16-row step does not fit
+    in one pass, so the plan (made from the data's rows) splits it and says why."""
+    from maximus.memory import plan_run
+    from maximus.train.order import read_lengths
+
+    monkeypatch.setenv("MAXIMUS_CACHE", str(tmp_path))
+    cfg = resolve(Config.from_yaml(ROOT / "examples" / "quickstart.yaml"))
+    plan = plan_run(cfg, device="cpu", lengths=read_lengths(cfg))
+    assert plan.budget_bytes == 64 * 10**6 and plan.peak_bytes + plan.margin_bytes <= plan.budget_bytes
+    assert (plan.micro_batch_size, plan.grad_accum) == (8, 2) and plan.effective_batch == 16
+    assert "micro-batch 8 x gradient accumulation 2 x 1 rank(s) keeps the effective batch of 16" in plan.notes
+    one_pass = plan_run(Config.from_dict({**cfg.to_dict(), "training": {**cfg.training.model_dump(),
+                                                                         "micro_batch_size": 16}}),
+                        device="cpu", lengths=read_lengths(cfg), budget_bytes=None)
+    assert one_pass.peak_bytes > plan.budget_bytes
