@@ -232,12 +232,6 @@ def _write_data(root, seq_len: int) -> dict:
 
 def _train(model_dir, data, out, row, seq_len: int, budget: int | None, lean_lora: str | None = None) -> dict:
     """One `maximus-train` process; returns its run.json (or {"error": last line of stderr})."""
-    import json
-    import subprocess
-    import sys
-
-    import yaml
-
     method, objective, fmt, optimization, extra = row
     constrained = budget is not None
     cfg = {"model": str(model_dir), "dataset": {"path": str(data[fmt]), "format": fmt}, "method": method,
@@ -248,15 +242,9 @@ def _train(model_dir, data, out, row, seq_len: int, budget: int | None, lean_lor
            "training": {"batch_size": 2, "micro_batch_size": "auto" if constrained else 2, "max_steps": 2,
                         "warmup_steps": 0, "seq_len": seq_len, "dtype": "bf16", "packing": objective == "sft"},
            "eval": {"enabled": False, "before": False}, "logging": {"progress": "plain"}, **extra}
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    # the maximus-train console script's entry point, in this interpreter (PYTHONPATH picks the checkout)
-    entry = [sys.executable, "-c", "from maximus.cli import train_entry; train_entry()"]
-    proc = subprocess.run([*entry, "--config", str(path)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        return {"error": lines[-1] if lines else f"exit {proc.returncode}"}
-    return json.loads((out / "run.json").read_text())
+    from _train_process import train_process
+
+    return train_process(cfg, out)
 
 
 def trainer_runs(args) -> int:

@@ -26,7 +26,6 @@ import json
 import random
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -123,16 +122,11 @@ def _config(model: Path, out: Path, case: dict, budget: int | None, steps: int) 
 
 def _train(cfg: dict, out: Path) -> dict:
     """One `maximus-train` process; its run.json plus the median tokens/s of steps after the first."""
-    import yaml
+    from _train_process import train_process
 
-    path = out.with_suffix(".yaml")
-    path.write_text(yaml.safe_dump(cfg), encoding="utf-8")
-    entry = [sys.executable, "-c", "from maximus.cli import train_entry; train_entry()"]
-    proc = subprocess.run([*entry, "--config", str(path)], capture_output=True, text=True)
-    if proc.returncode != 0:
-        lines = (proc.stderr or proc.stdout).strip().splitlines()
-        return {"error": lines[-1] if lines else f"exit {proc.returncode}"}
-    run = json.loads((out / "run.json").read_text())
+    run = train_process(cfg, out)
+    if "error" in run:
+        return run
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     speeds = [r["tokens_per_s"] for r in rows if "tokens_per_s" in r and r["step"] > 1]
     run["tokens_per_s"] = statistics.median(speeds) if speeds else None
