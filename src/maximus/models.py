@@ -139,8 +139,9 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
     else:
         kwargs["use_safetensors"] = None if cfg.allow_pickle else True
     if method == "full":
-        # Master weights in fp32 when training in reduced precision: bf16 updates lose small steps.
-        kwargs["dtype"] = torch.float32
+        # Master weights in fp32 when training in reduced precision: bf16 updates lose small steps,
+        # unless each update is rounded stochastically (training.master_weights: bf16).
+        kwargs["dtype"] = torch.bfloat16 if cfg.training.master_weights == "bf16" else torch.float32
     elif method == "qlora":
         kwargs["dtype"] = dtype
         kwargs["quantization_config"] = _quantization_config(dtype)

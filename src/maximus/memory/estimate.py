@@ -31,6 +31,8 @@ from typing import Any, Literal, Sequence
 
 from maximus.errors import ConfigError, ModelError
 from maximus.gguf_base import gguf_config, is_gguf
+from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_settings,
+                                              optimizer_state_bytes, optimizer_step_bytes)
 
 Method = Literal["full", "lora", "qlora"]
 Attention = Literal["sdpa", "kronecker"]
@@ -386,7 +388,7 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
                 matryoshka_dims=None if mat is None else list(mat.dims),
                 matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
                 offload_params=opt.offload.params == "on",
-                lean_norm=opt.lean_norm and opt.kernels != "compile")
+                lean_norm=opt.lean_norm and opt.kernels != "compile", **optimizer_kwargs(cfg))
 
 
 def _check_techniques(loss_mode: str, attention: str, objective: str, dpo_reference: str, token_fraction: float) -> None:
@@ -621,7 +623,9 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   attention: Attention = "sdpa", kronecker: Any = None, objective: Objective = "sft",
                   dpo_reference: DpoReference = "adapter_off", matryoshka_dims: Sequence[int] | None = None,
                   matryoshka_token_fraction: float = 0.0625, offload_params: bool = False,
-                  tile_tokens: int | None = None, lean_lora: bool = False, lean_norm: bool = True) -> Estimate:
+                  tile_tokens: int | None = None, lean_lora: bool = False, lean_norm: bool = True,
+                  optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
+                  master_weights: str = "fp32") -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -637,7 +641,12 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         offload_optimizer: optimizer state lives in host memory.
         loss_mode: ``naive`` (Transformers' loss on full logits), ``exact`` (chunked linear
             cross-entropy), ``ghost`` (sampled vocabulary).
-        optimizer: ``adamw``, ``adamw_8bit`` or ``paged_adamw_8bit``.
+        optimizer: a `training.optimizer` name (`maximus.memory.optimizer_state.OPTIMIZERS`).
+        optimizer_rank: projection rank of apollo / apollo_mini / galore (None: their default).
+        optimizer_in_backward: each parameter steps inside the backward and its gradient is freed
+            (`training.optimizer_in_backward`): gradients of one or two weights at a time.
+        master_weights: ``fp32`` (float32 master weights for 16-bit full fine-tuning) or ``bf16``
+            (bf16 weights, stochastic rounding: no master copy).
         lora_r, lora_targets: adapter rank and targeted linear layers.
         world_size: data-parallel ranks; the estimate is per rank.
         sharded: whether FSDP2 shards the model over the ranks (`training.distributed: fsdp`).
@@ -700,7 +709,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     # -- static: weights, adapters, optimizer state ---------------------------------------------
     # Full fine-tuning in 16-bit keeps float32 master weights (models.load_base_model) and
     # computes under autocast; LoRA / QLoRA keep the frozen base in the compute dtype.
-    master = method == "full" and b < 4
+    master = method == "full" and b < 4 and master_weights != "bf16"
     wb = 4 if master else b
     non_linear = L * shape.layer_other_params + shape.embedding_params + shape.head_params + h
     linear = L * shape.layer_linear_params
@@ -736,15 +745,17 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             n_adapter += n_sketch
             trainable += n_sketch
     p_bytes = 4 if adapter else wb
-    if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
-        state_bytes = 2  # per trainable parameter
-    elif optimizer == "adamw":
-        state_bytes = 2 * p_bytes
-    else:
-        raise ConfigError(f"unknown optimizer {optimizer!r}", "use adamw, adamw_8bit or paged_adamw_8bit")
+    # Per trainable parameter, on average (maximus.memory.optimizer_state: one row per optimizer).
+    state_bytes = optimizer_state_bytes(shape, optimizer, full=not adapter, trainable=trainable, p_bytes=p_bytes,
+                                        rank=optimizer_rank) / max(1, trainable)
     replicated = 0 if adapter else whole  # a trainable tied embedding: whole gradient and moments
     per_rank_trainable = (trainable - replicated) / shard + replicated
     grads = int(per_rank_trainable * p_bytes)
+    if optimizer_in_backward:
+        grads = in_backward_gradient_bytes(shape, full=not adapter, trainable=trainable, p_bytes=p_bytes)
+    step_temporaries = (optimizer_step_bytes(shape, optimizer, full=not adapter, trainable=trainable, p_bytes=p_bytes,
+                                             device=device_type, rank=optimizer_rank) // shard
+                        if not offload_optimizer else 0)
     states = int(per_rank_trainable * state_bytes)
     opt_dev = 0 if offload_optimizer else states
     # `OffloadedAdamW` keeps, per trainable parameter, a float32 master, a float32 gradient buffer
@@ -881,10 +892,10 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     grads_before = grads if grad_accum > 1 else 0
     phases = {
         "loss": {"gradients": grads_before, "activations": acts, "loss": loss},
-        "backward": {"gradients": grads, "activations": int(T * bwd_layers), "loss": 0},
-        "optimizer": {"gradients": grads, "activations": 0,
-                      "loss": 0, "workspace_extra": _optimizer_temporaries(trainable, p_bytes, optimizer, device_type,
-                                                                           shape, adapter, offload_optimizer) // shard},
+        # In backward, each weight's step runs there: its temporaries join the backward's peak.
+        "backward": {"gradients": grads, "activations": int(T * bwd_layers), "loss": 0,
+                     "workspace_extra": step_temporaries if optimizer_in_backward else 0},
+        "optimizer": {"gradients": grads, "activations": 0, "loss": 0, "workspace_extra": step_temporaries},
     }
     if objective == "dpo" and dpo_reference != "none":
         # The reference log-probs: a no-grad forward of the same rows (before each policy forward,
@@ -931,23 +942,10 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         settings.update(matryoshka_dims=list(matryoshka_dims), matryoshka_token_fraction=matryoshka_token_fraction)
     if offload_params:
         settings["offload_params"] = True
+    settings.update(optimizer_settings(optimizer, optimizer_rank, optimizer_in_backward, master_weights))
     return Estimate(peak_bytes=int(peak), breakdown={k: int(v) for k, v in breakdown.items()},
                     flops_per_token=flops, tokens_per_s_guess=tps, phase=phase, settings=settings, notes=notes,
                     host_bytes=int(host_acts + host_opt + streamed * L / max(1, L - 3)))
-
-
-def _optimizer_temporaries(trainable: int, p_bytes: int, optimizer: str, device_type: str, shape: ModelShape,
-                           adapter: bool, offloaded: bool) -> int:
-    """Bytes the optimizer step allocates on the device besides its state."""
-    if offloaded:
-        return 0
-    if optimizer != "adamw":
-        return 0  # bitsandbytes updates in place, block by block
-    if device_type == "cuda":
-        return trainable * p_bytes  # foreach AdamW: one list-sized temporary (sqrt of exp_avg_sq)
-    # CPU AdamW runs one tensor at a time: two temporaries of the largest parameter.
-    largest = max(shape.embedding_params, shape.intermediate_size * shape.hidden_size) if not adapter else 0
-    return 2 * largest * p_bytes
 
 
 def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: list[str], offload_act: bool,

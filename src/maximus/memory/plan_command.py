@@ -28,6 +28,7 @@ from maximus.config import GPU_CARDS, Config, format_bytes
 from maximus.errors import BudgetError, ConfigError
 from maximus.memory.estimate import DEVICE_FLOPS, load_model_config, model_shape, technique_kwargs
 from maximus.memory.lengths import RowLengths
+from maximus.memory.optimizer_state import OPTIMIZERS
 from maximus.memory.plan import Plan, recompute_label
 from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
 from maximus.memory.run_plan import plan_run
@@ -51,7 +52,11 @@ def _parser() -> ArgumentParser:
     p.add_argument("--micro-batch", type=int, help="sequences per forward pass (default: planner's choice)")
     p.add_argument("--budget", help="also plan for this budget: 16GB, 24GiB, T4, ...")
     p.add_argument("--lora-r", type=int, help="adapter rank (default 16)")
-    p.add_argument("--optimizer", choices=["adamw", "adamw_8bit", "paged_adamw_8bit"])
+    p.add_argument("--optimizer", choices=list(OPTIMIZERS), help="default adamw; see docs/optimizers.md")
+    p.add_argument("--optimizer-rank", type=int, help="apollo / apollo_mini / galore projection rank")
+    p.add_argument("--optimizer-in-backward", action="store_true", help="step each weight inside the backward")
+    p.add_argument("--master-weights", choices=["fp32", "bf16"], help="full fine-tuning: fp32 master weights "
+                   "(default) or bf16 weights with stochastic rounding")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--loss", choices=["exact", "naive", "ghost"], help="default: exact (chunked)")
     p.add_argument("--checkpointing", choices=["off", "full", "selective", "auto"])
@@ -73,7 +78,10 @@ def _config(args: argparse.Namespace) -> Config:
     flags = {"model": args.model, "method": args.method, "training.seq_len": args.seq,
              "training.batch_size": args.batch, "training.micro_batch_size": args.micro_batch, "lora.r": args.lora_r,
              "training.optimizer": args.optimizer, "training.dtype": args.dtype, "optimization.loss": args.loss,
-             "optimization.gradient_checkpointing": args.checkpointing, "optimization.target_vram": args.budget}
+             "optimization.gradient_checkpointing": args.checkpointing, "optimization.target_vram": args.budget,
+             "training.optimizer_rank": args.optimizer_rank, "training.master_weights": args.master_weights}
+    if args.optimizer_in_backward:  # the global norm is unknown when each weight steps in the backward
+        flags.update({"training.optimizer_in_backward": True, "training.max_grad_norm": "null"})
     if args.loss is not None:  # the flag names the loss outright: the article's spelling gives way
         flags["optimization.use_ghost_logit"] = False
     overrides = [f"{k}={v}" for k, v in flags.items() if v is not None]

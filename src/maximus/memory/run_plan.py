@@ -19,6 +19,7 @@ from maximus.config import Config
 from maximus.errors import BudgetError, ConfigError, ModelError
 from maximus.memory.estimate import estimate_peak, load_model_config, model_shape, technique_kwargs
 from maximus.memory.lengths import RowLengths
+from maximus.memory.optimizer_state import uses_bf16_weights
 from maximus.memory.plan import Attention, Plan
 from maximus.memory.planner import DEFAULT_ALLOW, plan_for_budget, resolve_budget
 
@@ -62,7 +63,8 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
     free_memory = budget_bytes == "config" and opt.target_vram is None
     if budget_bytes == "config":
         budget_bytes = _free_memory(device) if free_memory else resolve_budget(opt.target_vram, device)
-    dtype = _dtype_name(t.dtype, device_type)
+    # bf16 weights with stochastic rounding compute in bf16 whatever the dtype says.
+    dtype = "bf16" if uses_bf16_weights(cfg) else _dtype_name(t.dtype, device_type)
     try:
         shape = model_shape(load_model_config(cfg.model))
     except ModelError:
@@ -79,7 +81,16 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
     if budget_bytes is None:
         # No memory to fit: the run as configured (the planner only fills in what is auto).
         kwargs.update(allow=DEFAULT_ALLOW - {"micro_batch", "offload_activations", "offload_optimizer"})
-    plan, notes = _plan_with_strategy(cfg, kwargs, budget_bytes, shape, world_size, device, free_memory)
+    plan = None
+    if method == "auto" and cfg.allow_full and bounded:
+        try:  # allow_full: full fine-tuning whenever it fits, else the planner's adapter choice
+            plan, notes = _plan_with_strategy(cfg, dict(kwargs, method="full"), budget_bytes, shape, world_size,
+                                              device, free_memory)
+            notes.append("allow_full: full fine-tuning fits the budget")
+        except BudgetError:
+            plan = None
+    if plan is None:
+        plan, notes = _plan_with_strategy(cfg, kwargs, budget_bytes, shape, world_size, device, free_memory)
     if plan.micro_batch_tokens and plan.strategy == "fsdp":  # FSDP2's collectives need as many micro-batches per rank
         raise ConfigError("training.micro_batch_tokens does not work with FSDP2 (ranks would run different numbers "
                           "of micro-batches)", "set training.distributed: ddp, or micro_batch_tokens: null")
@@ -204,11 +215,14 @@ def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, wo
         from maximus.memory.generation import rollout_rows
 
         rows, row_tokens = rollout_rows(cfg)
+    micro, offload_opt = t.micro_batch_size, opt.offload.optimizer
+    if t.optimizer_in_backward:  # one pass per step (no accumulation), the step on the device
+        micro, offload_opt = max(1, rows // world_size), "off"
     return dict(method=method, batch_size=rows, seq_len=row_tokens, dtype=dtype, optimizer=t.optimizer,
                 lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, world_size=world_size,
-                micro_batch_size=t.micro_batch_size, gradient_checkpointing=gradient_checkpointing,
+                micro_batch_size=micro, gradient_checkpointing=gradient_checkpointing,
                 loss_mode=opt.loss_mode, loss_chunk_size=opt.loss_chunk_size,
-                offload_activations=opt.offload.activations, offload_optimizer=opt.offload.optimizer,
+                offload_activations=opt.offload.activations, offload_optimizer=offload_opt,
                 device=device_type, tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
                 host_budget_bytes=_host_for_offload(device_type), lengths=lengths,
                 micro_batch_tokens=t.micro_batch_tokens, **_technique_kwargs(cfg))

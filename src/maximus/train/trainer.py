@@ -52,6 +52,7 @@ from maximus.train.checkpoint import latest_good_checkpoint, save_checkpoint
 from maximus.train.lock import RunLock
 from maximus.train.objectives import ObjectiveModule, build_objective
 from maximus.memory.lengths import split_by_tokens
+from maximus.train.optimizers import build_optimizer, check_in_backward, require_packages
 from maximus.train.order import RowOrder, row_length, run_lengths, run_steps
 from maximus.train.outputs import print_header, print_summary, write_live_plan, write_outputs
 from maximus.train.progress import MetricsLog, ProgressDisplay
@@ -102,6 +103,7 @@ class Trainer:
         self.threads = cpu_threads(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         _seed_everything(cfg.training.seed)
         check_model_source(cfg)
+        require_packages(cfg)  # the optimizer's package, before anything heavy loads
         # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
         self.tokenizer = load_tokenizer(cfg)
         self.data = self._load_data()
@@ -113,6 +115,7 @@ class Trainer:
         # The one config -> plan translation (also `maximus plan` and every torchrun rank's).
         self.plan = plan_run(cfg, device=self.device, world_size=self.dist.world_size, lengths=self.lengths)
         self.method = self.plan.method
+        check_in_backward(cfg, grad_accum=self.plan.grad_accum, world_size=self.dist.world_size)
         self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
         self.checkpointing = self._apply_checkpointing()
@@ -168,17 +171,11 @@ class Trainer:
         return report
 
     def _build_optimizer(self):
-        from maximus.memory.offload import build_optimizer
+        """`training.optimizer` over the trainable parameters (maximus.train.optimizers)."""
+        from maximus.memory.optimizer_state import uses_bf16_weights
 
-        t = self.cfg.training
-        decay, no_decay = [], []
-        for name, p in self.model.named_parameters():
-            if p.requires_grad:
-                (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
-        groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-        groups = [g for g in groups if g["params"]]
-        return build_optimizer(groups, self.plan.optimizer, lr=t.learning_rate, betas=t.betas,
-                               weight_decay=t.weight_decay, offload=self.plan.offload_optimizer)
+        return build_optimizer(self.model, self.cfg.training, optimizer=self.plan.optimizer,
+                               offload=self.plan.offload_optimizer, bf16_weights=uses_bf16_weights(self.cfg))
 
 
     def _lr_lambda(self, step: int) -> float:
@@ -218,6 +215,9 @@ class Trainer:
         from maximus.data import collate, flatten
 
         obj = self.objective
+        in_backward = getattr(self.optimizer, "steps_in_backward", False)  # training.optimizer_in_backward
+        if in_backward:
+            self.optimizer.begin_step()
         batches = obj.step_batches(self, step)  # GRPO samples its own
         if batches is None:
             rows = self.rows_for_step(step)
@@ -252,7 +252,10 @@ class Trainer:
         loss = float(loss_total) / max(units, 1)
         params = [p for p in self.model.parameters() if p.requires_grad]
         max_norm = self.cfg.training.max_grad_norm
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        if in_backward:  # every weight stepped already; the norm was summed as the gradients passed
+            grad_norm = torch.tensor(self.optimizer.grad_norm())
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
         finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
         if finite:
             self.optimizer.step()

@@ -1,0 +1,449 @@
+"""The optimizer of a run, from `training.optimizer`: each low-memory choice comes from its own
+package, and every one can save and resume its whole state (`state_dict` holds tensors and plain
+values only, so the checkpoint writes it to safetensors + JSON).
+
+| name | package | applies to |
+|---|---|---|
+| adamw, adamw_8bit, paged_adamw_8bit | torch, bitsandbytes | full, LoRA, QLoRA |
+| adamw_4bit | torchao `AdamW4bit` | full, LoRA, QLoRA |
+| apollo, apollo_mini | apollo-torch `APOLLOAdamW` (random projection) | full only |
+| galore | galore-torch `GaLoreAdamW` (SVD projection) | full only |
+| adam_mini | adam-mini `Adam_mini` | full, LoRA, QLoRA |
+| muon | `torch.optim.Muon` on 2-D decoder weights + `torch.optim.AdamW` on the rest | full, LoRA, QLoRA |
+
+APOLLO and GaLore project the gradient of each 2-D decoder weight onto `rank` directions; an
+adapter is already a rank-r matrix, so projecting it saves nothing and they are full-only.
+
+`training.master_weights: bf16` keeps the weights in bf16 and rounds each update stochastically
+(torchao's `_AdamW` / `AdamW4bit` with ``bf16_stochastic_round``) instead of keeping float32
+master weights.
+
+`training.optimizer_in_backward: true` builds one optimizer per parameter and steps it from the
+parameter's post-accumulate-grad hook, then frees the gradient (`InBackwardOptimizer`): the whole
+set of gradients never exists at once. What that excludes is refused by `check_in_backward`.
+
+Raises `ConfigError` (one line): a package that is not installed (with the pip command, checked by
+`require_packages` before the model loads), a rank larger than a weight's smaller side (naming
+the weight), an optimizer that does not apply to the method, in-backward combinations that would
+be wrong.
+"""
+from __future__ import annotations
+
+import importlib.util
+import math
+from collections import defaultdict
+from typing import Any, Callable, Iterable
+
+import torch
+
+from maximus.errors import ConfigError
+from maximus.memory.optimizer_state import OPTIMIZERS, PROJECTED, projection_settings
+
+__all__ = ["build_optimizer", "require_packages", "check_in_backward", "CompositeOptimizer", "InBackwardOptimizer"]
+
+
+# --------------------------------------------------------------------------------------------- checks
+def require_packages(cfg) -> None:
+    """The package behind `training.optimizer` is importable (and torchao for bf16 weights);
+    else one line with the pip command. Cheap: called before the model loads."""
+    t = cfg.training
+    spec = OPTIMIZERS[t.optimizer]
+    needed = [(spec.package, spec.pip, f"training.optimizer: {t.optimizer}")]
+    if t.master_weights == "bf16":
+        needed.append(("torchao", "torchao", "training.master_weights: bf16"))
+    for package, pip, what in needed:
+        if package and importlib.util.find_spec(package) is None:
+            raise ConfigError(f"{what} needs the package {pip}, which is not installed",
+                              f"pip install {pip}  (or pip install 'maximusllm[{pip.replace('-', '_')}]')")
+    if not spec.lora and cfg.method in ("lora", "qlora"):
+        raise ConfigError(f"training.optimizer: {t.optimizer} applies to method: full only (method is {cfg.method})",
+                          "a LoRA adapter is already low-rank: projecting its gradient saves nothing; use adamw, "
+                          "adamw_4bit, adam_mini or muon, or method: full")
+    if t.master_weights == "bf16":
+        if cfg.method != "full":
+            raise ConfigError(f"training.master_weights: bf16 applies to method: full only (method is {cfg.method})",
+                              "adapters train in float32 already; remove training.master_weights")
+        if t.optimizer not in ("adamw", "adamw_4bit"):
+            raise ConfigError(f"training.master_weights: bf16 needs training.optimizer adamw or adamw_4bit "
+                              f"(torchao's stochastic rounding), not {t.optimizer}",
+                              "set training.optimizer: adamw or adamw_4bit, or master_weights: fp32")
+    check_in_backward(cfg)
+
+
+def check_in_backward(cfg, *, grad_accum: int | None = None, world_size: int = 1) -> None:
+    """Refuse what cannot work when each parameter steps inside the backward (one line saying why)."""
+    t = cfg.training
+    if not t.optimizer_in_backward:
+        return
+    why = "training.optimizer_in_backward: true updates each weight as soon as its gradient is ready"
+    if t.max_grad_norm is not None:
+        raise ConfigError(f"{why}, before the global gradient norm is known: it cannot clip "
+                          f"(training.max_grad_norm: {t.max_grad_norm})",
+                          "set training.max_grad_norm: null, or optimizer_in_backward: false")
+    if isinstance(t.micro_batch_size, int) and t.micro_batch_size * world_size != t.batch_size:
+        raise ConfigError(f"{why}: it cannot accumulate gradients over micro-batches (training.batch_size "
+                          f"{t.batch_size}, micro_batch_size {t.micro_batch_size})",
+                          "set training.micro_batch_size equal to batch_size (or auto), or optimizer_in_backward: false")
+    if getattr(t, "micro_batch_tokens", None) is not None:
+        raise ConfigError(f"{why}: it cannot accumulate gradients over the micro-batches of a token budget "
+                          f"(training.micro_batch_tokens: {t.micro_batch_tokens})",
+                          "set training.micro_batch_tokens: null, or optimizer_in_backward: false")
+    if grad_accum is not None and grad_accum > 1:
+        raise ConfigError(f"{why}: it cannot accumulate gradients, and the plan needs gradient accumulation "
+                          f"{grad_accum} to fit",
+                          "lower training.batch_size to what fits in one pass, or set optimizer_in_backward: false")
+    if world_size > 1:
+        raise ConfigError(f"{why}: under torchrun the step would run before the gradients are all-reduced",
+                          "run on one process, or set optimizer_in_backward: false")
+    if cfg.optimization.offload.optimizer == "on":
+        raise ConfigError(f"{why}: the offloaded AdamW steps once per optimizer step on the host",
+                          "set optimization.offload.optimizer: off, or optimizer_in_backward: false")
+
+
+# --------------------------------------------------------------------------------------------- which weights
+def decoder_matrices(model) -> set[int]:
+    """ids of the trainable 2-D weights inside the decoder layers: what Muon orthogonalises and
+    APOLLO / GaLore project (not the embedding, the head, the norms)."""
+    from maximus.structure import find_decoder_layers
+
+    _, layers = find_decoder_layers(model)
+    return {id(p) for layer in layers for p in layer.parameters() if p.requires_grad and p.ndim == 2}
+
+
+def _check_rank(model, matrices: set[int], rank: int, optimizer: str) -> None:
+    for name, p in model.named_parameters():
+        if id(p) in matrices and rank > min(p.shape):
+            raise ConfigError(f"training.optimizer_rank {rank} ({optimizer}) is larger than the smaller side of "
+                              f"{name} ({tuple(p.shape)})",
+                              f"use training.optimizer_rank <= {min(p.shape)}")
+
+
+# --------------------------------------------------------------------------------------------- composite
+class CompositeOptimizer(torch.optim.Optimizer):
+    """Several optimizers over disjoint parameters, seen as one (one scheduler, one checkpoint):
+    the parameter groups are the inner optimizers' own dicts, and they share one `state`."""
+
+    def __init__(self, parts: list[torch.optim.Optimizer]):
+        self.parts = parts
+        groups = [g for part in parts for g in part.param_groups]
+        super().__init__(groups, {})
+        for part in parts:
+            self.state.update(part.state)
+        self._link()
+
+    def _link(self) -> None:
+        i = 0
+        for part in self.parts:
+            n = len(part.param_groups)
+            part.param_groups = self.param_groups[i:i + n]
+            part.state = self.state
+            i += n
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = closure() if closure is not None else None
+        for part in self.parts:
+            part.step()
+        return loss
+
+    def state_dict(self):
+        sd = _plain_groups(super().state_dict())
+        index = {id(p): i for i, p in enumerate(p for g in self.param_groups for p in g["params"])}
+        owner = {id(p): part for part in self.parts for g in part.param_groups for p in g["params"]}
+        params = {index[id(p)]: p for g in self.param_groups for p in g["params"]}
+        sd["state"] = {i: _flat(owner[id(params[i])], params[i], st) for i, st in sd["state"].items()}
+        return sd
+
+    def load_state_dict(self, state_dict):
+        flat_state = state_dict["state"]
+        params = [p for g in self.param_groups for p in g["params"]]
+        owner = {id(p): part for part in self.parts for g in part.param_groups for p in g["params"]}
+        plain = {}
+        restored: dict[int, dict] = {}
+        for i, st in flat_state.items():
+            plain[i], restored[int(i)] = _split_flat(st)
+        _load_keeping_tensors(self, super().load_state_dict, {"state": plain, "param_groups": state_dict["param_groups"]})
+        self._link()
+        for i, extra in restored.items():
+            p = params[i]
+            _unflat(owner[id(p)], p, self.state[p], extra)
+
+
+def _plain_groups(sd: dict) -> dict:
+    """Group settings held as 0-d tensors (torchao keeps `lr` so) as floats, for the JSON file."""
+    sd["param_groups"] = [{k: float(v) if isinstance(v, torch.Tensor) else v for k, v in g.items()}
+                          for g in sd["param_groups"]]
+    return sd
+
+
+def _load_keeping_tensors(optimizer, load: Callable, sd: dict) -> None:
+    """`load(sd)`, then each group setting that was a tensor before (torchao's `lr`) a tensor again,
+    filled with the loaded value: torchao refuses a float learning rate."""
+    kinds = [{k for k, v in g.items() if isinstance(v, torch.Tensor)} for g in optimizer.param_groups]
+    load(sd)
+    for group, keys in zip(optimizer.param_groups, kinds):
+        for k in keys:
+            if not isinstance(group[k], torch.Tensor):
+                group[k] = torch.tensor(float(group[k]), dtype=torch.float32)
+
+
+def _flat(part, p, st: dict) -> dict:
+    """One parameter's state with tensor subclasses and projector objects as plain entries."""
+    return getattr(part, "flat_state", lambda p, st: st)(p, st)
+
+
+def _split_flat(st: dict) -> tuple[dict, dict]:
+    """(entries torch can load as they are, entries `_unflat` rebuilds: names with a '/')."""
+    plain = {k: v for k, v in st.items() if "/" not in k}
+    extra = {k: v for k, v in st.items() if "/" in k}
+    return plain, extra
+
+
+def _unflat(part, p, live: dict, extra: dict) -> None:
+    if extra:
+        part.unflat_state(p, live, extra)
+
+
+def _with_flat_state(cls):
+    """`state_dict` / `load_state_dict` of a single optimizer whose state holds objects that are
+    not plain tensors: they go through its `flat_state` / `unflat_state`."""
+
+    class Flat(cls):
+        def state_dict(self):
+            sd = _plain_groups(super().state_dict())
+            params = [p for g in self.param_groups for p in g["params"]]
+            sd["state"] = {i: self.flat_state(params[i], st) for i, st in sd["state"].items()}
+            return sd
+
+        def load_state_dict(self, state_dict):
+            params = [p for g in self.param_groups for p in g["params"]]
+            plain, restored = {}, {}
+            for i, st in state_dict["state"].items():
+                plain[i], restored[int(i)] = _split_flat(st)
+            _load_keeping_tensors(self, super().load_state_dict,
+                                  {"state": plain, "param_groups": state_dict["param_groups"]})
+            for i, extra in restored.items():
+                if extra:
+                    self.unflat_state(params[i], self.state[params[i]], extra)
+
+    Flat.__name__ = Flat.__qualname__ = cls.__name__
+    return Flat
+
+
+# --------------------------------------------------------------------------------------------- projectors
+class _ProjectorState:
+    """APOLLO's and GaLore's per-weight projector objects as ``projector/<attribute>`` entries."""
+
+    def flat_state(self, p, st: dict) -> dict:
+        out = {k: v for k, v in st.items() if k != "projector"}
+        projector = st.get("projector")
+        if projector is not None:
+            for attr, value in vars(projector).items():
+                if value is not None:
+                    out[f"projector/{attr}"] = value
+        return out
+
+    def unflat_state(self, p, live: dict, extra: dict) -> None:
+        group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+        projector = self.new_projector(group, live)
+        for key, value in extra.items():
+            attr = key.split("/", 1)[1]
+            if isinstance(value, torch.Tensor):
+                value = value.to(p.device)
+            setattr(projector, attr, value)
+        live["projector"] = projector
+
+
+def _apollo_class():
+    from apollo_torch import APOLLOAdamW
+
+    class APOLLO(_ProjectorState, APOLLOAdamW):
+        def new_projector(self, group, state):
+            return self._initialize_projector(group, state)
+
+    return _with_flat_state(APOLLO)
+
+
+def _galore_class():
+    from galore_torch import GaLoreAdamW
+    from galore_torch.galore_projector import GaLoreProjector
+
+    class GaLore(_ProjectorState, GaLoreAdamW):
+        def new_projector(self, group, state):
+            return GaLoreProjector(group["rank"], update_proj_gap=group["update_proj_gap"], scale=group["scale"],
+                                   proj_type=group["proj_type"])
+
+    return _with_flat_state(GaLore)
+
+
+# --------------------------------------------------------------------------------------------- torchao
+class _QuantizedState:
+    """torchao's quantized moments (tensor subclasses) as their inner tensors plus attributes:
+    ``<key>/<tensor>`` entries and ``<key>/meta`` = [signed, shape]."""
+
+    def flat_state(self, p, st: dict) -> dict:
+        out = {}
+        for key, value in st.items():
+            if isinstance(value, torch.Tensor) and type(value) is not torch.Tensor and hasattr(value, "__tensor_flatten__"):
+                names, attrs = value.__tensor_flatten__()
+                for name in names:
+                    out[f"{key}/{name}"] = getattr(value, name)
+                out[f"{key}/meta"] = [bool(attrs[0]), list(attrs[1])]
+            else:
+                out[key] = value
+        return out
+
+    def unflat_state(self, p, live: dict, extra: dict) -> None:
+        from torchao.optim.subclass_4bit import OptimState4bit
+
+        keys = {k.split("/", 1)[0] for k in extra}
+        for key in keys:
+            signed, shape = extra[f"{key}/meta"]
+            inner = {n: extra[f"{key}/{n}"].to(p.device) for n in OptimState4bit.tensor_attrs}
+            live[key] = OptimState4bit(inner["codes"], inner["scale"], inner["qmap"], signed, tuple(shape))
+
+
+def _torchao_class(four_bit: bool):
+    from torchao.optim import AdamW4bit, _AdamW
+
+    class TorchaoAdamW(_QuantizedState, AdamW4bit if four_bit else _AdamW):
+        pass
+
+    return _with_flat_state(TorchaoAdamW)
+
+
+# --------------------------------------------------------------------------------------------- building
+def _param_groups(model, weight_decay: float, ids: set[int] | None = None, exclude: set[int] | None = None) -> list[dict]:
+    """AdamW-style groups (decay on matrices, none on norms and biases) of the trainable parameters,
+    limited to `ids` / without `exclude`."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad or (ids is not None and id(p) not in ids) or (exclude and id(p) in exclude):
+            continue
+        (no_decay if p.ndim < 2 or "norm" in name.lower() else decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    return [g for g in groups if g["params"]]
+
+
+def _factories(model, name: str, t, *, offload: bool, bf16_weights: bool) -> list[tuple[Callable, list[dict]]]:
+    """[(make(groups) -> optimizer, groups)]: the optimizer(s) `name` means, over the model's
+    trainable parameters. More than one part = a `CompositeOptimizer` (Muon + AdamW)."""
+    lr, betas, wd, eps = t.learning_rate, tuple(t.betas), t.weight_decay, 1e-8
+    if name in ("adamw", "adamw_8bit", "paged_adamw_8bit") and not (bf16_weights and name == "adamw"):
+        from maximus.memory.offload import build_optimizer as build_adamw
+
+        return [(lambda g: build_adamw(g, name, lr=lr, betas=betas, weight_decay=wd, offload=offload),
+                 _param_groups(model, wd))]
+    if name in ("adamw", "adamw_4bit"):
+        cls = _torchao_class(four_bit=name == "adamw_4bit")
+        return [(lambda g: cls(g, lr=lr, betas=betas, eps=eps, weight_decay=wd, bf16_stochastic_round=bf16_weights),
+                 _param_groups(model, wd))]
+    if name in PROJECTED:
+        settings = projection_settings(name, t.optimizer_rank, t.optimizer_scale)
+        matrices = decoder_matrices(model)
+        _check_rank(model, matrices, settings["rank"], name)
+        projected = {"rank": settings["rank"], "update_proj_gap": t.optimizer_update_gap, "scale": settings["scale"],
+                     "proj_type": "std"}
+        if name != "galore":
+            projected.update(proj="random", scale_type=settings["scale_type"])
+        groups = [dict(g, **projected) for g in _param_groups(model, wd, ids=matrices)]
+        groups += _param_groups(model, wd, exclude=matrices)
+        cls = _galore_class() if name == "galore" else _apollo_class()
+        return [(lambda g: cls(g, lr=lr, betas=betas, eps=eps, weight_decay=wd, no_deprecation_warning=True), groups)]
+    if name == "adam_mini":
+        from adam_mini import Adam_mini
+
+        cfg = getattr(model, "config", None)
+        named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+        heads = getattr(cfg, "num_attention_heads", 1) or 1
+        kw = dict(dim=getattr(cfg, "hidden_size", 1), n_heads=heads,
+                  n_kv_heads=getattr(cfg, "num_key_value_heads", None) or heads)
+
+        def make_mini(groups):
+            ids = {id(p) for g in groups for p in g["params"]}
+            return Adam_mini([(n, p) for n, p in named if id(p) in ids], lr=lr, betas=betas, eps=eps,
+                             weight_decay=wd, verbose=False, **kw)
+
+        return [(make_mini, [{"params": [p for _, p in named]}])]
+    if name == "muon":
+        matrices = decoder_matrices(model)
+        # "match_rms_adamw" scales Muon's orthogonalised update to AdamW's RMS, so one learning
+        # rate serves both parts (Moonlight's recipe).
+        muon = [(lambda g: torch.optim.Muon(g, lr=lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw"),
+                 _param_groups(model, wd, ids=matrices))]
+        rest = [(lambda g: torch.optim.AdamW(g, lr=lr, betas=betas, eps=eps, weight_decay=wd),
+                 _param_groups(model, wd, exclude=matrices))]
+        return [(make, groups) for make, groups in muon + rest if groups]
+    close = [n for n in OPTIMIZERS if n.startswith(str(name)[:4])]
+    raise ConfigError(f"training.optimizer: unknown optimizer {name!r}",
+                      f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(OPTIMIZERS)}")
+
+
+def build_optimizer(model, training, *, optimizer: str | None = None, offload: bool = False,
+                    bf16_weights: bool = False) -> torch.optim.Optimizer:
+    """The optimizer of `training.optimizer` (or `optimizer`, the plan's) over the model's
+    trainable parameters; stepped inside the backward when `training.optimizer_in_backward`."""
+    name = optimizer or training.optimizer
+    parts = _factories(model, name, training, offload=offload, bf16_weights=bf16_weights)
+    if training.optimizer_in_backward:
+        return InBackwardOptimizer(model, parts)
+    built = [make(groups) for make, groups in parts]
+    return built[0] if len(built) == 1 else CompositeOptimizer(built)
+
+
+# --------------------------------------------------------------------------------------------- in backward
+class InBackwardOptimizer(CompositeOptimizer):
+    """One optimizer per parameter, stepped from the parameter's post-accumulate-grad hook; the
+    gradient is freed right after, so at most the gradients autograd is producing at the moment
+    exist (never the whole set). `step()` and `zero_grad()` are then no-ops for the loop.
+
+    A non-finite gradient skips that parameter's update (counted in `nonfinite`); the squares of
+    the gradients are summed as they pass, so `grad_norm()` is the step's (unclipped) global norm."""
+
+    steps_in_backward = True
+
+    def __init__(self, model, parts: list[tuple[Callable, list[dict]]]):
+        optimizers = []
+        for make, groups in parts:
+            for g in groups:
+                for p in g["params"]:
+                    opt = make([dict(g, params=[p])])
+                    if "seed" in opt.state.get(p, {}):
+                        # APOLLO seeds each weight's random projection by its position: as in one optimizer.
+                        opt.state[p]["seed"] = len(optimizers) + 1
+                    optimizers.append((p, opt))
+        super().__init__([opt for _, opt in optimizers])
+        self._by_param = {id(p): opt for p, opt in optimizers}
+        self._square_sum = 0.0
+        self.nonfinite = 0
+        self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p, _ in optimizers]
+
+    def _hook(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        square = float(grad.detach().float().pow(2).sum())
+        self._square_sum += square
+        if math.isfinite(square):
+            self._by_param[id(p)].step()
+        else:
+            self.nonfinite += 1
+        p.grad = None
+
+    def begin_step(self) -> None:
+        """Start a new optimizer step's accounting (norm, non-finite count)."""
+        self._square_sum = 0.0
+        self.nonfinite = 0
+
+    def grad_norm(self) -> float:
+        return math.sqrt(self._square_sum) if math.isfinite(self._square_sum) else float("nan")
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        return closure() if closure is not None else None
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        return None
+
+    def remove_hooks(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
