@@ -4,7 +4,7 @@ the estimator reads (`estimate_peak`), one row per `training.optimizer` name.
 The figures follow the optimizers' own code (the packages named in `OPTIMIZERS`):
 
 * AdamW keeps two moments of the parameter's size and dtype; bitsandbytes' 8-bit AdamW two uint8
-  moments with a float32 absmax per block of 2,048 (~2 bytes); torchao's 4-bit AdamW two 4-bit
+  moments with a float32 absmax per block of 256 (~2 bytes); torchao's 4-bit AdamW two 4-bit
   moments with a scale per block of 128 for tensors of at least 4,096 values (~1.06 bytes), the
   small ones in full precision.
 * APOLLO / APOLLO-Mini / GaLore project the gradient of each 2-D decoder weight (out x in) onto
@@ -91,6 +91,12 @@ def _hidden_matrices(shape: Any) -> list[tuple[int, int]]:
     return [(o, i) for i, o in shape.linear_shapes().values()] * shape.num_layers
 
 
+def _matrix_sizes(shape: Any) -> list[int]:
+    """Values of every 2-D weight: the decoder's, the embedding, an untied head."""
+    return [o * i for o, i in _hidden_matrices(shape)] + [shape.embedding_params] + (
+        [shape.head_params] if shape.head_params else [])
+
+
 def _other_params(shape: Any) -> int:
     """Trainable values outside the 2-D decoder weights: embedding, head, norms, biases."""
     return shape.num_params - shape.num_layers * shape.layer_linear_params
@@ -104,14 +110,13 @@ def optimizer_state_bytes(shape: Any, optimizer: str, *, full: bool, trainable: 
     `p_bytes`: bytes per trainable value (the state's dtype follows the parameter's); `rank`: the
     projection rank (`training.optimizer_rank`) for apollo / apollo_mini / galore."""
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
-        return 2 * trainable
+        return 2 * trainable  # uint8 moments (absmax and code books: < 2 % on a real model)
+    if optimizer == "adamw_4bit":
+        # torchao quantises only tensors of at least 4,096 values, in whole blocks of 128.
+        quantised = sum(n for n in _matrix_sizes(shape) if n >= 4096 and n % 128 == 0) if full else trainable
+        return int(_FOUR_BIT_BYTES * quantised + 2 * p_bytes * (trainable - quantised))
     if optimizer == "adamw":
         return 2 * p_bytes * trainable
-    if optimizer == "adamw_4bit":
-        if not full:
-            return int(_FOUR_BIT_BYTES * trainable)
-        small = shape.num_layers * shape.layer_other_params + shape.hidden_size  # norms, biases
-        return int(_FOUR_BIT_BYTES * (trainable - small) + 2 * p_bytes * small)
     if optimizer == "adam_mini":
         rows = shape.vocab_size * (1 if shape.tied_embeddings else 2)  # a second moment per token row
         return p_bytes * trainable + 4 * rows if full else p_bytes * trainable

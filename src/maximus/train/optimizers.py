@@ -54,7 +54,7 @@ def require_packages(cfg) -> None:
     for package, pip, what in needed:
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{what} needs the package {pip}, which is not installed",
-                              f"pip install {pip}  (or pip install 'maximusllm[{pip.replace('-', '_')}]')")
+                              f"pip install {pip}")
     if not spec.lora and cfg.method in ("lora", "qlora"):
         raise ConfigError(f"training.optimizer: {t.optimizer} applies to method: full only (method is {cfg.method})",
                           "a LoRA adapter is already low-rank: projecting its gradient saves nothing; use adamw, "
@@ -307,7 +307,10 @@ def _torchao_class(four_bit: bool):
     from torchao.optim import AdamW4bit, _AdamW
 
     class TorchaoAdamW(_QuantizedState, AdamW4bit if four_bit else _AdamW):
-        pass
+        def add_param_group(self, param_group: dict) -> None:
+            super().add_param_group(param_group)
+            # torchao holds lr as a tensor; the scheduler's base (saved as JSON) stays a float.
+            self.param_groups[-1].setdefault("initial_lr", float(self.param_groups[-1]["lr"]))
 
     return _with_flat_state(TorchaoAdamW)
 

@@ -46,6 +46,7 @@ from werkzeug.exceptions import HTTPException
 
 from maximus.config import format_bytes
 from maximus.errors import ConfigError, MaximusError
+from maximus.memory.optimizer_state import OPTIMIZERS as OPTIMIZER_TABLE
 from maximus.ui.chat import Busy, ChatModels, chat_settings
 from maximus.ui.guard import Refused, Roots, confine_config
 from maximus.ui.jobs import Conflict, Jobs
@@ -54,7 +55,7 @@ from maximus.ui.runs import RunInfo, confined_run_dir, list_runs, lock_is_held, 
 MAX_UPLOAD_BYTES = 256 * 1024
 TOKEN_COOKIE = "maximus_ui_token"
 METHODS = ("qlora", "lora", "full", "auto")
-OPTIMIZERS = ("adamw", "adamw_8bit", "paged_adamw_8bit")
+OPTIMIZERS = tuple(OPTIMIZER_TABLE)  # every training.optimizer (maximus.memory.optimizer_state)
 DTYPES = ("bf16", "fp16", "fp32")
 INT_FIELDS = {"seq": "sequence length", "batch": "batch", "lora_r": "LoRA rank"}
 LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})

@@ -1,0 +1,179 @@
+"""The low-memory optimizers (maximus.train.optimizers): each trains a tiny real Llama, saves and
+resumes its whole state through the checkpoint files (resume == uninterrupted to 1e-5), steps
+inside the backward exactly as outside it, and refuses bad input with one line."""
+import json
+import sys
+
+import pytest
+import torch
+
+from maximus import Config, Trainer
+from maximus.errors import ConfigError
+from maximus.train.checkpoint import latest_good_checkpoint, save_checkpoint
+from maximus.train.optimizers import build_optimizer, require_packages
+
+from tiny import one_thread, tiny_config  # noqa: F401
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+NEW = ("adamw_4bit", "apollo", "apollo_mini", "galore", "adam_mini", "muon")
+
+
+def _training(optimizer: str, **extra):
+    cfg = Config.from_dict({"model": "x", "dataset": "y", "method": "full",
+                            "training": {"optimizer": optimizer, "learning_rate": 1e-3, "optimizer_rank": 8,
+                                         "optimizer_update_gap": 2, **extra}})
+    return cfg.training
+
+
+def _model(tiny_llama):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    model.train()
+    return model
+
+
+def _batches(n: int, vocab: int):
+    g = torch.Generator().manual_seed(1)
+    return [torch.randint(0, vocab, (2, 16), generator=g) for _ in range(n)]
+
+
+def _run(model, optimizer, batches, scheduler=None):
+    for ids in batches:
+        model(input_ids=ids, labels=ids).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if scheduler is not None:
+            scheduler.step()
+
+
+def _eager_torchao(optimizer: str):
+    """torchao compiles its per-tensor step (`torch.compile(single_param_adam)`, tens of seconds per
+    shape on CPU); here the same function runs eagerly, on the same 4-bit tensor subclasses."""
+    from unittest import mock
+
+    return mock.patch.object(torch, "compile", lambda fn, **kw: fn) if optimizer == "adamw_4bit" else torch.enable_grad()
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+@pytest.mark.parametrize("optimizer", NEW)
+def test_resume_equals_uninterrupted(optimizer, in_backward, tiny_llama, tmp_path):
+    """4 steps in one go == 2 steps, a checkpoint written and read back into a fresh model and
+    optimizer, 2 more steps (to 1e-5), with a learning-rate schedule in between."""
+    training = _training(optimizer, optimizer_in_backward=in_backward, max_grad_norm=None)
+    with _eager_torchao(optimizer):
+        ref = _model(tiny_llama)
+        batches = _batches(4, ref.config.vocab_size)
+        opt = build_optimizer(ref, training)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        _run(ref, opt, batches, sched)
+
+        first = _model(tiny_llama)
+        opt = build_optimizer(first, training)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        _run(first, opt, batches[:2], sched)
+        save_checkpoint(tmp_path, 2, first, opt, {"scheduler": sched.state_dict()}, keep=1)
+        json.loads((tmp_path / "step-000002" / "optimizer.json").read_text())  # plain JSON, no repr of objects
+
+        resumed = _model(tiny_llama)
+        opt = build_optimizer(resumed, training)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        state = latest_good_checkpoint(tmp_path).restore(resumed, opt)
+        sched.load_state_dict(state["scheduler"])
+        _run(resumed, opt, batches[2:], sched)
+    moved = 0.0
+    for (name, a), b, c in zip(ref.named_parameters(), resumed.parameters(), _model(tiny_llama).parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-5, msg=name)
+        moved = max(moved, float((a - c).abs().max()))
+    assert moved > 1e-4  # the optimizer really trained
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "apollo", "muon"])
+def test_in_backward_equals_step_after_backward(optimizer, tiny_llama):
+    """One optimizer per parameter stepped from its gradient hook == one optimizer stepped after
+    the backward; the gradients are gone after the backward and the norm is the global one."""
+    models, norms = [], []
+    for in_backward in (False, True):
+        model = _model(tiny_llama)
+        opt = build_optimizer(model, _training(optimizer, optimizer_in_backward=in_backward, max_grad_norm=None))
+        for ids in _batches(3, model.config.vocab_size):
+            if in_backward:
+                opt.begin_step()
+            model(input_ids=ids, labels=ids).loss.backward()
+            if in_backward:
+                assert all(p.grad is None for p in model.parameters())
+                norms.append(opt.grad_norm())
+            else:
+                norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), float("inf"))))
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        models.append(model)
+    for a, b in zip(*(m.parameters() for m in models)):
+        torch.testing.assert_close(b, a, rtol=0, atol=1e-6)
+    assert norms[3:] == pytest.approx(norms[:3], rel=1e-5)
+
+
+def test_muon_takes_decoder_matrices_and_adamw_the_rest(tiny_llama):
+    model = _model(tiny_llama)
+    opt = build_optimizer(model, _training("muon"))
+    kinds = {type(part).__name__: sum(p.numel() for g in part.param_groups for p in g["params"]) for part in opt.parts}
+    layers = sum(p.numel() for n, p in model.named_parameters() if ".layers." in n and p.ndim == 2)
+    assert kinds == {"Muon": layers, "AdamW": sum(p.numel() for p in model.parameters()) - layers}
+
+
+def _cfg(**training):
+    return Config.from_dict({"model": "x", "dataset": "y", "method": training.pop("method", "full"),
+                             "training": training})
+
+
+def test_missing_package_is_one_line_with_the_pip_command(monkeypatch):
+    monkeypatch.setitem(sys.modules, "apollo_torch", None)  # what find_spec sees for an absent package
+    with pytest.raises(ConfigError) as err:
+        require_packages(_cfg(optimizer="apollo_mini"))
+    assert str(err.value) == ("training.optimizer: apollo_mini needs the package apollo-torch, which is not installed "
+                              "(hint: pip install apollo-torch)")
+
+
+def test_rank_larger_than_a_weight_names_the_weight(tiny_llama):
+    with pytest.raises(ConfigError) as err:
+        build_optimizer(_model(tiny_llama), _training("galore", optimizer_rank=100))
+    assert str(err.value).startswith("training.optimizer_rank 100 (galore) is larger than the smaller side of "
+                                     "model.layers.0.self_attn.q_proj.weight ((64, 64))")
+
+
+@pytest.mark.parametrize("training, message", [
+    ({"optimizer_in_backward": True}, "training.optimizer_in_backward: true updates each weight as soon as its "
+     "gradient is ready, before the global gradient norm is known: it cannot clip (training.max_grad_norm: 1.0)"),
+    ({"optimizer_in_backward": True, "max_grad_norm": None, "batch_size": 4, "micro_batch_size": 2},
+     "training.optimizer_in_backward: true updates each weight as soon as its gradient is ready: it cannot "
+     "accumulate gradients over micro-batches (training.batch_size 4, micro_batch_size 2)"),
+    ({"optimizer": "apollo", "method": "lora"}, "training.optimizer: apollo applies to method: full only (method is lora)"),
+    ({"master_weights": "bf16", "optimizer": "muon"}, "training.master_weights: bf16 needs training.optimizer adamw or "
+     "adamw_4bit (torchao's stochastic rounding), not muon"),
+])
+def test_refused_combinations(training, message):
+    with pytest.raises(ConfigError) as err:
+        require_packages(_cfg(**training))
+    assert err.value.message == message
+
+
+def test_trainer_runs_in_backward_and_reports_the_gradient_norm(tiny_llama, pc_data, tmp_path):
+    cfg = tiny_config(tiny_llama, pc_data, tmp_path / "run", method="full", eval={"enabled": False},
+                      training={"optimizer": "apollo_mini", "optimizer_in_backward": True, "max_grad_norm": None,
+                                "micro_batch_size": 4, "max_steps": 2, "learning_rate": 1e-3})
+    summary = Trainer(Config.from_dict(cfg)).train()
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["grad_norm"] > 0 for r in rows if "loss" in r] == [True, True]
+    assert summary["plan"]["optimizer"] == "apollo_mini"
+
+
+def test_plan_with_grad_accumulation_is_refused_in_backward(tiny_llama, pc_data, tmp_path):
+    """The planner keeps one pass per step under optimizer_in_backward (no accumulation)."""
+    from maximus.memory.run_plan import plan_run
+
+    cfg = Config.from_dict(tiny_config(tiny_llama, pc_data, tmp_path / "run", method="full",
+                                       training={"optimizer_in_backward": True, "max_grad_norm": None,
+                                                 "micro_batch_size": "auto", "batch_size": 4}))
+    plan = plan_run(cfg, device="cpu")
+    assert (plan.micro_batch_size, plan.grad_accum) == (4, 1)
