@@ -1,4 +1,4 @@
-"""The benchmark reference model of ../shared/ANCHORS.md, built once and cached on disk.
+"""The benchmark reference model of docs/benchmarks/reference.md, built once and cached on disk.
 
 A Llama-architecture model with a Llama-3-sized vocabulary (128,256 rows) but a small body
 (hidden 512, 8 layers), so that on a 2-core CPU the output layer weighs in a step as it does in
@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-#: The shape of ANCHORS.md "The reference model for benchmarks".
+#: The shape of docs/benchmarks/reference.md.
 REFERENCE_CONFIG = dict(
     vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
     num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,

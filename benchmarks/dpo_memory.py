@@ -10,7 +10,7 @@ Same LoRA model, same 2N rows (N pairs = N chosen + N rejected sequences, padded
 Memory is counted by `maximus.memory.meter.MemoryMeter` (on CPU: live tensor storages created
 during the step). "step" = peak minus what was live before the step (activations, gradients,
 temporaries; weights, including the TRL-style reference copy, are not in it), "total" = peak including the
-weights. Model: the ANCHORS reference Llama (vocab 128,256, hidden 512, 8 layers) with LoRA r=16
+weights. Model: the reference Llama (vocab 128,256, hidden 512, 8 layers) with LoRA r=16
 on all linear layers, random weights; `--quick` uses a smaller one.
 
     python benchmarks/dpo_memory.py [--quick] [--pairs 2] [--seq 1024] [--checkpointing off full]
@@ -39,7 +39,7 @@ def build_model_dir(root: Path, quick: bool) -> Path:
     if quick:
         shape = dict(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
                      num_attention_heads=4, num_key_value_heads=2)
-    else:  # /work/shared/ANCHORS.md reference model
+    else:  # docs/benchmarks/reference.md reference model
         shape = dict(vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                      num_attention_heads=8, num_key_value_heads=4)
     config = LlamaConfig(**shape, max_position_embeddings=4096, tie_word_embeddings=False, rope_theta=500000.0,

@@ -1,4 +1,4 @@
-"""GGUF export of the reference model (ANCHORS.md shape, vocab 128,256), measured in llama.cpp.
+"""GGUF export of the reference model (docs/benchmarks/reference.md shape, vocab 128,256), measured in llama.cpp.
 
 A real user path, end to end: LoRA-tune the reference model on `builtin:reverse-words` (so its
 held-out perplexity means something: the random base sits near the vocabulary size), export it

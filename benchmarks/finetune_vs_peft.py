@@ -1,6 +1,6 @@
 """The same fine-tune step on the reference model: Maximus vs plain Transformers + PEFT (+ bitsandbytes).
 
-Model: the ANCHORS.md reference Llama (vocab 128,256, hidden 512, 8 layers; see
+Model: the reference Llama (docs/benchmarks/reference.md) (vocab 128,256, hidden 512, 8 layers; see
 `_reference_model.py`), random weights. Step: batch 1, one packed row of `seq` random token ids
 (labels = inputs), LoRA r=16 / alpha 32 on every linear layer (PEFT `all-linear`), torch AdamW
 lr 2e-4, fp32 adapters. dtype (`--dtype auto`): what `training.dtype: auto` picks on this machine

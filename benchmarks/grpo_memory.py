@@ -20,7 +20,7 @@ step (generation, log-probs, backward, optimizer state and step: everything the 
 "total" = the peak with the weights. The sides
 alternate (`--repeats` rounds, ours first in odd rounds, TRL first in even ones); the table
 shows medians and the ratio ours / TRL with its range. The CPU's bf16 flags and measured fp32 /
-bf16 matmul rates are printed first. Model: the reference Llama of shared/ANCHORS.md.
+bf16 matmul rates are printed first. Model: the reference Llama of docs/benchmarks/reference.md.
 
     python benchmarks/grpo_memory.py [--group 8] [--completion 256] [--repeats 2] [--quick]
     python benchmarks/grpo_memory.py --plot runs/grpo/metrics.jsonl --out docs/benchmarks/grpo_reward.png

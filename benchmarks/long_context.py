@@ -4,7 +4,7 @@ Predicted: `max_seq_len_for_budget` for Llama-3.1-8B QLoRA r=32, batch 1 (defaul
 8 / 16 / 24 / 80 GB cards, before (untiled, PEFT's LoRA layers) and now (tiled MLP recompute, lean
 LoRA projections), beside Unsloth's published figures.
 
-Measured: the reference model of shared/ANCHORS.md, QLoRA r=16, batch 1, full checkpointing, one
+Measured: the reference model of docs/benchmarks/reference.md, QLoRA r=16, batch 1, full checkpointing, one
 training run per (length, setup) in a fresh process, through `Trainer` (peak = run.json
 ``memory.peak_bytes``, the CPU meter), for three setups:
 

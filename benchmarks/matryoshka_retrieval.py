@@ -22,7 +22,7 @@ Contrastive mode (``--mode contrastive``): the models are trained as embedding m
 mean- or last-pooled final hidden states) on the docstring -> function pairs of the *training*
 files; one without and one (or more) with the Matryoshka prefixes (``optimization.matryoshka``);
 same init, same batches in the same order. Evaluated on the same held-out pairs as above. The
-LM auxiliary loss's cost is also measured on the ANCHORS reference model shape
+LM auxiliary loss's cost is also measured on the reference model shape
 (``--reference-cost``: vocab 128,256, hidden 512, 8 layers, LoRA r=16, batch 1 x 512 tokens).
 
     python benchmarks/matryoshka_retrieval.py --quick     # smoke run, < 3 min on 2 CPU cores
@@ -391,7 +391,7 @@ def contrastive_step_cost(model, rows: list[dict], args, reps: int) -> dict:
 
 def reference_aux_cost(seq_len: int, reps: int, fractions: list[float] = (1.0,), separate: bool = True,
                        memory: bool = False) -> dict:
-    """The LM auxiliary loss on the ANCHORS reference model shape (vocab 128,256, hidden 512, 8
+    """The LM auxiliary loss on the reference model shape (vocab 128,256, hidden 512, 8
     layers), LoRA r=16 on all linear layers (frozen head), bf16 weights, batch 1 x seq_len random
     tokens: median step time (fwd + bwd + AdamW) of the trainer's `sft_loss_sum` without / with
     `optimization.matryoshka` (dims 64/128/256, weight 0.2) at each token fraction, and (with
@@ -566,7 +566,7 @@ def main(argv=None) -> int:
     parser.add_argument("--weights", type=lambda s: [float(x) for x in s.split(",")], default=[1.0],
                         help="contrastive mode: Matryoshka weights, one model each (comma-separated)")
     parser.add_argument("--reference-cost", action="store_true",
-                        help="contrastive mode: also time the LM auxiliary loss on the ANCHORS reference model")
+                        help="contrastive mode: also time the LM auxiliary loss on the reference model")
     parser.add_argument("--reference-seq", type=int, default=512, help="tokens of the reference-model step")
     parser.add_argument("--token-fractions", type=lambda s: [float(x) for x in s.split(",")], default=[1.0],
                         help="LM auxiliary loss token fractions: one LM each (lm mode; the first is timed), "

@@ -1,7 +1,7 @@
 """Predicted vs measured peak memory of real training steps on CPU (issue 5, "Accuracy on CPU").
 
 For each setting (method x seq_len x checkpointing x loss mode) this builds the reference model
-of shared/ANCHORS.md with plain Transformers + PEFT + bitsandbytes, runs one warm-up step (so
+of docs/benchmarks/reference.md with plain Transformers + PEFT + bitsandbytes, runs one warm-up step (so
 the optimizer state exists, as in every later step), then measures one full step (forward,
 backward, optimizer step, zero_grad) with `maximus.memory.MemoryMeter` and compares it with
 `maximus.memory.estimate_peak(..., device="cpu")`.
@@ -177,7 +177,7 @@ def main(argv=None) -> int:
             print(f"  {s}: measured {measured / 2**20:.0f} MiB, predicted {est.peak_bytes / 2**20:.0f} MiB "
                   f"({err:+.1%}), step {seconds:.2f} s", flush=True)
     print()
-    print(f"model: {'SMALL' if args.quick else 'REFERENCE (ANCHORS.md)'} {shape}")
+    print(f"model: {'SMALL' if args.quick else 'REFERENCE (docs/benchmarks/reference.md)'} {shape}")
     print()
     print("| method | dtype | micro-batch x seq | checkpointing | loss | measured peak | predicted peak | error | predicted phase |")
     print("|---|---|---|---|---|---|---|---|---|")
@@ -283,7 +283,7 @@ def trainer_runs(args) -> int:
     finally:
         shutil.rmtree(root, ignore_errors=True)
     print()
-    print(f"model: {'SMALL' if args.quick else 'REFERENCE (ANCHORS.md)'} {shape}; batch 2, seq {args.seq}, bf16, "
+    print(f"model: {'SMALL' if args.quick else 'REFERENCE (docs/benchmarks/reference.md)'} {shape}; batch 2, seq {args.seq}, bf16, "
           f"LoRA r=16 unless named, 2 steps, lean_lora {args.lean_lora or 'default'}, torch threads as maximus-train picks")
     print()
     print("| row | predicted (plan.peak_bytes) | measured (memory.peak_bytes) | error | phase | "

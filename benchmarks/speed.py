@@ -1,7 +1,7 @@
 """Training speed of one QLoRA / LoRA step on the reference model: Maximus vs Transformers + PEFT
 (+ bitsandbytes), side by side, with model-FLOPs utilisation (issues 9, 23).
 
-Model: the ANCHORS.md reference Llama (`_reference_model.py`: vocab 128,256, hidden 512, 8 layers),
+Model: the reference Llama (docs/benchmarks/reference.md) (`_reference_model.py`: vocab 128,256, hidden 512, 8 layers),
 LoRA r=16 on every linear layer, batch 1, seq 2048, AdamW. Our side runs `maximus-train`'s default
 config (`finetune_vs_peft.build_maximus`): no target_vram (the plan fits the free memory),
 `gradient_checkpointing: auto`, the exact loss, every step under the memory meter as the trainer's
@@ -16,7 +16,7 @@ Each setting runs in one subprocess holding both sides: rounds of one peer step 
 the order flipping every round, so load on the shared machine hits both alike; the ratio (peer
 step time / ours) is taken within each round and reported as median (range).
 
-Rows are either one 2,048-token document per row (`--doc-lens 0`, the ANCHORS protocol) or packed
+Rows are either one 2,048-token document per row (`--doc-lens 0`, the reference protocol) or packed
 documents of `--doc-len` tokens (positions restart per document on both sides; the peer gets the
 labels Transformers' `DataCollatorWithFlattening` would give: -100 at each document start).
 
@@ -257,7 +257,7 @@ def main(argv=None) -> int:
     p.add_argument("--model-dir", type=Path, default=None)
     p.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     p.add_argument("--shape", choices=("reference", "8b"), default="reference",
-                   help="reference = ANCHORS.md's model; 8b = Llama-3-8B's shape (GPU)")
+                   help="reference = the model of docs/benchmarks/reference.md; 8b = Llama-3-8B's shape (GPU)")
     p.add_argument("--kernels", choices=("auto", "triton", "compile", "eager"), default="auto",
                    help="our optimization.kernels")
     p.add_argument("--json", type=Path, default=None)

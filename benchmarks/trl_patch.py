@@ -1,6 +1,6 @@
 """TRL's own trainers with and without `maximus.patch`, on the reference model (issue 18).
 
-Model: the ANCHORS.md reference Llama (vocab 128,256, hidden 512, 8 layers; `_reference_model.py`),
+Model: the reference Llama (docs/benchmarks/reference.md) (vocab 128,256, hidden 512, 8 layers; `_reference_model.py`),
 random weights, float32, LoRA r=16 / alpha 32 on every linear layer (PEFT `all-linear`), seed 0.
 
 * SFT: `trl.SFTTrainer`, packed rows of 2,048 tokens (random-length documents of random token

@@ -238,7 +238,7 @@ def test_planned_loss_chunk_is_the_one_the_loss_would_pick():
         assert implicit.breakdown == explicit.breakdown
 
 
-#: ANCHORS.md's benchmark reference model (128k vocabulary, hidden 512, 8 layers).
+#: The benchmark reference model (docs/benchmarks/reference.md: 128k vocabulary, hidden 512, 8 layers).
 REFERENCE = dict(model_type="llama", vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
                  num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)
 

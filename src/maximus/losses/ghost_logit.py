@@ -6,7 +6,7 @@ logit, an estimate of ``log(sum over the tail of exp(logit))``. Per token::
 
     loss_i = logsumexp([logits_i[candidates], ghost_i]) - logits_i[label_i]
 
-How each part is built, and how it fixes the defects listed in ../shared/ANCHORS.md:
+How each part is built, and how it fixes the defects listed in docs/benchmarks/reference.md:
 
 * **Candidates** (:func:`select_candidates`). A cheap scan of the whole vocabulary on the first
   ``prefix_dims`` hidden dimensions (Matryoshka-style prefix), one ``C x vocab_chunk`` block at a
