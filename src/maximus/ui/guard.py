@@ -3,7 +3,7 @@
 `maximus ui` starts processes, so a config posted to it is read as untrusted input:
 
 - every path is confined: the model, tokenizer and `init_adapter` to ``--models-root`` (an adapter
-  may also come from ``--runs``), each dataset to ``--data-root``, `output_dir` to ``--runs``.
+  may also come from ``--runs``), each dataset (and `eval.dataset`) to ``--data-root``, `output_dir` to ``--runs``.
   A relative path is taken from the server's working directory, as `maximus-train` takes it; the
   path is resolved (``..`` and symlinks followed) before it is checked, and the config handed to
   the child carries the resolved path, so the child opens what was checked;
@@ -123,6 +123,8 @@ def confine_config(text: Any, roots: Roots, *, allow_code: bool = False,
         out["init_adapter"] = confine_path("init_adapter", out["init_adapter"],
                                            models + [("--runs", roots.runs)], hub_ok=False)
     out["dataset"] = _confine_datasets(out["dataset"], roots)
+    if isinstance(out.get("eval"), dict) and out["eval"].get("dataset") is not None:
+        out["eval"] = {**out["eval"], "dataset": _confine_datasets(out["eval"]["dataset"], roots, "eval.dataset")}
     if out.get("output_dir") is None:
         out["output_dir"] = str(roots.runs / (Path(str(out["model"]).rstrip("/")).name or "model"))
     out["output_dir"] = confine_path("output_dir", str(out["output_dir"]), [("--runs", roots.runs)], hub_ok=False)
@@ -134,14 +136,14 @@ def confine_config(text: Any, roots: Roots, *, allow_code: bool = False,
     return out, cfg
 
 
-def _confine_datasets(value: Any, roots: Roots) -> Any:
+def _confine_datasets(value: Any, roots: Roots, key: str = "dataset") -> Any:
     data_root = [("--data-root", roots.data)]
     if isinstance(value, list):
-        return [_confine_datasets(v, roots) for v in value]
+        return [_confine_datasets(v, roots, key) for v in value]
     if isinstance(value, str):
-        return confine_path("dataset", value, data_root, hub_ok=True)
+        return confine_path(key, value, data_root, hub_ok=True)
     if isinstance(value, dict) and isinstance(value.get("path"), str):
-        return {**value, "path": confine_path("dataset.path", value["path"], data_root, hub_ok=True)}
+        return {**value, "path": confine_path(f"{key}.path", value["path"], data_root, hub_ok=True)}
     return value
 
 
