@@ -457,7 +457,10 @@ def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, 
         cli = plan_json(["--config", str(cfg_path)])  # what `maximus plan --config flow.yaml --json` prints
         _assert_page_equals_cli(browser, cli)
         assert browser.find_element(By.ID, "budget-plan").text.startswith("fits: lora mb 2 x acc 2")
+        browser.execute_script("document.getElementById('yaml').scrollIntoView()")
         _shot(browser, "train.png")
+        browser.execute_script("document.getElementById('plan-result').scrollIntoView()")
+        _shot(browser, "train-plan.png")
         browser.find_element(By.ID, "start-button").click()
         _wait_until(lambda: browser.current_url.endswith("/runs/flow"), what="the run page")
         run = api.runs / "flow"
@@ -515,7 +518,10 @@ def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, 
         status, data = api.call("GET", "/runs/flow/exports/gguf-q8_0")
         gguf = run / "exports" / "gguf-q8_0.gguf"
         assert status == 200 and data == gguf.read_bytes()
-        _shot(browser, "run.png")
+        browser.execute_script("document.getElementById('chat-section').scrollIntoView()")
+        _shot(browser, "chat-export.png")
+        browser.execute_script("window.scrollTo(0, 0)")
+        _shot(browser, "run-controls.png")
         browser.get(api.url + "/runs")
         assert browser.find_element(By.CSS_SELECTOR, "#runs tr[data-run='flow']").get_attribute("data-status") == "finished"
         _shot(browser, "runs.png")

@@ -377,3 +377,32 @@ def test_export_from_the_api_obeys_the_export_rules_and_downloads(served, finish
         pytest.skip("llama-cpp-python is not installed: the exported GGUF was checked by the export rules only")
     llm = llama_cpp.Llama(str(gguf), n_ctx=128, n_threads=1, verbose=False)
     assert llm.n_vocab() == json.loads((api.models / "llama" / "config.json").read_text())["vocab_size"]
+
+
+def test_cli_mistakes_are_one_line(tmp_path, monkeypatch, capsys):
+    from maximus.cli import main
+
+    assert main(["ui", "--bogus"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: maximus ui: unrecognized arguments: --bogus "
+                                               "(hint: `maximus ui --help` lists the arguments)")
+    assert main(["ui", "--runs", str(tmp_path), "--data-root", str(tmp_path / "nope")]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: --data-root {tmp_path / 'nope'} is not a directory "
+                                               "(hint: point --data-root at an existing folder)")
+    monkeypatch.setitem(sys.modules, "flask", None)  # Flask not installed: `import flask` raises ImportError
+    assert main(["ui", "--runs", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.strip() == ("error: maximus ui needs Flask, which is not installed "
+                                               "(hint: pip install 'maximusllm[ui]')")
+
+
+def test_a_bug_is_one_line_of_json(served, monkeypatch):
+    from maximus.ui import app as app_module
+
+    def broken(*a, **k):
+        raise RuntimeError("boom\nsecond line")
+
+    monkeypatch.setattr(app_module, "run_detail", broken)
+    status, answer = served.call("GET", "/api/runs/fin")
+    assert (status, answer) == (500, {"error": "the server failed on this request (RuntimeError) "
+                                               "(hint: see the server log)"})
+    status, page = served.call("GET", "/runs/fin")
+    assert status == 500 and page == b"error: the server failed on this request (RuntimeError) (hint: see the server log)\n"

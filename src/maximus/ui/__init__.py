@@ -1,5 +1,8 @@
-"""`maximus ui`: the planner and live runs in the browser (Flask app, read-only, loopback by default).
+"""`maximus ui`: plan, train, stop, resume, chat and export in the browser (Flask; loopback by default).
 
-`maximus.ui.app.create_app(runs_dir, token=None)` builds the app; `maximus.ui.command.ui_main`
-serves it; `maximus.ui.runs` reads run directories without writing into them.
+`maximus.ui.app.create_app` builds the app; `maximus.ui.command.ui_main` serves it;
+`maximus.ui.guard` confines what a browser's config may name; `maximus.ui.jobs` runs the
+`maximus-train` / `maximus export` children; `maximus.ui.chat` serves base | tuned generations;
+`maximus.ui.form` builds the run form from the config schema; `maximus.ui.runs` reads run
+directories without writing into them.
 """

@@ -307,10 +307,13 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
     @app.route("/api/check", methods=["POST"])
     def api_check():
         req = body()
-        data, cfg = confine_config(req.get("config"), roots, allow_code=allow_code, overrides=req.get("overrides"))
-        from maximus.memory.plan_command import plan_report
+        data, _ = confine_config(req.get("config"), roots, allow_code=allow_code, overrides=req.get("overrides"))
+        from maximus.memory.plan_command import plan_json
 
-        report = {k: v for k, v in plan_report(cfg).items() if not k.startswith("_")}
+        with tempfile.TemporaryDirectory(prefix="maximus-ui-") as tmp:  # exactly `maximus plan --config FILE --json`
+            path = Path(tmp) / "config.yaml"
+            path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
+            report = plan_json(["--config", str(path)])
         return jsonify({"run": run_name(data["output_dir"]), "config": data, "plan": report,
                         "plan_html": render_template("_plan_report.html", report=report)})
 
