@@ -40,6 +40,7 @@ import torch
 from transformers.modeling_outputs import CausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
+from maximus.compat import TRL_FUSED_CLOSURE, TRL_FUSED_FORWARD_NAME
 from maximus.errors import ConfigError, ModelError
 from maximus.forward import IGNORE_INDEX, output_head, through_head, token_loss_sum
 from maximus.structure import causal_lm_of, find_decoder_layers
@@ -179,9 +180,11 @@ def unpatch(model):
     remove_checkpointing(lm)
     from maximus.kernels.lean_lora import uninstall_lean_lora
     from maximus.kernels.lean_norm import uninstall_lean_norm
+    from maximus.kernels.triton.install import uninstall_triton_kernels
 
     uninstall_lean_lora(lm)  # apply_kernels routed the LoRA linears through lean projections
     uninstall_lean_norm(lm)  # ... and the RMSNorms through the lean norm
+    uninstall_triton_kernels(lm)  # ... and, on CUDA, the norms, MLPs, attentions and 4-bit LoRA through Triton
     _, layers = find_decoder_layers(lm)
     for layer, was_on in zip(layers, report.hf_checkpointing):
         if hasattr(layer, "gradient_checkpointing"):
@@ -297,14 +300,13 @@ def _trl_head_of(value, report: PatchReport) -> TRLHead | None:
     we cannot serve: then TRL's head is installed as it is, with a notice)."""
     func = getattr(value, "__func__", value)
     code = getattr(func, "__code__", None)
-    if code is None or code.co_name != "_fused_forward" or "trl" not in code.co_filename:
+    if code is None or code.co_name != TRL_FUSED_FORWARD_NAME or "trl" not in code.co_filename:
         return None
     try:
         found = inspect.getclosurevars(func).nonlocals
     except (TypeError, ValueError):
         found = {}
-    known = {"outputs", "temperature", "cast_lm_head_to_fp32"}
-    if not known <= set(found) or found.get("logit_scale", 1.0) != 1.0:
+    if not TRL_FUSED_CLOSURE <= set(found) or found.get("logit_scale", 1.0) != 1.0:
         report.notice("maximus.patch: this TRL version's fused LM head is not one Maximus can serve; TRL's own head "
                       "computes its log-probs (the loss's memory savings do not apply to those calls)")
         return None

@@ -147,3 +147,21 @@ def test_qlora_under_bf16_autocast_uses_the_fused_projection(tiny_llama):
     assert rel < 5e-2
     total = sum((patched[1][n] - g).norm() ** 2 for n, g in reference[1].items()) ** 0.5
     assert total / sum(g.norm() ** 2 for g in reference[1].values()) ** 0.5 < 0.25
+
+
+def test_unpatch_removes_the_triton_forwards_and_the_rope_dispatcher(tiny_llama):
+    """`maximus.unpatch` undoes what `patch` installs on CUDA (kernels: triton), the modeling
+    module's `apply_rotary_pos_emb` included; here installed through the CPU interpreter."""
+    import transformers.models.llama.modeling_llama as modeling
+    from transformers import AutoModelForCausalLM
+
+    import maximus
+
+    original_rope = getattr(modeling.apply_rotary_pos_emb, "_maximus_original", modeling.apply_rotary_pos_emb)
+    model = AutoModelForCausalLM.from_pretrained(tiny_llama, dtype=torch.float32)
+    maximus.patch(model, seq_len=64, kernels="eager")
+    assert install_triton_kernels(model)  # what patch(kernels="triton") installs on a CUDA model
+    assert modeling.apply_rotary_pos_emb is not original_rope
+    maximus.unpatch(model)
+    assert [n for n, m in model.named_modules() if "forward" in m.__dict__] == []
+    assert modeling.apply_rotary_pos_emb is original_rope

@@ -28,6 +28,8 @@ from typing import Callable, Sequence
 
 import torch
 
+from maximus.compat import current_graph_task_id
+
 __all__ = ["tiled_mlp", "tiled_module_forward", "tile_ranges"]
 
 
@@ -48,7 +50,7 @@ def _rng_state(x: torch.Tensor):
 
 def _in_backward() -> bool:
     """True while autograd's engine runs a backward pass (a checkpoint recompute runs inside one)."""
-    return torch._C._current_graph_task_id() != -1
+    return current_graph_task_id() != -1
 
 
 class _TiledMLPFunction(torch.autograd.Function):

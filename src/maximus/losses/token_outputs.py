@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import torch
 
+from maximus.structure import IGNORE_INDEX
 from maximus.losses.linear_cross_entropy import (ChunkScratch, _accumulator_dtype, _apply_chunk_grad, _chunk_logits,
                                                  _stats_dtype, cast_for_matmul, default_chunk_size)
 
@@ -231,7 +232,7 @@ def naive_token_outputs(hidden: torch.Tensor, weight: torch.Tensor, labels: torc
 
 def label_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, *,
                     bias: torch.Tensor | None = None, softcap: float | None = None, temperature: float = 1.0,
-                    ignore_index: int = -100, chunk_size: int | None = None, mode: str = "exact") -> torch.Tensor:
+                    ignore_index: int = IGNORE_INDEX, chunk_size: int | None = None, mode: str = "exact") -> torch.Tensor:
     """Per-token ``log p(label)`` under ``softmax(softcap(hidden @ weight.T + bias) / temperature)``,
     shaped like ``labels`` (float32, 0 where ``labels == ignore_index``), differentiable: the one
     per-token log-prob of the preference and GRPO objectives.

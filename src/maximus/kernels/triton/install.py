@@ -102,6 +102,15 @@ def _install_rope_dispatcher(attention: torch.nn.Module) -> bool:
     return True
 
 
+def _remove_rope_dispatcher(attention: torch.nn.Module) -> None:
+    """Put the modeling module's own `apply_rotary_pos_emb` back (outside a patched attention the
+    dispatcher only calls it, so another model still patched computes the same values)."""
+    modeling = sys.modules.get(type(attention).__module__)
+    original = getattr(getattr(modeling, "apply_rotary_pos_emb", None), "_maximus_original", None)
+    if original is not None:
+        modeling.apply_rotary_pos_emb = original
+
+
 def _lora_fast_adapter(layer, kwargs) -> str | None:
     """The adapter name when PEFT's Linear4bit forward reduces to plain LoRA, else None."""
     if kwargs or layer.disable_adapters or layer.merged:
@@ -210,7 +219,11 @@ def install_triton_kernels(model: torch.nn.Module) -> list[str]:
 
 
 def uninstall_triton_kernels(model: torch.nn.Module) -> int:
-    """Undo install_triton_kernels on `model` (the rope dispatcher stays: it is inert outside); returns the count."""
+    """Undo install_triton_kernels on `model`, the modeling modules' `apply_rotary_pos_emb` included;
+    returns how many modules went back to their own forward."""
+    for module in model.modules():
+        if _is_transformers_class(module, ATTENTION_CLASSES):
+            _remove_rope_dispatcher(module)
     return remove_forward_overrides(model, _MARK)
 
 
