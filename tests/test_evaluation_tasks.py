@@ -266,3 +266,18 @@ def test_dpo_generates_for_eval_prompts_and_eval_off_runs_finish(tiny_llama, tmp
     pc = _pc(tmp_path / "pc.jsonl", 12)
     off = tiny_config(tiny_llama, pc, tmp_path / "off", training={"max_steps": 1}, eval={"enabled": False, "prompts": prompts})
     assert maximus.Trainer(maximus.Config.from_dict(off)).train()["eval"]["after"] == {}
+
+
+def test_batched_greedy_completions_equal_one_at_a_time(tiny_llama):
+    """Left-padded batches (what the metrics decode with) give the one-prompt-at-a-time completions."""
+    from transformers import AutoModelForCausalLM
+
+    from maximus.evaluate import greedy_texts
+
+    tok = load_tokenizer(maximus.Config.from_dict({"model": str(tiny_llama), "dataset": "-"}))
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
+    prompts = [tok(t, add_special_tokens=False).input_ids for t in ("red", "green blue gold stone", "river cloud tiger",
+                                                                    "eagle maple north south red green blue")]
+    one = greedy_texts(model, tok, prompts, device=torch.device("cpu"), max_new_tokens=6)
+    assert greedy_texts(model, tok, prompts, device=torch.device("cpu"), max_new_tokens=6, batch_size=3) == one
+    assert len(set(one)) > 1

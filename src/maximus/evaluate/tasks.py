@@ -206,7 +206,8 @@ class TaskEval:
         return best
 
     # ---------------------------------------------------------------------------------- scoring
-    def score(self, model, *, device, shots: list[TaskExample] = (), system: str | None = None) -> dict:
+    def score(self, model, *, device, batch_size: int = 1, shots: list[TaskExample] = (),
+              system: str | None = None) -> dict:
         """{metric: value} of greedy completions of the held-out examples (plus `metrics_failed`
         and `metrics_note` where they apply); {} without metrics."""
         from maximus.evaluate import greedy_texts
@@ -217,7 +218,8 @@ class TaskEval:
         if not self.examples:
             return {**{m.name: None for m in self.metrics}, "metrics_note": NO_PROMPT_NOTE}
         prompts = [self.prompter.prompt_ids(x, shots, system) for x in self.examples]
-        predictions = greedy_texts(model, self.tokenizer, prompts, device=device, max_new_tokens=self.max_new_tokens)
+        predictions = greedy_texts(model, self.tokenizer, prompts, device=device, max_new_tokens=self.max_new_tokens,
+                                   batch_size=batch_size)
         columns = {k: [x.columns.get(k) for x in self.examples] for k in dict.fromkeys(c for x in self.examples for c in x.columns)}
         values, failed = score_all(self.metrics, predictions, [x.reference for x in self.examples], columns)
         result: dict = {**values, "scored": len(self.examples),
@@ -237,7 +239,7 @@ class TaskEval:
         rows = [self.prompter.loss_row(x, self.shots, self.system_prompt, self.seq_len) for x in self.held_out]
         result = heldout_loss(model, rows, pad_token_id=self.tokenizer.pad_token_id, device=device, dtype=dtype,
                               batch_size=batch_size)
-        result.update(self.score(model, device=device, shots=self.shots, system=self.system_prompt))
+        result.update(self.score(model, device=device, batch_size=batch_size, shots=self.shots, system=self.system_prompt))
         result.update(few_shot=self.few_shot, system_prompt=self.system_prompt, examples=[s.id for s in self.shots],
                       seconds=round(time.perf_counter() - started, 3))
         return result
