@@ -367,6 +367,9 @@ class Trainer:
         if self.tasks is not None and self.tasks.prompted:  # the base, before any step
             state["eval_prompted"] = self.tasks.score_prompted(self.model, device=self.device, dtype=self.dtype,
                                                                batch_size=self.plan.micro_batch_size)
+            from maximus.evaluate.report import column_label
+
+            run.out.message(f"{column_label(state['eval_prompted'])}: held-out loss {state['eval_prompted']['loss']:.4f}")
 
     def _measured_step(self, step: int, run: _Run) -> tuple[dict, bool]:
         """One optimizer step under the memory meter (re-planned after an out-of-memory error or
