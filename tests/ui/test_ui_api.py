@@ -406,3 +406,30 @@ def test_a_bug_is_one_line_of_json(served, monkeypatch):
                                                "(hint: see the server log)"})
     status, page = served.call("GET", "/runs/fin")
     assert status == 500 and page == b"error: the server failed on this request (RuntimeError) (hint: see the server log)\n"
+
+
+def test_the_run_form_has_every_key_of_config_md_with_its_default_and_meaning():
+    import ast
+
+    import re
+
+    from maximus.ui.form import config_sections
+
+    rows = {}
+    for line in (Path(__file__).resolve().parents[2] / "docs" / "config.md").read_text().splitlines():
+        m = re.match(r"^\| `([^`]+)` \| `(.*?)` \| `(.*?)` \| (.*) \|$", line)
+        if m:
+            rows[m.group(1)] = (m.group(3), m.group(4))
+    fields = [f for _, _, fs in config_sections() for f in fs]
+    assert len(fields) > 80
+    for f in fields:
+        assert f.key in rows, f.key
+        default, meaning = rows[f.key]
+        assert f.doc == meaning, f.key
+        if default == "required":
+            assert f.required and f.default == "", f.key
+        else:
+            value = ast.literal_eval(default)  # config.md writes repr(default)
+            assert f.default == ("" if value is None else str(value).lower() if isinstance(value, bool) else
+                                 "[" + ", ".join(map(str, value)) + "]" if isinstance(value, (list, tuple)) else str(value)), f.key
+    assert {f.key for f in fields} == {k for k, (default, _) in rows.items() if default != "(section)"}

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pydantic import BaseModel
 
 from maximus.config import Config
+from maximus.config import _model_of as sub_model  # the rule docs/config.md uses for sections
 
 __all__ = ["FormField", "config_keys", "config_sections"]
 
@@ -38,15 +39,6 @@ def _literal_choices(annotation) -> tuple[str, ...] | None:
     return None
 
 
-def _sub_model(annotation) -> type[BaseModel] | None:
-    if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-        return annotation
-    for arg in typing.get_args(annotation):
-        if isinstance(arg, type) and issubclass(arg, BaseModel) and type(None) in typing.get_args(annotation):
-            return arg
-    return None
-
-
 def _default_text(value) -> str:
     if value is None:
         return ""
@@ -66,10 +58,11 @@ def config_sections() -> list[tuple[str, str, list[FormField]]]:
         fields: list[FormField] = []
         subs = []
         for name, field in model.model_fields.items():
-            sub = _sub_model(field.annotation)
+            sub = sub_model(field.annotation)
             if sub is not None:
                 subs.append((sub, f"{prefix}{name}.", f"{prefix}{name}", field.description or ""))
-                continue
+                if field.default_factory:  # a section only; otherwise also a value of its own (a path, true)
+                    continue
             default = None if field.is_required() else (field.default_factory() if field.default_factory
                                                         else field.default)
             choices = _literal_choices(field.annotation)
