@@ -118,10 +118,11 @@ def test_chatml_template_of_the_tiny_tokenizer_uses_its_special_tokens(tok):
 def test_template_that_is_not_prefix_stable_falls_back_to_content_search(tok):
     tok.chat_template = EOS_ONLY_LAST
     doc = Encoder(tok).chat(CHAT[1:])
-    assert tok.decode(doc.input_ids) == "[user] What is 2+2?\n[assistant] 4\n[user] And 3+3?\n[assistant] 6, of course.<|endoftext|>\n<|endoftext|>"
+    assert tok.decode(doc.input_ids) == "[user] What is 2+2?\n[assistant] 4\n[user] And 3+3?\n[assistant] 6, of course.<|endoftext|>\n"
     # Middle turn: its content (the EOS its own render ends with is not in the full text); last turn:
     # content plus the end-of-turn text. " 4" is one token that overlaps the content, so it is in.
-    assert trained_segments(tok, doc.input_ids, doc.labels) == [" 4", " 6, of course.<|endoftext|>\n<|endoftext|>"]
+    # The text ends with EOS (a newline after it aside): no second EOS is appended.
+    assert trained_segments(tok, doc.input_ids, doc.labels) == [" 4", " 6, of course.<|endoftext|>\n"]
 
 
 def test_train_on_inputs_and_no_assistant(tok):

@@ -85,9 +85,15 @@ def _find_content(content: str, end_text: str, full: str, cursor: int) -> tuple[
     end = start + len(content)
     tail_at = end_text.rfind(content)
     tail = end_text[tail_at + len(content):] if tail_at >= 0 else ""
-    if tail and full.startswith(tail, end):
-        end += len(tail)
-    return (start, end)
+    # The end-of-turn text as far as the full conversation has it too: a template that writes
+    # more after the final message (Phi-3's EOS) still ends an earlier turn with `<|end|>\n`;
+    # a partial match is cut back to its last line break (not into the next turn's `<|user|>`).
+    common = 0
+    while common < len(tail) and end + common < len(full) and full[end + common] == tail[common]:
+        common += 1
+    if common < len(tail):
+        common = tail.rfind("\n", 0, common) + 1
+    return (start, end + common)
 
 
 def tokenize_with_spans(tokenizer, text: str, spans: list[tuple[int, int]]) -> tuple[list[int], list[bool]]:

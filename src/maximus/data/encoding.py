@@ -7,7 +7,8 @@ Rules (labels are not shifted; the trainer shifts them):
   loss covers the completion and EOS, and the prompt too when `train_on_inputs`.
 - chat: the chat template's text tokenized once; the loss covers the assistant turns (see
   `maximus.data.chat`), or everything when `train_on_inputs`; EOS is appended when the text does
-  not already end with it, in the loss when the last message is the assistant's.
+  not already end with it (whitespace after it aside: ChatML's `<|im_end|>\n` ends with EOS when
+  EOS is `<|im_end|>`), in the loss when the last message is the assistant's.
 Every document ends with EOS so that packed documents are separated the way the model will see
 the end of an answer.
 """
@@ -63,6 +64,16 @@ class Encoder:
             return self.chat(example.messages)
         raise TypeError(f"cannot encode {type(example).__name__} as one document")
 
+    def _ends_with_eos(self, ids: list[int]) -> bool:
+        """Whether the rendered conversation already ends with EOS, whitespace after it aside
+        (ChatML ends every turn with `<|im_end|>\n`, and `<|im_end|>` is the EOS of Qwen, SmolLM...)."""
+        for token in reversed(ids):
+            if token == self.eos_id:
+                return True
+            if self.tokenizer.decode([token]).strip():
+                return False
+        return False
+
     def prompt_completion(self, prompt_ids: list[int], completion_ids: list[int],
                           train_on_inputs: bool | None = None) -> Document:
         everything = self.train_on_inputs if train_on_inputs is None else train_on_inputs
@@ -73,7 +84,7 @@ class Encoder:
         """A conversation; with `train_from_message`, only assistant turns from that index are trained."""
         everything = self.train_on_inputs if train_on_inputs is None else train_on_inputs
         ids, mask = encode_chat(self.tokenizer, messages, train_from_message)
-        if not ids or ids[-1] != self.eos_id:
+        if not self._ends_with_eos(ids):
             ids.append(self.eos_id)
             mask.append(messages[-1]["role"] == "assistant" and len(messages) - 1 >= train_from_message)
         labels = [tok if (everything or trainable) else IGNORE_INDEX for tok, trainable in zip(ids, mask)]
