@@ -133,6 +133,7 @@ class LoraConfig(_Section):
     use_dora: bool = Field(False, description="Weight-decomposed LoRA (DoRA).")
     use_rslora: bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(r).")
     modules_to_save: list[str] = Field(default_factory=list, description="Extra modules trained in full and saved with the adapter (e.g. [lm_head]).")
+    experts: Union[bool, None] = Field(None, description="Mixture-of-experts models: whether the adapter reaches the experts (fused 3-D expert weights through PEFT `target_parameters`, per-expert linears by name). Unset = yes with `target_modules: all-linear`. The router stays frozen either way. `true` on a dense model is an error.")
 
 
 def _yaml_switch(value: Any, *, on: str) -> Any:

@@ -19,7 +19,8 @@ from typing import Any
 
 from maximus.errors import ModelError
 
-__all__ = ["Family", "FAMILIES", "causal_lm_class", "check_causal_lm", "attention_implementation", "nearest_family"]
+__all__ = ["Family", "FAMILIES", "causal_lm_class", "check_causal_lm", "attention_implementation", "nearest_family",
+           "is_mixture_of_experts"]
 
 
 @dataclass(frozen=True)
@@ -105,3 +106,8 @@ def attention_implementation(config: Any) -> tuple[str, str | None]:
         return "sdpa", None
     return "eager", (f"notice: {cls.__name__} has no SDPA attention in Transformers (its attention is not plain "
                      "softmax attention); training with its own eager attention")
+
+
+def is_mixture_of_experts(lm) -> bool:
+    """Whether a Transformers causal LM routes tokens to experts (it has a router load-balancing loss)."""
+    return hasattr(lm, "router_aux_loss_coef") and hasattr(lm, "num_experts_per_tok")

@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from maximus.families import is_mixture_of_experts
 from maximus.structure import IGNORE_INDEX, causal_lm_of
 
 
@@ -23,6 +24,9 @@ class OutputHead:
     weight: torch.Tensor
     bias: torch.Tensor | None
     softcap: float | None
+    #: Granite divides its logits by `config.logits_scaling`: the head sees `hidden * hidden_scale`
+    #: (applied by `through_head`, so no scaled copy of the V x H weight is made).
+    hidden_scale: float = 1.0
 
 
 def output_head(model) -> OutputHead:
@@ -33,7 +37,10 @@ def output_head(model) -> OutputHead:
     if bias is None and hasattr(head, "base_layer"):
         bias = getattr(head.base_layer, "bias", None)
     softcap = getattr(lm.config, "final_logit_softcapping", None)
-    return OutputHead(weight, bias, softcap)
+    scale = 1.0 / float(getattr(lm.config, "logits_scaling", None) or 1.0)
+    if bias is not None and scale != 1.0:
+        bias = bias * scale
+    return OutputHead(weight, bias, softcap, scale)
 
 
 def _effective_weight(head) -> torch.Tensor:
@@ -64,17 +71,37 @@ HEAD_FORWARD_METHOD = "maximus_head_forward"
 def through_head(model, hidden: torch.Tensor, compute):
     """`compute(hidden)`, for a loss that reads the output head's weight (`output_head`): run
     through the head's `HEAD_FORWARD_METHOD` when it has one (a sharded head), else directly."""
-    method = getattr(causal_lm_of(model).get_output_embeddings(), HEAD_FORWARD_METHOD, None)
+    lm = causal_lm_of(model)
+    scaling = float(getattr(lm.config, "logits_scaling", None) or 1.0)
+    if scaling != 1.0:  # logits / s == head(hidden / s): see OutputHead.hidden_scale
+        hidden = hidden * (1.0 / scaling)
+    method = getattr(lm.get_output_embeddings(), HEAD_FORWARD_METHOD, None)
     return compute(hidden) if method is None else method(hidden, compute)
 
 
 def hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                  attention_mask: torch.Tensor | None = None) -> torch.Tensor:
-    """Final hidden states [B, T, H] of the decoder (after the final norm), never the logits."""
+                  attention_mask: torch.Tensor | None = None, router: list | None = None) -> torch.Tensor:
+    """Final hidden states [B, T, H] of the decoder (after the final norm), never the logits.
+
+    `router`: for a mixture-of-experts model, its load-balancing loss (`router_aux_loss`) is
+    appended to this list."""
     lm = causal_lm_of(model)
     decoder = lm.get_decoder()
-    out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False)
+    extra = {"output_router_logits": True} if router is not None and is_mixture_of_experts(lm) else {}
+    out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
+                  **extra)
+    if extra and getattr(out, "router_logits", None):
+        router.append(router_aux_loss(lm, out.router_logits, attention_mask))
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
+
+
+def router_aux_loss(lm, router_logits, attention_mask: torch.Tensor | None = None) -> torch.Tensor:
+    """The model's own load-balancing loss (its module's `load_balancing_loss_func`, as its
+    `forward` calls it), before `router_aux_loss_coef`."""
+    import sys
+
+    func = sys.modules[type(lm).__module__].load_balancing_loss_func
+    return func(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -110,26 +137,41 @@ def token_loss_sum(hidden: torch.Tensor, head: OutputHead, target: torch.Tensor,
 
 
 def sft_loss_sum(model, batch: dict, *, mode: str = "exact", chunk_size: int | None = None,
-                 ghost: dict | None = None, matryoshka=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """(sum of token losses, number of target tokens) for one micro-batch."""
+                 ghost: dict | None = None, matryoshka=None,
+                 metrics: dict | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """(sum of token losses, number of target tokens) for one micro-batch.
+
+    A mixture of experts adds its router load-balancing loss as Transformers' own `forward` does
+    (`router_aux_loss_coef` x the loss, when `config.output_router_logits`), per target token so
+    that the step's loss is the model's; `metrics` (if given) gets `router_aux_loss` x tokens
+    either way, which the trainer logs as the per-token mean."""
     position_ids = batch.get("position_ids")
-    hidden = hidden_states(model, batch["input_ids"], position_ids)
+    router: list = []
+    hidden = hidden_states(model, batch["input_ids"], position_ids, router=router)
     target = shift_labels(batch["labels"], position_ids)
+    count = (target != IGNORE_INDEX).sum()
+    loss = through_head(model, hidden, lambda h: _head_loss(model, h, target, mode, chunk_size, ghost, matryoshka))
+    if router:
+        lm = causal_lm_of(model)
+        if metrics is not None:
+            metrics["router_aux_loss"] = float(router[0].detach()) * int(count)
+        if getattr(lm.config, "output_router_logits", False):
+            loss = loss + lm.router_aux_loss_coef * router[0].to(loss.dtype) * count
+    return loss, count
 
-    def loss_of(hidden: torch.Tensor) -> torch.Tensor:
-        head = output_head(model)  # read inside: a sharded head is gathered only here
-        if matryoshka is None:
-            return token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
-        from maximus.losses.matryoshka import cross_entropy_with_matryoshka, matryoshka_loss_sum
 
-        aux = dict(dims=matryoshka.dims, weight=matryoshka.weight_for("sft"), chunk_size=chunk_size,
-                   ignore_index=IGNORE_INDEX, token_fraction=matryoshka.token_fraction)
-        if mode == "exact":  # main and prefix losses share one chunked pass
-            return cross_entropy_with_matryoshka(hidden, head.weight, target, bias=head.bias, softcap=head.softcap, **aux)
-        main = token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
-        return main + matryoshka_loss_sum(hidden, head.weight, target, **aux)
+def _head_loss(model, hidden, target, mode, chunk_size, ghost, matryoshka) -> torch.Tensor:
+    head = output_head(model)  # read inside: a sharded head is gathered only here
+    if matryoshka is None:
+        return token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
+    from maximus.losses.matryoshka import cross_entropy_with_matryoshka, matryoshka_loss_sum
 
-    return through_head(model, hidden, loss_of), (target != IGNORE_INDEX).sum()
+    aux = dict(dims=matryoshka.dims, weight=matryoshka.weight_for("sft"), chunk_size=chunk_size,
+               ignore_index=IGNORE_INDEX, token_fraction=matryoshka.token_fraction)
+    if mode == "exact":  # main and prefix losses share one chunked pass
+        return cross_entropy_with_matryoshka(hidden, head.weight, target, bias=head.bias, softcap=head.softcap, **aux)
+    main = token_loss_sum(hidden, head, target, mode=mode, chunk_size=chunk_size, ghost=ghost)
+    return main + matryoshka_loss_sum(hidden, head.weight, target, **aux)
 
 
 def autocast_for(device: torch.device, dtype: torch.dtype):

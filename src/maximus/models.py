@@ -217,6 +217,47 @@ def _targeted_linears(model, spec) -> set[str]:
     return {n for n in names if any(n == t or n.endswith("." + t) for t in spec)}
 
 
+def expert_parameters(model) -> list[str]:
+    """Names (leaf) of the fused 3-D expert weights of a mixture of experts (`[experts, out, in]`
+    tensors inside a module whose path has `experts`), e.g. gate_up_proj, down_proj; [] for a dense model."""
+    return sorted({name.rsplit(".", 1)[-1] for name, p in model.named_parameters()
+                   if p.dim() == 3 and ".experts." in f".{name}"})
+
+
+def _routers(model) -> set[str]:
+    """Qualified names of the router modules of a mixture of experts (and everything inside them)."""
+    roots = [name for name, m in model.named_modules() if type(m).__name__.endswith("Router")]
+    return {name for name, _ in model.named_modules() if any(name == r or name.startswith(r + ".") for r in roots)}
+
+
+def lora_targets(model, cfg: Config):
+    """(`target_modules`, `target_parameters`) of the LoRA adapter.
+
+    A dense model: `lora.target_modules` as written (PEFT resolves `all-linear`). A mixture of
+    experts: the linears are resolved here, without the router (it stays frozen); the experts are
+    reached when `lora.experts` is true, or unset with `all-linear`: per-expert linears by name,
+    fused 3-D expert weights through PEFT's `target_parameters`.
+
+    Raises:
+        ConfigError: `lora.experts: true` on a dense model.
+    """
+    from maximus.families import is_mixture_of_experts
+
+    spec, experts = cfg.lora.target_modules, cfg.lora.experts
+    if not is_mixture_of_experts(causal_lm_of(model)):
+        if experts:
+            raise ConfigError(f"lora.experts: true, but {type(causal_lm_of(model)).__name__} is not a mixture of experts",
+                              "drop lora.experts (it applies to mixture-of-experts models only)")
+        return spec, []
+    with_experts = experts if experts is not None else spec == "all-linear"
+    routers = _routers(model)
+    names = {n for n in _targeted_linears(model, spec) if n not in routers}
+    if not with_experts:
+        names = {n for n in names if ".experts." not in f".{n}."}
+    leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
+    return leaves, (expert_parameters(model) if with_experts else [])
+
+
 def init_adapter_config(model, cfg: Config):
     """The saved LoraConfig of `cfg.init_adapter`, with the config's trainable settings applied.
 
@@ -293,11 +334,12 @@ def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[s
         peft_model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True, config=config)
         _train_more_modules(peft_model, list(cfg.lora.modules_to_save) + list(extra_modules_to_save or []))
         return peft_model
-    targets = cfg.lora.target_modules
+    targets, parameters = lora_targets(model, cfg)
     modules_to_save = list(cfg.lora.modules_to_save) + list(extra_modules_to_save or [])
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
-                      target_modules=targets, use_dora=cfg.lora.use_dora, use_rslora=cfg.lora.use_rslora,
-                      modules_to_save=modules_to_save or None, task_type="CAUSAL_LM", bias="none")
+                      target_modules=targets, target_parameters=parameters or None, use_dora=cfg.lora.use_dora,
+                      use_rslora=cfg.lora.use_rslora, modules_to_save=modules_to_save or None,
+                      task_type="CAUSAL_LM", bias="none")
     try:
         return get_peft_model(model, lora)
     except ValueError as exc:

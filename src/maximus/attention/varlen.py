@@ -128,15 +128,29 @@ def register_varlen() -> None:
     AttentionMaskInterface.register(IMPLEMENTATION, _mask)
 
 
+def sliding_window(config) -> int | None:
+    """The sliding attention window (tokens) some of the model's layers use, or None: when its
+    `layer_types` name sliding layers (or it has none and sets `sliding_window`) and the window is
+    shorter than the context. Padding-free attention leaves such a model on Transformers' SDPA,
+    whose mask keeps the window."""
+    window = getattr(config, "sliding_window", None)
+    layer_types = getattr(config, "layer_types", None)
+    if not window or (layer_types is not None and "sliding_attention" not in layer_types):
+        return None
+    return window if window < (getattr(config, "max_position_embeddings", None) or window + 1) else None
+
+
 def use_varlen_attention(model) -> bool:
     """Switch ``model`` (or the model inside a PEFT wrapper) from SDPA to padding-free attention.
 
     Returns True when switched; False (and nothing changes) when the model does not use SDPA
     through Transformers' attention registry (eager, flash-attention or Kronecker attention,
-    or an architecture without the registry)."""
+    or an architecture without the registry), or has sliding-window layers (`sliding_window`)."""
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     config = getattr(base, "config", None)
     if not getattr(base, "_supports_attention_backend", False) or getattr(config, "_attn_implementation", None) != "sdpa":
+        return False
+    if sliding_window(config) is not None:  # per-document causal SDPA would attend past the window
         return False
     register_varlen()
     base.set_attn_implementation(IMPLEMENTATION)

@@ -123,7 +123,25 @@ def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = T
         from maximus.kernels.lean_norm import install_lean_norm
 
         report.lean_norm = len(install_lean_norm(model))
+    report.notices.extend(_lean_fallbacks(model, lean_lora and report.used != "compile",
+                                          lean_norm and report.used != "compile"))
     return report
+
+
+def _lean_fallbacks(model, lean_lora: bool, lean_norm: bool) -> list[str]:
+    """One notice per kind of module the lean kernels leave to the library, saying why."""
+    from maximus.kernels.lean_norm import NORM_CLASSES
+
+    notices = []
+    kinds = {type(m).__name__ for m in model.modules()}
+    if lean_norm:
+        other = sorted(k for k in kinds if k.endswith("RMSNorm") and k not in NORM_CLASSES)
+        if other:
+            notices.append(f"notice: lean norm: {', '.join(other)} computes its norm in another order than the Llama "
+                           "and Gemma norms; Transformers' norm is kept")
+    if lean_lora and "ParamWrapper" in kinds:
+        notices.append("notice: lean LoRA: the expert weights' adapters (PEFT target_parameters) run PEFT's own LoRA")
+    return notices
 
 
 def _apply_mode(model, mode: str, device: torch.device) -> KernelReport:
@@ -136,6 +154,14 @@ def _apply_mode(model, mode: str, device: torch.device) -> KernelReport:
         report.attention = "kronecker"  # detail + sketch attention (maximus.attention), installed by load_model
     elif use_varlen_attention(model):
         report.attention = "padding-free (per-document SDPA)"
+    else:
+        from maximus.attention.varlen import sliding_window
+        from maximus.structure import causal_lm_of
+
+        window = sliding_window(causal_lm_of(model).config)
+        if window is not None and getattr(causal_lm_of(model).config, "_attn_implementation", None) == "sdpa":
+            report.notices.append(f"notice: padding-free attention: the model's sliding-window layers ({window} tokens) "
+                                  "keep Transformers' SDPA with its window mask")
     if mode == "auto":
         mode = "triton" if device.type == "cuda" and _triton_problem(device) is None else "eager"
     if mode == "triton":

@@ -32,7 +32,11 @@ __all__ = ["lean_rms_norm", "install_lean_norm", "uninstall_lean_norm", "norm_se
 
 #: Transformers RMSNorm classes with the Llama formula (False) or Gemma's ``1 + w`` (True); the
 #: Triton RMSNorm (`maximus.kernels.triton.install`) takes the same ones.
-NORM_CLASSES = {"LlamaRMSNorm": False, "MistralRMSNorm": False, "Qwen2RMSNorm": False, "GemmaRMSNorm": True}
+NORM_CLASSES = {"LlamaRMSNorm": False, "MistralRMSNorm": False, "Qwen2RMSNorm": False, "GemmaRMSNorm": True,
+                # Same formulas, checked equal in fp32 and bf16 (tests/models/test_families.py). Not here:
+                # OLMo 2's and gpt-oss's, which multiply by the weight before casting back.
+                "Qwen3RMSNorm": False, "Qwen3MoeRMSNorm": False, "MixtralRMSNorm": False, "Phi3RMSNorm": False,
+                "GraniteRMSNorm": False, "Gemma2RMSNorm": True, "Gemma3RMSNorm": True}
 #: Rows per float32 block: 1,024 rows of a 4,096-wide model are 16 MiB per temporary.
 BLOCK_ROWS = 1024
 _MARK = "_maximus_lean_norm"

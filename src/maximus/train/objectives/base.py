@@ -82,9 +82,10 @@ class SFTObjective(Objective):
         return int((batch["input_ids"] != self.pad_token_id).sum())
 
     def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
+        metrics: dict = {}  # a mixture of experts reports its router load-balancing loss here
         loss, _ = sft_loss_sum(model, batch, mode=self.plan.loss_mode, chunk_size=self.plan.loss_chunk_size,
-                               ghost=self.ghost, matryoshka=self.cfg.optimization.matryoshka)
-        return loss, {}
+                               ghost=self.ghost, matryoshka=self.cfg.optimization.matryoshka, metrics=metrics)
+        return loss, metrics
 
     def evaluate(self, trainer) -> dict:
         return evaluate_sft(trainer.model, trainer.tokenizer, trainer.data.eval, cfg=self.cfg,
