@@ -191,3 +191,18 @@ def test_missing_extra_is_one_line(key, module, tmp_path, monkeypatch):
         open_sinks(cfg.logging, tmp_path)
     assert str(err.value) == (f"logging.{key}: true needs the {module} package, which is not installed "
                               f'(hint: pip install "maximusllm[{module}]", or set logging.{key}: false)')
+
+
+@pytest.mark.parametrize("resume_step, same_run", [(0, False), (5, True)])
+def test_wandb_reuses_the_stored_run_id_only_when_resuming(tmp_path, monkeypatch, resume_step, same_run):
+    """A fresh start in a directory with an old wandb_run_id is a new W&B run (MLflow does the same);
+    a resumed one continues the stored run."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    (tmp_path / "wandb_run_id").write_text("oldrun12")
+    cfg = Config.from_dict({"model": "m", "dataset": "d.jsonl", "logging": {"wandb": True}})
+    sinks = open_sinks(cfg.logging, tmp_path, resume_step=resume_step)
+    run_id = sinks.sinks[0].run.id
+    sinks.close()
+    assert (run_id == "oldrun12") is same_run
+    assert (tmp_path / "wandb_run_id").read_text() == run_id

@@ -67,9 +67,10 @@ class TensorBoardSink:
 class WandbSink:
     def __init__(self, run_dir: Path, resume_step: int, config: dict):
         wandb = _require("wandb", "wandb")
-        # The run id is kept in the run directory, so a resumed run continues the same W&B run.
+        # The run id is kept in the run directory, so a resumed run continues the same W&B run;
+        # a fresh start (no checkpoint to resume) is a new W&B run, as with MLflow.
         id_file = run_dir / "wandb_run_id"
-        run_id = id_file.read_text().strip() if id_file.is_file() else uuid.uuid4().hex[:8]
+        run_id = id_file.read_text().strip() if id_file.is_file() and resume_step else uuid.uuid4().hex[:8]
         id_file.write_text(run_id)
         self.run = wandb.init(project="maximus", name=run_dir.name, id=run_id, dir=str(run_dir), config=config,
                               resume="allow")
@@ -154,7 +155,7 @@ def open_sinks(logging_cfg, run_dir: Path, *, resume_step: int = 0, budget_bytes
     extra, before anything is written)."""
     wanted = [key for key in ("tensorboard", "wandb", "mlflow") if getattr(logging_cfg, key, False)]
     for key in wanted:  # every missing library is reported before any sink opens
-        _require(key, "tensorboard" if key == "tensorboard" else key)
+        _require(key, key)
     config = config or {}
     sinks = []
     for key in wanted:
