@@ -39,6 +39,16 @@ def recompute_label(modes) -> str:
     return ", ".join(f"{m} {modes.count(m)}/{len(modes)} layers" for m in ("full", "selective") if m in kinds)
 
 
+def plan_summary(p: dict[str, Any]) -> str:
+    """`Plan.summary` of a plan as `Plan.to_dict` wrote it (plan.json, run.json, `maximus plan --json`);
+    a plan written before `checkpointing_label` existed is labelled from its recompute modes."""
+    label = p.get("checkpointing_label") or recompute_label(p.get("recompute") or ("none",))
+    offload = "+".join(n for n, k in (("act", "offload_activations"), ("opt", "offload_optimizer"),
+                                      ("params", "offload_params")) if p.get(k))
+    return (f"{p.get('method')} mb {p.get('micro_batch_size')} x acc {p.get('grad_accum')}, ckpt {label}"
+            + (f", offload {offload}" if offload else "") + (f", tiles {p['tile_tokens']}" if p.get("tile_tokens") else ""))
+
+
 @dataclass(frozen=True)
 class Attention:
     """The attention a run trains with: ``sdpa`` (exact) or ``kronecker`` (detail + sketch,
@@ -168,6 +178,11 @@ class Plan:
         for label, value in self.rows():
             t.add_row(label, value)
         return t
+
+    def summary(self) -> str:
+        """The plan in one line, as `maximus plan`'s per-card table and `maximus ui` say it, e.g.
+        ``qlora mb 1 x acc 8, ckpt selective, offload act``."""
+        return plan_summary(self.to_dict())
 
     def text(self) -> str:
         """The same as `table`, as plain lines (logs, non-terminal output)."""

@@ -29,7 +29,7 @@ from maximus.errors import BudgetError, ConfigError
 from maximus.memory.estimate import DEVICE_FLOPS, load_model_config, model_shape, technique_kwargs
 from maximus.memory.lengths import RowLengths
 from maximus.memory.optimizer_state import OPTIMIZERS
-from maximus.memory.plan import Plan, recompute_label
+from maximus.memory.plan import Plan, plan_summary, recompute_label
 from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
 from maximus.memory.run_plan import plan_run
 
@@ -304,12 +304,7 @@ def _print_tables(report: dict[str, Any]) -> None:
         p = c["plan"]
         longest = f"{c['longest_context_tokens']:,}" if c.get("longest_context_tokens") is not None else "-"
         if p:
-            offload = "+".join(n for n, k in (("act", "offload_activations"), ("opt", "offload_optimizer")) if p[k])
-            desc = (f"{p['method']} mb {p['micro_batch_size']} x acc {p['grad_accum']}, ckpt {recompute_label(p['recompute'])}"
-                    + (f", offload {offload}" if offload else ""))
-            if p.get("tile_tokens"):
-                desc += f", tiles {p['tile_tokens']}"
-            cards.add_row(c["card"], format_bytes(c["memory_bytes"]), f"{c['price_per_hour']:.2f}", desc,
+            cards.add_row(c["card"], format_bytes(c["memory_bytes"]), f"{c['price_per_hour']:.2f}", plan_summary(p),
                           format_bytes(p["peak_bytes"]), f"{c['tokens_per_s_guess'] or 0:.0f}",
                           f"{c['usd_per_million_tokens']:.2f}" if c["usd_per_million_tokens"] else "-", longest)
         else:

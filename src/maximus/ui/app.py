@@ -448,19 +448,10 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
 
 
 def plan_text(p: dict[str, Any]) -> str:
-    """One line for a plan, as the CLI's per-card table says it."""
-    label = p.get("checkpointing_label")
-    if label is None:
-        modes = p.get("recompute", p.get("gradient_checkpointing"))
-        if isinstance(modes, (list, tuple)):
-            on = sum(1 for m in modes if m not in (False, "none", "off"))
-            label = f"{on}/{len(modes)} layers"
-        else:
-            label = str(modes)
-    offload = "+".join(n for n, k in (("act", "offload_activations"), ("opt", "offload_optimizer"),
-                                      ("params", "offload_params")) if p.get(k))
-    return (f"{p.get('method')} mb {p.get('micro_batch_size')} x acc {p.get('grad_accum')}, ckpt {label}"
-            + (f", offload {offload}" if offload else ""))
+    """One line for a plan, as the CLI's per-card table says it (`maximus.memory.plan.plan_summary`)."""
+    from maximus.memory.plan import plan_summary
+
+    return plan_summary(p)
 
 
 def _planner_context(**extra: Any) -> dict[str, Any]:
