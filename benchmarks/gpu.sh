@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check (issue 9), about 6-8 minutes on an H200 for steps 1-2 (one call of
-# the device tool), about 4 minutes for step 3 (a second call, `bash benchmarks/gpu.sh long_context`):
+# the device tool), about 4 minutes for step 3 (a second call, `bash benchmarks/gpu.sh long_context`),
+# and `bash benchmarks/gpu.sh grpo` for GRPO's vLLM generation (tests/train/test_grpo_vllm.py, needs vllm):
 #   1. speed.py --device cuda --shape 8b: a Llama-3-8B-shaped QLoRA r16 step, seq 2048, batch 1:
 #      Maximus (optimization.kernels auto = Triton) vs Transformers + PEFT + bitsandbytes in the same
 #      run: tokens/s, peak GPU memory, MFU against the bf16 matmul rate measured there;
@@ -33,6 +34,12 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.
       'peft', peft.__version__, 'bitsandbytes', bitsandbytes.__version__, 'triton', triton.__version__)" 2>&1
 } | tee "$out/env.txt"
 status=0
+if [ "${1:-speed}" = grpo ]; then
+    # grpo.generation: vllm (a colocated vLLM engine, the adapter synced each generation): its test
+    # skips where the vllm package is missing, and says so in grpo_vllm.txt.
+    timeout 500 python3 -m pytest -q -rs tests/train/test_grpo_vllm.py 2>&1 | tee "$out/grpo_vllm.txt" || status=1
+    exit $status
+fi
 if [ "${1:-speed}" = long_context ]; then
     timeout 560 python3 benchmarks/long_context.py --device cuda --shape 8b --lengths 16384 --card 16GB \
         --json "$out/long_context_8b.json" 2>&1 | tee "$out/long_context_8b.md" || status=1

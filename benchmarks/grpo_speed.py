@@ -122,13 +122,14 @@ def ours(model_dir: Path, data: Path, out: Path, args, sampler: str) -> dict:
 
     cfg = {"model": str(model_dir), "dataset": {"path": str(data), "format": "prompt"}, "method": "lora",
            "objective": "grpo", "output_dir": str(out), "lora": {"r": 16, "alpha": 32},
-           "training": {"batch_size": args.prompts, "max_steps": args.steps + 1, "seq_len": 64, "dtype": "fp32",
+           "training": {"batch_size": args.prompts, "max_steps": args.steps + 2, "seq_len": 64, "dtype": "fp32",
                         "warmup_steps": 0, "learning_rate": 1e-5},
            "grpo": {"group_size": args.group, "max_completion_tokens": args.completion, "beta": 0.0,
                     "loss_type": "dapo", "rewards": [f"{Path(__file__).resolve()}:length_reward"]},
            "eval": {"enabled": False}, "logging": {"progress": "none"}}
     trainer = maximus.Trainer(maximus.Config.from_dict(cfg))
     trainer.setup()
+    torch.set_num_threads(args.threads)  # the trainer picks its own from the machine's load: the same as TRL's
     objective = trainer.objective
     objective.prepare(trainer)
     clock = ForwardClock(trainer.model)
@@ -156,53 +157,69 @@ def ours(model_dir: Path, data: Path, out: Path, args, sampler: str) -> dict:
     trainer.optimizer.step = timed_step
     trainer.train_step(1)  # warm-up
     clock.prefill = clock.decode = opt_s[0] = 0.0
-
-    def run():
-        lengths = []
-        for step in range(2, args.steps + 2):
-            trainer.train_step(step)
-            lengths.append(objective.generation.metrics["completion_length"])
-        return {"completion_length": statistics.mean(lengths)}
-
-    res = measure(run, trainer.model, trainer.optimizer)
-    seconds = res["step_seconds"]
-    res.update(completions_per_s=args.steps * args.prompts * args.group / seconds, prefill_s=clock.prefill / args.steps,
-               decode_s=clock.decode / args.steps, optimizer_s=opt_s[0] / args.steps,
-               loss_s=(seconds - clock.prefill - clock.decode - opt_s[0]) / args.steps)
+    lengths = []
+    started = time.perf_counter()
+    for step in range(2, args.steps + 2):
+        trainer.train_step(step)
+        lengths.append(objective.generation.metrics["completion_length"])
+    seconds = time.perf_counter() - started
+    res = {"step_seconds": seconds / args.steps, "completion_length": statistics.mean(lengths),
+           "completions_per_s": args.steps * args.prompts * args.group / seconds, "prefill_s": clock.prefill / args.steps,
+           "decode_s": clock.decode / args.steps, "optimizer_s": opt_s[0] / args.steps,
+           "loss_s": (seconds - clock.prefill - clock.decode - opt_s[0]) / args.steps}
+    # The step peak: one more step under the storage meter (it slows every allocation, so apart).
+    peak = measure(lambda: trainer.train_step(args.steps + 2), trainer.model, trainer.optimizer)
+    res.update(step_bytes=peak["step_bytes"], total_bytes=peak["total_bytes"])
     return res
 
 
 def trl(model_dir: Path, texts: list[str], out: Path, args) -> dict:
     from datasets import Dataset
-    from grpo_memory import measure
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+
+    from maximus.memory.meter import MemoryMeter
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     config = GRPOConfig(output_dir=str(out), per_device_train_batch_size=args.prompts * args.group,
                         num_generations=args.group, max_completion_length=args.completion, beta=0.0, loss_type="dapo",
-                        max_steps=args.steps + 1, use_cpu=True, report_to=[], bf16=False, save_strategy="no",
+                        max_steps=args.steps + 2, use_cpu=True, report_to=[], bf16=False, save_strategy="no",
                         logging_steps=1, seed=0, learning_rate=1e-5)
     marks = {}
+    meter = MemoryMeter("cpu")
+    tracking = []
 
     class Clock(TrainerCallback):
+        """Times the steps after the first (the warm-up); the last step runs under the meter."""
+
+        def on_step_begin(self, a, state, control, **kw):
+            if state.global_step == args.steps + 1:
+                tracking.append(meter.track(trainer.model))
+                tracking[0].__enter__()
+                marks["before"] = meter.current_bytes()
+                meter.reset_peak()
+
         def on_step_end(self, a, state, control, **kw):
             if state.global_step == 1:
                 marks["start"] = time.perf_counter()
-            marks["end"] = time.perf_counter()
+            if state.global_step == args.steps + 1:
+                marks["end"] = time.perf_counter()
+            if state.global_step == args.steps + 2:
+                marks["peak"] = meter.peak_bytes()
+                tracking[0].__exit__(None, None, None)
 
     trainer = GRPOTrainer(model=model, reward_funcs=[length_reward], args=config,
-                          train_dataset=Dataset.from_list([{"prompt": t} for t in texts] * (args.steps + 2)),
+                          train_dataset=Dataset.from_list([{"prompt": t} for t in texts] * (args.steps + 3)),
                           processing_class=tok, callbacks=[Clock()],
                           peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
-    res = measure(lambda: trainer.train() and None, trainer.model)
-    seconds = marks["end"] - marks["start"]  # the steps after the first (the warm-up)
+    trainer.train()
+    seconds = marks["end"] - marks["start"]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
-    res.update(step_seconds=seconds, completions_per_s=args.steps * args.prompts * args.group / seconds,
-               completion_length=statistics.mean(lengths[1:]) if len(lengths) > 1 else None)
-    return res
+    return {"step_seconds": seconds / args.steps, "completions_per_s": args.steps * args.prompts * args.group / seconds,
+            "completion_length": statistics.mean(lengths[1:args.steps + 1]),
+            "step_bytes": marks["peak"] - marks["before"], "total_bytes": marks["peak"]}
 
 
 # ------------------------------------------------------------------------------ the example, before / after
