@@ -119,6 +119,7 @@ class DatasetSpec(_Section):
     rejected_field: str = Field("rejected", description="Rejected answer field for `preference` records (DPO).")
     query_field: str = Field("query", description="Query field for `pairs` records (objective contrastive).")
     positive_field: str = Field("positive", description="Matching document field for `pairs` records (objective contrastive).")
+    images_field: str = Field("images", description="Vision-language models: field listing a record's image files (relative to the data file), placed at the `<image>` placeholders of the messages.")
     max_samples: int | None = Field(None, ge=1, description="Read at most this many records (after shuffling); null = all.")
     on_error: Literal["error", "skip"] = Field("error", description="A record that fails to parse: stop with file and line (`error`) or skip and count it (`skip`).")
 
@@ -134,6 +135,8 @@ class LoraConfig(_Section):
     use_rslora: bool = Field(False, description="Rank-stabilised scaling alpha / sqrt(r).")
     modules_to_save: list[str] = Field(default_factory=list, description="Extra modules trained in full and saved with the adapter (e.g. [lm_head]).")
     experts: Union[bool, None] = Field(None, description="Mixture-of-experts models: whether the adapter reaches the experts (fused 3-D expert weights through PEFT `target_parameters`, per-expert linears by name). Unset = yes with `target_modules: all-linear`. The router stays frozen either way. `true` on a dense model is an error.")
+    vision: bool = Field(False, description="Vision-language models: also put LoRA on the vision tower's linears (default: the language model only; the tower stays frozen).")
+    projector: bool = Field(False, description="Vision-language models: also train the projector (image features -> text embeddings) in full, saved with the adapter.")
 
 
 def _yaml_switch(value: Any, *, on: str) -> Any:
@@ -300,6 +303,12 @@ class TrainingConfig(_Section):
         return v
 
 
+class VisionConfig(_Section):
+    """Images for vision-language models (docs/vision.md)."""
+
+    max_pixels: int | None = Field(None, ge=64, description="Cap on an image's area in pixels: a larger image is resized (aspect kept) before the processor sees it, which bounds its image tokens and the tower's memory for processors that keep the resolution (Qwen2-VL, Idefics3); null = the processor's own limit.")
+
+
 class EvalConfig(_Section):
     """Held-out evaluation against the base model."""
 
@@ -431,6 +440,7 @@ class Config(_Section):
     optimization: OptimizationConfig = Field(default_factory=OptimizationConfig, description="Memory techniques and budget.")
     training: TrainingConfig = Field(default_factory=TrainingConfig, description="The optimisation loop.")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="Evaluation against the base model.")
+    vision: VisionConfig = Field(default_factory=VisionConfig, description="Image settings for vision-language models.")
     dpo: DpoConfig = Field(default_factory=DpoConfig, description="Preference tuning settings.")
     contrastive: ContrastiveConfig = Field(default_factory=ContrastiveConfig, description="Embedding training settings.")
     grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="Reinforcement learning from rewards (GRPO) settings.")

@@ -80,16 +80,19 @@ def through_head(model, hidden: torch.Tensor, compute):
 
 
 def hidden_states(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None,
-                  attention_mask: torch.Tensor | None = None, router: list | None = None) -> torch.Tensor:
+                  attention_mask: torch.Tensor | None = None, router: list | None = None,
+                  media: dict | None = None) -> torch.Tensor:
     """Final hidden states [B, T, H] of the decoder (after the final norm), never the logits.
 
     `router`: for a mixture-of-experts model, its load-balancing loss (`router_aux_loss`) is
-    appended to this list."""
+    appended to this list. `media`: a vision-language batch's image tensors
+    (`maximus.vision.MEDIA_KEYS`); the VLM's inner model runs the tower and the projector and puts
+    the image features in place of the image tokens before its language model."""
     lm = causal_lm_of(model)
-    decoder = lm.get_decoder()
+    decoder = lm.model if media is not None else lm.get_decoder()
     extra = {"output_router_logits": True} if router is not None and is_mixture_of_experts(lm) else {}
     out = decoder(input_ids=input_ids, position_ids=position_ids, attention_mask=attention_mask, use_cache=False,
-                  **extra)
+                  **extra, **(media or {}))
     if extra and getattr(out, "router_logits", None):
         router.append(router_aux_loss(lm, out.router_logits, attention_mask))
     return out.last_hidden_state if hasattr(out, "last_hidden_state") else out[0]
@@ -102,6 +105,16 @@ def router_aux_loss(lm, router_logits, attention_mask: torch.Tensor | None = Non
 
     func = sys.modules[type(lm).__module__].load_balancing_loss_func
     return func(router_logits, lm.num_experts, lm.num_experts_per_tok, attention_mask)
+
+
+def media_inputs(batch: dict) -> dict | None:
+    """The image tensors of a vision-language batch, or None for a batch without images. (A VLM
+    batch has an attention_mask and no position ids: Qwen2-VL derives its 3-D positions from the
+    images.)"""
+    from maximus.vision import MEDIA_KEYS
+
+    media = {k: batch[k] for k in MEDIA_KEYS if k in batch}
+    return media or None
 
 
 def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
@@ -147,7 +160,8 @@ def sft_loss_sum(model, batch: dict, *, mode: str = "exact", chunk_size: int | N
     either way, which the trainer logs as the per-token mean."""
     position_ids = batch.get("position_ids")
     router: list = []
-    hidden = hidden_states(model, batch["input_ids"], position_ids, router=router)
+    hidden = hidden_states(model, batch["input_ids"], position_ids, batch.get("attention_mask"), router=router,
+                           media=media_inputs(batch))
     target = shift_labels(batch["labels"], position_ids)
     count = (target != IGNORE_INDEX).sum()
     loss = through_head(model, hidden, lambda h: _head_loss(model, h, target, mode, chunk_size, ghost, matryoshka))

@@ -16,6 +16,8 @@ from maximus.config import Config
 from maximus.errors import ConfigError, ModelError
 from maximus.gguf_base import check_gguf, gguf_config, gguf_location, is_gguf, shared_tensor_name_maps
 from maximus.structure import causal_lm_of
+from maximus.vision import adapter_targets, freeze_for_full, is_vision_config, quantization_skip_modules
+from maximus.vision import auto_model_class as vision_auto_model_class
 from maximus.memory.run_plan import bf16_supported, resolve_dtype  # noqa: F401 - the plan decides the dtype
 
 _PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
@@ -83,11 +85,12 @@ def load_tokenizer(cfg: Config):
     return tok
 
 
-def _quantization_config(dtype: torch.dtype):
+def _quantization_config(dtype: torch.dtype, skip_modules: list[str] | None = None):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
-                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8)
+                              bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8,
+                              llm_int8_skip_modules=skip_modules)
 
 
 def base_model_config(cfg: Config):
@@ -112,7 +115,8 @@ def base_model_config(cfg: Config):
             hint = ("set trust_remote_code: true only if you trust its code" if "trust_remote_code" in str(exc)
                     else "the model's config.json does not load with this Transformers version")
             raise ModelError(f"cannot load model {cfg.model}: {first}", hint) from None
-    check_causal_lm(config, cfg.model)
+    if not is_vision_config(config):  # a VLM loads through AutoModelForImageTextToText (maximus.vision)
+        check_causal_lm(config, cfg.model)
     return config
 
 
@@ -144,7 +148,8 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
         kwargs["dtype"] = torch.bfloat16 if cfg.training.master_weights == "bf16" else torch.float32
     elif method == "qlora":
         kwargs["dtype"] = dtype
-        kwargs["quantization_config"] = _quantization_config(dtype)
+        skip = quantization_skip_modules(config) if is_vision_config(config) else None
+        kwargs["quantization_config"] = _quantization_config(dtype, skip)
         kwargs["device_map"] = {"": device}
     else:
         kwargs["dtype"] = dtype
@@ -159,7 +164,8 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
             with shared_tensor_name_maps():
                 model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         else:
-            model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
+            auto = vision_auto_model_class() if is_vision_config(config) else AutoModelForCausalLM
+            model = auto.from_pretrained(source, **kwargs)
     except OSError as exc:
         first = str(exc).splitlines()[0]
         raise ModelError(f"cannot load model {cfg.model}: {first}",
@@ -336,6 +342,9 @@ def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[s
         return peft_model
     targets, parameters = lora_targets(model, cfg)
     modules_to_save = list(cfg.lora.modules_to_save) + list(extra_modules_to_save or [])
+    if is_vision_config(model.config):  # the language model only, unless lora.vision / lora.projector
+        targets, more = adapter_targets(model, cfg.lora, _targeted_linears(model, targets))
+        modules_to_save += more
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=targets, target_parameters=parameters or None, use_dora=cfg.lora.use_dora,
                       use_rslora=cfg.lora.use_rslora, modules_to_save=modules_to_save or None,
@@ -405,6 +414,8 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
         if cfg.init_adapter:
             model = merge_init_adapter(model, cfg)
         model.requires_grad_(True)
+        if is_vision_config(model.config):
+            freeze_for_full(model, cfg.lora)
     if not for_training:
         model.eval()
     return model, tokenizer

@@ -76,9 +76,12 @@ def assistant_spans(tokenizer, messages: Messages, full: str, train_from_message
     return spans
 
 
-def _find_content(content: str, end_text: str, full: str, cursor: int) -> tuple[int, int]:
+def _find_content(content, end_text: str, full: str, cursor: int) -> tuple[int, int]:
     """Fallback span: the message content found after `cursor`, extended by the end-of-turn text
-    the template writes after it (taken from the render that ends with this message)."""
+    the template writes after it (taken from the render that ends with this message). A content
+    given as a list of parts (images and text) is looked up by its text."""
+    if isinstance(content, list):
+        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
     start = full.find(content, cursor)
     if start < 0 or not content:
         return (cursor, cursor)

@@ -39,6 +39,10 @@ def collate(rows: list[dict], pad_token_id: int | None = 0, pad_to_multiple_of: 
     if not rows:
         raise ValueError("collate() needs at least one row")
     pad = 0 if pad_token_id is None else int(pad_token_id)
+    if "images" in rows[0]:  # vision-language rows: attention mask and image tensors
+        from maximus.data.vision import collate_vision
+
+        return collate_vision(rows, pad, pad_to_multiple_of)
     sides = PREFERENCE_SIDES if "chosen_input_ids" in rows[0] else PAIR_SIDES if "query_input_ids" in rows[0] else None
     if sides is not None:
         keys = [f"{side}_input_ids" for side in sides]

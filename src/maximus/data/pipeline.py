@@ -288,6 +288,13 @@ def build_run_datasets(cfg, tokenizer, *, eval_split: float | None = None, objec
     held_out = cfg.eval.dataset if cfg.eval.enabled else None
     if eval_split is None:
         eval_split = cfg.eval.split if cfg.eval.enabled and not held_out else 0.0
+    from maximus.vision import load_processor, model_is_vision
+
+    if settings["objective"] == "sft" and model_is_vision(cfg.model, cfg.trust_remote_code):
+        from maximus.data.vision import build_vision_datasets
+
+        processor = load_processor(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
+        return build_vision_datasets(cfg, processor, eval_split=eval_split)
     if not held_out:
         return build_datasets(cfg.datasets, tokenizer, eval_split=eval_split, **settings)
     try:

@@ -13,6 +13,7 @@ from pathlib import Path
 from maximus.models import count_parameters
 from maximus.train.checkpoint import fsync_dir, write_json
 from maximus.train.progress import ProgressDisplay, plot_loss
+from maximus.vision import is_vision_config
 
 
 def write_live_plan(trainer) -> None:
@@ -82,6 +83,11 @@ def save_final_weights(trainer) -> None:
     extra = {"state_dict": gathered.tensors} if gathered is not None else {}
     model.save_pretrained(str(tmp), safe_serialization=True, **extra)
     trainer.tokenizer.save_pretrained(str(tmp))
+    if is_vision_config(model.config):  # the processor (image processor + template) travels with the weights
+        from maximus.vision import load_processor
+
+        cfg = trainer.cfg
+        load_processor(cfg.tokenizer or cfg.model, cfg.trust_remote_code).save_pretrained(str(tmp))
     old = run_dir / f".{name}.old"
     shutil.rmtree(old, ignore_errors=True)
     if final.exists():
