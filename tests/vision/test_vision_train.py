@@ -136,6 +136,12 @@ def test_lora_on_the_language_model_only_and_the_adapter_loads_in_peft(llava, tm
         assert torch.equal(loaded(**inputs).logits, trainer.model(**inputs).logits)
     assert summary["eval"]["after"]["loss"] < summary["eval"]["before"]["loss"]
     assert (tmp_path / "out" / "adapter" / "processor_config.json").is_file()
+    from maximus.export.merged import export_merged
+
+    merged = LlavaForConditionalGeneration.from_pretrained(export_merged(tmp_path / "out", tmp_path / "merged")).eval()
+    assert (tmp_path / "merged" / "processor_config.json").is_file()
+    with torch.no_grad():
+        torch.testing.assert_close(merged(**inputs).logits, trainer.model(**inputs).logits, atol=1e-5, rtol=1e-5)
 
 
 def test_lora_vision_and_projector_switches(llava, tmp_path):
@@ -145,3 +151,15 @@ def test_lora_vision_and_projector_switches(llava, tmp_path):
     assert any("vision_tower" in n and "lora_" in n for n in trainable)
     assert any("multi_modal_projector.modules_to_save" in n for n in trainable)
     assert not any("multi_modal_projector" in n and "lora_" in n for n in trainable)
+
+
+def test_gguf_export_of_a_vlm_is_refused_in_one_line(llava):
+    from transformers import AutoConfig
+
+    from maximus.errors import ExportError
+    from maximus.export.to_gguf import check_architecture
+
+    with pytest.raises(ExportError) as err:
+        check_architecture(AutoConfig.from_pretrained(llava))
+    assert err.value.message == ("model type 'llava' is a vision-language model: its GGUF needs llama.cpp's separate "
+                                 "mmproj file for the vision tower, which the gguf package does not write")

@@ -14,6 +14,9 @@ from maximus.export.tuned import load_tuned, run_config
 HF_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
+from maximus.vision import is_vision_config
+
+
 def export_merged(run_dir: str | Path, out: str | Path, dtype: str = "fp32", *, overwrite: bool = False) -> Path:
     """Write the merged model (safetensors + tokenizer) to `out`, a directory `AutoModelForCausalLM` loads.
 
@@ -27,6 +30,11 @@ def export_merged(run_dir: str | Path, out: str | Path, dtype: str = "fp32", *, 
     def fill(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True)
         tokenizer.save_pretrained(str(tmp))
+        if is_vision_config(model.config):  # a VLM needs its processor beside the weights
+            from maximus.vision import load_processor
+
+            saved = Path(run_dir) / ("model" if (Path(run_dir) / "model").is_dir() else "adapter")
+            load_processor(str(saved)).save_pretrained(str(tmp))
 
     return write_directory(Path(out), fill, overwrite=overwrite,
                            meta={"format": "merged", "run": str(Path(run_dir).absolute()), "dtype": dtype})

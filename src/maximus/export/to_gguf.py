@@ -83,6 +83,10 @@ def quantize_with_llama_cpp(f16_path: Path, out: Path, quant: str, threads: int 
 def check_architecture(config) -> str:
     """The llama.cpp architecture name for a HF config; ExportError for anything else."""
     model_type = getattr(config, "model_type", None)
+    if getattr(config, "vision_config", None) is not None:
+        raise ExportError(f"model type {model_type!r} is a vision-language model: its GGUF needs llama.cpp's separate "
+                          "mmproj file for the vision tower, which the gguf package does not write",
+                          "export --format merged (or the adapter) and convert with llama.cpp's own tools")
     if model_type not in SUPPORTED_ARCHS:
         raise ExportError(f"model type {model_type!r} has no GGUF export",
                           f"supported: {', '.join(SUPPORTED_ARCHS)}; --format merged works for any model")
