@@ -31,7 +31,7 @@ from maximus.memory.lengths import RowLengths
 from maximus.memory.optimizer_state import OPTIMIZERS
 from maximus.memory.plan import Plan, plan_summary, recompute_label
 from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
-from maximus.memory.run_plan import plan_run
+from maximus.memory.run_plan import lean_lora_applies, plan_run
 
 __all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS"]
 
@@ -142,7 +142,7 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
                          lengths=lengths)
     t, opt = cfg.training, cfg.optimization
     longest_kw = dict(method=requested.method, micro_batch=t.micro_batch_size if isinstance(t.micro_batch_size, int)
-                      else 1, loss_mode=opt.loss_mode, tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
+                      else 1, loss_mode=opt.loss_mode, tile_tokens=opt.tile_tokens, lean_lora=lean_lora_applies(cfg),
                       dtype=requested.dtype, optimizer=t.optimizer, lora_r=cfg.lora.r,
                       lora_targets=cfg.lora.target_modules, **technique_kwargs(cfg))
 

@@ -201,9 +201,18 @@ def replan(cfg: Config, plan: Plan, lengths: RowLengths | None = None, **changes
                       lora_targets=cfg.lora.target_modules, world_size=new.world_size,
                       loss_chunk_tokens=new.loss_chunk_size, grad_accum=new.grad_accum, device=new.device,
                       sharded=new.strategy == "fsdp", tile_tokens=new.tile_tokens,
-                      lean_lora=cfg.optimization.lean_lora, **_technique_kwargs(cfg))
+                      lean_lora=lean_lora_applies(cfg), **_technique_kwargs(cfg))
     return replace(new, peak_bytes=e.peak_bytes, breakdown=dict(e.breakdown), peak_phase=e.phase,
                    tokens_per_s_guess=e.tokens_per_s_guess)
+
+
+def lean_lora_applies(cfg: Config) -> bool:
+    """Whether the adapters' projections run as Maximus' lean ones (`maximus.kernels.lean_lora`),
+    decided once for the kernels and the planner: `optimization.lean_lora` on, an adapter, no DoRA
+    and no LoRA dropout (those take PEFT's own forward), and not under `kernels: compile`."""
+    opt, lora = cfg.optimization, cfg.lora
+    return (bool(opt.lean_lora) and cfg.method != "full" and not lora.use_dora and not lora.dropout
+            and opt.kernels != "compile")
 
 
 def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, world_size: int,
@@ -223,7 +232,7 @@ def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, wo
                 micro_batch_size=micro, gradient_checkpointing=gradient_checkpointing,
                 loss_mode=opt.loss_mode, loss_chunk_size=opt.loss_chunk_size,
                 offload_activations=opt.offload.activations, offload_optimizer=offload_opt,
-                device=device_type, tile_tokens=opt.tile_tokens, lean_lora=opt.lean_lora,
+                device=device_type, tile_tokens=opt.tile_tokens, lean_lora=lean_lora_applies(cfg),
                 host_budget_bytes=_host_for_offload(device_type), lengths=lengths,
                 micro_batch_tokens=t.micro_batch_tokens, **_technique_kwargs(cfg))
 

@@ -45,7 +45,7 @@ from maximus.config import Config
 from maximus.errors import PREEMPTED_EXIT_CODE, MaximusError, Preempted, TrainingError
 from maximus.forward import autocast_for
 from maximus.kernels import apply_kernels, cpu_threads
-from maximus.memory.run_plan import plan_run, replan, resolve_dtype
+from maximus.memory.run_plan import lean_lora_applies, plan_run, replan, resolve_dtype
 from maximus.models import check_model_source, load_model, load_tokenizer, resolve_device
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import latest_good_checkpoint, save_checkpoint
@@ -120,7 +120,7 @@ class Trainer:
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
-        self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device, lean_lora=cfg.optimization.lean_lora,
+        self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device, lean_lora=lean_lora_applies(cfg),
                                      lean_norm=cfg.optimization.lean_norm)
         self.kernels.threads = self.threads
         for notice in self.kernels.notices:
