@@ -14,7 +14,8 @@ from __future__ import annotations
 from maximus.data.collate import collate, flatten
 from maximus.data.encoding import IGNORE_INDEX
 from maximus.data.chat import chat_prompt_ids
-from maximus.data.pipeline import DataSplits, build_datasets, build_run_datasets, trains_on_chat
+from maximus.data.pipeline import build_datasets, build_run_datasets, trains_on_chat
+from maximus.data.splits import DataSplits
 from maximus.data.templates import CHATML_TEMPLATE, FALLBACK_CHAT_TEMPLATE, ensure_chat_template
 from maximus.data.tiny_tokenizer import build_tiny_tokenizer
 

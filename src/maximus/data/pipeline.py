@@ -12,13 +12,13 @@ from __future__ import annotations
 
 import random
 from pathlib import Path
-from dataclasses import dataclass, field
 
 from jinja2 import TemplateError
 
 from maximus.errors import DataError
 
 from maximus.data.encoding import IGNORE_INDEX, Document, Encoder
+from maximus.data.splits import DataSplits, eval_count
 from maximus.data.formats import ChatExample, PairExample, PreferenceExample, PromptCompletion, detect_format, to_example
 from maximus.data.packing import RowStats, pack_documents, truncate_documents
 from maximus.data.pairs import encode_pair, fit_pair_row
@@ -37,30 +37,6 @@ CHAT_FORMATS = ("chat", "sharegpt")
 def trains_on_chat(stats: dict) -> bool:
     """Whether a run's data (`DataSplits.stats`, or run.json's `data`) has a conversation source."""
     return any(source.get("format") in CHAT_FORMATS for source in stats.get("sources", []))
-
-
-@dataclass
-class DataSplits:
-    """Rows for training and held-out evaluation, and what building them did.
-
-    `stats` keys: records (read), skipped (bad records skipped under on_error: skip), empty
-    (records with nothing to learn, e.g. blank text, dropped), documents (kept), train_documents,
-    eval_documents, rows / eval_rows, tokens / eval_tokens (tokens in the rows), loss_tokens /
-    eval_loss_tokens (tokens with a label), split (text documents longer than seq_len split into pieces),
-    truncated (documents or pairs cut to seq_len), dropped_rows (rows without loss tokens), fill
-    (train tokens / (train rows x seq_len): how full rows are; padding makes up the rest),
-    chat_template_fallback (the fallback chat template was installed on the tokenizer), sources
-    (per spec: path, format, records, skipped, documents), eval_sources (the same for `eval.dataset`).
-
-    `train_where` / `eval_where`: the record (`data.jsonl:12`) of each training / held-out
-    document, in split order (SFT data; empty for the other objectives), so that evaluation can
-    go back to the records (`maximus.evaluate.tasks`)."""
-
-    train: list[dict]
-    eval: list[dict]
-    stats: dict = field(default_factory=dict)
-    train_where: list[str] = field(default_factory=list)
-    eval_where: list[str] = field(default_factory=list)
 
 
 def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, train_on_inputs: bool = False,
@@ -101,7 +77,7 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
                         f"{stats['skipped']} skipped as malformed, {stats['empty']} with nothing to learn)",
                         "check the files, the format and field names, and max_samples")
     random.Random(seed).shuffle(documents)
-    n_eval = _eval_count(len(documents), eval_split)
+    n_eval = eval_count(len(documents), eval_split)
     eval_docs, train_docs = documents[:n_eval], documents[n_eval:]
     stats.update(documents=len(documents), train_documents=len(train_docs), eval_documents=len(eval_docs))
 
@@ -137,12 +113,6 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
 
 def _where(documents: list) -> list[str]:
     return [d.where for d in documents if isinstance(d, Document)]
-
-
-def _eval_count(n_documents: int, eval_split: float) -> int:
-    if eval_split <= 0 or n_documents < 2:
-        return 0
-    return min(n_documents - 1, max(1, round(eval_split * n_documents)))
 
 
 def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -> list:

@@ -40,6 +40,7 @@ from maximus.data.chat import assistant_spans
 from maximus.data.encoding import IGNORE_INDEX
 from maximus.data.formats import detect_format
 from maximus.data.sources import read_source
+from maximus.data.splits import DataSplits, eval_count
 from maximus.errors import DataError
 from maximus.vision import MEDIA_KEYS
 
@@ -273,8 +274,6 @@ def build_vision_datasets(cfg, processor, *, eval_split: float, model_name: str 
     """`DataSplits` of image + text conversations for a vision-language model (see the module
     docstring). Raises DataError for a text format, a bad record or image (unless on_error: skip),
     a row whose image tokens pass seq_len, and an empty dataset."""
-    from maximus.data.pipeline import DataSplits, _eval_count
-
     seq_len = cfg.training.seq_len
     encoder = VisionEncoder(processor, cfg.vision.max_pixels, cfg.training.train_on_inputs)
     stats = {"records": 0, "skipped": 0, "empty": 0, "documents": 0, "truncated": 0, "split": 0,
@@ -288,7 +287,7 @@ def build_vision_datasets(cfg, processor, *, eval_split: float, model_name: str 
                         f"({stats['records']} records read, {stats['skipped']} skipped, {stats['empty']} with "
                         "nothing to learn)", "check the files, the image paths and the assistant turns")
     random.Random(cfg.training.seed).shuffle(documents)
-    n_eval = _eval_count(len(documents), eval_split)
+    n_eval = eval_count(len(documents), eval_split)
     evaluation, train = documents[:n_eval], documents[n_eval:]
     count = lambda rows, what: sum(len(r[what]) if what == "input_ids" else  # noqa: E731
                                    sum(t != IGNORE_INDEX for t in r["labels"]) for r in rows)
