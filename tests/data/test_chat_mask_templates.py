@@ -11,16 +11,10 @@ import trl
 
 from maximus.data import IGNORE_INDEX, build_tiny_tokenizer
 from maximus.data.encoding import Encoder
+from test_data_chat import CHAT  # the same five-message conversation
 
 TEMPLATES = os.path.join(os.path.dirname(trl.__file__), "chat_templates")
 
-CHAT = [
-    {"role": "system", "content": "Be terse."},
-    {"role": "user", "content": "What is 2+2?"},
-    {"role": "assistant", "content": "4"},
-    {"role": "user", "content": "And 3+3?"},
-    {"role": "assistant", "content": "6, of course."},
-]
 
 # Mistral's instruct format ([INST] ... [/INST] answer</s>), with the generation tags TRL's
 # training templates use; the system prompt goes in front of the first user turn.
