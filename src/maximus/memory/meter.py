@@ -85,7 +85,13 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
         yield from obj.buffers()
     elif isinstance(obj, torch.optim.Optimizer):
         for state in obj.state.values():
-            yield from (v for v in tree_leaves(state) if isinstance(v, torch.Tensor))
+            for v in tree_leaves(state):
+                if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__"):
+                    yield from (getattr(v, n) for n in v.__tensor_flatten__()[0])  # torchao's 4-bit moments
+                elif isinstance(v, torch.Tensor):
+                    yield v
+                elif hasattr(v, "__dict__"):  # APOLLO / GaLore projector objects
+                    yield from (t for t in vars(v).values() if isinstance(t, torch.Tensor))
     elif isinstance(obj, dict):
         for v in obj.values():
             yield from _tensors_of(v)

@@ -307,6 +307,31 @@ def _torchao_class(four_bit: bool):
     from torchao.optim import AdamW4bit, _AdamW
 
     class TorchaoAdamW(_QuantizedState, AdamW4bit if four_bit else _AdamW):
+        @torch.no_grad()
+        def step(self, closure=None):
+            """torchao's step; off CUDA its per-tensor function runs eagerly: torch.compile on a
+            CPU costs tens of seconds per tensor shape and cannot trace under the CPU memory
+            meter's dispatch mode. Same function, same 4-bit tensors."""
+            if any(p.is_cuda for g in self.param_groups for p in g["params"]):
+                return super().step(closure)
+            from torchao.optim.adam import single_param_adam
+
+            loss = closure() if closure is not None else None
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    state = self.state[p]
+                    if len(state) == 0:
+                        state["step"] = torch.tensor(0.0)
+                        state["exp_avg"] = self._new_buffer(p, True)
+                        state["exp_avg_sq"] = self._new_buffer(p, False)
+                    state["step"] += 1
+                    single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
+                                      group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
+                                      group["eps"], self.is_adamw, self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+            return loss
+
         def add_param_group(self, param_group: dict) -> None:
             super().add_param_group(param_group)
             # torchao holds lr as a tensor; the scheduler's base (saved as JSON) stays a float.

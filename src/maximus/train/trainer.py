@@ -382,7 +382,8 @@ class Trainer:
         step_peak = self.meter.peak_bytes()
         run.peak = max(run.peak, step_peak)
         check_budget(self, step, run.out.message)
-        row = {"step": step, "loss": result["loss"], "lr": self.scheduler.get_last_lr()[0],
+        # float(): torchao's optimizers hold lr as a tensor
+        row = {"step": step, "loss": result["loss"], "lr": float(self.scheduler.get_last_lr()[0]),
                "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
                "step_time_s": elapsed, "tokens": result["tokens"], "memory_bytes": self.meter.current_bytes(),
                "peak_memory_bytes": step_peak, **result["metrics"]}

@@ -1,0 +1,154 @@
+"""Full fine-tuning with each optimizer, side by side in one process: peak memory (the meter),
+tokens/s, held-out loss at 25 / 50 / 100 % of the steps, and the planner's prediction.
+
+Each variant is a real `maximus-train` run (`Trainer`) of the reference model shape
+(`_reference_model.py`: 128,256-token vocabulary, hidden 512; `--layers` decoder layers) on the
+built-in reverse-words task, packed into rows of `--seq` tokens, fp32 on the CPU, the same seed
+and data order for every variant. The variants run one after the other in round-robin order of
+`--repeats`; figures are the median over repeats.
+
+    python benchmarks/full_finetune.py --seq 256 --steps 16 --layers 8 --out docs/benchmarks/full_finetune.json
+
+Markdown for docs/benchmarks/full_finetune.md is printed at the end.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import shutil
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+#: name -> training.* settings of the variant (all full fine-tuning).
+VARIANTS = {
+    "adamw": {"optimizer": "adamw"},
+    "adamw_8bit": {"optimizer": "adamw_8bit"},
+    "adamw_4bit": {"optimizer": "adamw_4bit"},
+    "adam_mini": {"optimizer": "adam_mini"},
+    "muon": {"optimizer": "muon"},
+    "galore": {"optimizer": "galore"},
+    "apollo": {"optimizer": "apollo"},
+    "apollo_mini": {"optimizer": "apollo_mini"},
+    "apollo_mini + in backward": {"optimizer": "apollo_mini", "optimizer_in_backward": True, "max_grad_norm": None},
+    "adamw + in backward": {"optimizer": "adamw", "optimizer_in_backward": True, "max_grad_norm": None},
+    "adamw, bf16 weights (SR)": {"optimizer": "adamw", "master_weights": "bf16"},
+    "adamw, fp32 master, bf16 compute": {"optimizer": "adamw", "dtype": "bf16"},
+}
+
+
+def model_dir(layers: int, work: Path) -> Path:
+    """The reference shape with `layers` decoder layers (the cached 8-layer one when 8)."""
+    from _reference_model import REFERENCE_CONFIG, SEED, reference_model_dir
+
+    ref = reference_model_dir()
+    if layers == REFERENCE_CONFIG["num_hidden_layers"]:
+        return ref
+    import torch
+    from transformers import AutoTokenizer, LlamaConfig, LlamaForCausalLM
+
+    out = work / f"reference-{layers}-layers"
+    torch.manual_seed(SEED)
+    model = LlamaForCausalLM(LlamaConfig(**{**REFERENCE_CONFIG, "num_hidden_layers": layers})).to(torch.bfloat16)
+    model.save_pretrained(str(out), safe_serialization=True)
+    AutoTokenizer.from_pretrained(str(ref)).save_pretrained(str(out))
+    return out
+
+
+def run_variant(name: str, model: Path, work: Path, args) -> dict:
+    from maximus import Config, Trainer
+
+    out = work / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
+    shutil.rmtree(out, ignore_errors=True)
+    training = {"batch_size": args.batch, "micro_batch_size": args.batch, "max_steps": args.steps,
+                "learning_rate": args.lr, "warmup_steps": 0, "scheduler": "constant", "seq_len": args.seq,
+                "dtype": "fp32", "seed": 0, "optimizer_rank": args.rank, **VARIANTS[name]}
+    cfg = Config.from_dict({
+        "model": str(model), "dataset": "builtin:reverse-words", "method": "full", "output_dir": str(out),
+        "device": "cpu", "optimization": {"gradient_checkpointing": "off"}, "training": training,
+        "eval": {"split": 0.05, "before": False, "every": max(1, args.steps // 4), "max_batches": args.eval_batches},
+        "logging": {"progress": "none"}})
+    t0 = time.perf_counter()
+    summary = Trainer(cfg).train()
+    wall = time.perf_counter() - t0
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [r for r in rows if "loss" in r and r.get("loss") is not None]
+    evals = {r["step"]: r["eval_loss"] for r in rows if "eval_loss" in r}
+    evals[args.steps] = summary["eval"]["after"].get("loss")
+    timed = steps[1:] or steps  # the first step compiles (torchao) and warms caches
+    tps = statistics.median(r["tokens_per_s"] for r in timed)
+    peak = summary["memory"]["peak_bytes"]
+    predicted = summary["plan"]["peak_bytes"]
+    shutil.rmtree(out, ignore_errors=True)
+    return {"variant": name, "peak_bytes": peak, "predicted_bytes": predicted, "tokens_per_s": tps,
+            "eval": {str(k): v for k, v in sorted(evals.items())}, "wall_s": wall,
+            "final_train_loss": steps[-1]["loss"] if steps else None}
+
+
+def markdown(results: dict[str, dict], args) -> str:
+    base = results["adamw"]
+    quarter = [str(max(1, args.steps // 4) * k) for k in (1, 2)] + [str(args.steps)]
+    lines = ["| variant | peak | x AdamW | predicted | pred / meas | tokens/s | x AdamW | "
+             f"held-out loss @ {' / '.join(quarter)} steps | final vs AdamW |",
+             "|---|---|---|---|---|---|---|---|---|"]
+    for name, r in results.items():
+        ev = [r["eval"].get(q) for q in quarter]
+        final, ref = ev[-1], base["eval"].get(quarter[-1])
+        lines.append(
+            f"| {name} | {r['peak_bytes'] / 2**20:,.0f} MiB | {r['peak_bytes'] / base['peak_bytes']:.2f} | "
+            f"{r['predicted_bytes'] / 2**20:,.0f} MiB | {r['predicted_bytes'] / r['peak_bytes']:.3f} | "
+            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
+            f"{' / '.join(f'{v:.4f}' if v is not None else '-' for v in ev)} | "
+            f"{(final / ref - 1) * 100:+.1f} % |" if final and ref else "-")
+    return "\n".join(lines)
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--seq", type=int, default=256)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--steps", type=int, default=16)
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--lr", type=float, default=1e-4)
+    p.add_argument("--rank", type=int, default=None, help="projection rank for galore / apollo (default theirs)")
+    p.add_argument("--eval-batches", type=int, default=4)
+    p.add_argument("--repeats", type=int, default=1)
+    p.add_argument("--only", nargs="*", help="variants to run (default all)")
+    p.add_argument("--out", type=Path)
+    args = p.parse_args(argv)
+    import torch
+
+    names = args.only or list(VARIANTS)
+    if "adamw" not in names:
+        names = ["adamw"] + names
+    work = Path(tempfile.mkdtemp(prefix="full_finetune_"))
+    try:
+        model = model_dir(args.layers, work)
+        runs: dict[str, list[dict]] = {n: [] for n in names}
+        for _ in range(args.repeats):
+            for name in names:  # round-robin: a loaded machine slows every variant alike
+                runs[name].append(run_variant(name, model, work, args))
+                print(json.dumps(runs[name][-1]), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    results = {}
+    for name, rs in runs.items():
+        r = dict(rs[len(rs) // 2])
+        r["tokens_per_s"] = statistics.median(x["tokens_per_s"] for x in rs)
+        results[name] = r
+    meta = {"command": "python benchmarks/full_finetune.py " + " ".join(argv or sys.argv[1:]),
+            "machine": f"{platform.machine()} {torch.get_num_threads()} threads, {platform.platform()}",
+            "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
+    if args.out:
+        args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
+    print(markdown(results, args))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
