@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from maximus import Config, Trainer
 from maximus.errors import ConfigError
-from maximus.memory.run_plan import QLORA_FSDP_NOTICE, choose_strategy
+from maximus.memory.run_plan import QLORA_FSDP_NOTICE, fixed_strategy
 from maximus.train.distributed import DistEnv
 
 from tiny import build_tiny_model_dir, tiny_config, write_prompt_completion
@@ -109,23 +109,28 @@ def test_fsdp_resumes_a_two_process_checkpoint_and_equals_one(world):
     assert ours["eval"]["after"]["loss"] == pytest.approx(ref["eval"]["after"]["loss"], abs=1e-4)
 
 
-@pytest.mark.parametrize("requested, method, need, capacity, expected", [
-    ("ddp", "full", 10, 1, ("ddp", None)),
-    ("fsdp", "lora", None, None, ("fsdp", None)),
-    ("fsdp", "qlora", None, None, ("ddp", QLORA_FSDP_NOTICE)),
-    ("auto", "full", 10, 20, ("ddp", None)),
-    ("auto", "full", 30, 20, ("fsdp", None)),
-    ("auto", "lora", 30, 20, ("fsdp", None)),
-    ("auto", "qlora", 30, 20, ("ddp", QLORA_FSDP_NOTICE)),
+@pytest.mark.parametrize("requested, method, optimizer, world, expected", [
+    ("fsdp", "lora", "adamw", 1, ("single", [])),
+    ("ddp", "full", "adamw", 2, ("ddp", [])),
+    ("fsdp", "lora", "adamw", 2, ("fsdp", [])),
+    ("fsdp", "qlora", "adamw", 2, ("ddp", [QLORA_FSDP_NOTICE.removeprefix("notice: ")])),
+    ("auto", "full", "adamw", 2, (None, [])),  # sized against the memory by the planner
+    ("auto", "qlora", "adamw", 2, ("ddp", [])),
+    ("auto", "full", "adamw_8bit", 2, ("ddp", [])),
 ])
-def test_choose_strategy(requested, method, need, capacity, expected):
-    assert choose_strategy(requested, method=method, need_bytes=need, capacity_bytes=capacity) == expected
+def test_fixed_strategy(requested, method, optimizer, world, expected):
+    """DDP vs FSDP2 from the config, decided in one place for planned and unplanned runs."""
+    cfg = Config.from_dict({"model": "m", "dataset": "d.jsonl", "training": {"distributed": requested,
+                                                                              "optimizer": optimizer}})
+    assert fixed_strategy(cfg, method, world) == expected
 
 
-def test_choose_strategy_rejects_unknown():
+def test_fsdp_with_an_optimizer_it_cannot_shard_is_refused_once():
+    cfg = Config.from_dict({"model": "m", "dataset": "d.jsonl",
+                            "training": {"distributed": "fsdp", "optimizer": "adamw_8bit"}})
     with pytest.raises(ConfigError) as err:
-        choose_strategy("zero3", method="lora")
-    assert str(err.value) == "training.distributed must be one of auto, ddp, fsdp, got 'zero3'"
+        fixed_strategy(cfg, "full", 2)
+    assert str(err.value).startswith("training.distributed: fsdp supports the torch AdamW optimizer without offload only")
 
 
 def test_batch_must_split_evenly_across_processes():

@@ -23,7 +23,7 @@ from maximus.memory.optimizer_state import uses_bf16_weights
 from maximus.memory.plan import Attention, Plan
 from maximus.memory.planner import DEFAULT_ALLOW, plan_for_budget, resolve_budget
 
-__all__ = ["plan_run", "replan", "plan_below_measured", "bf16_supported", "resolve_dtype", "choose_strategy", "device_capacity_bytes", "QLORA_FSDP_NOTICE", "STRATEGY_CHOICES"]
+__all__ = ["plan_run", "replan", "plan_below_measured", "bf16_supported", "resolve_dtype", "fixed_strategy", "device_capacity_bytes", "QLORA_FSDP_NOTICE", "STRATEGY_CHOICES"]
 
 #: `training.distributed` values.
 STRATEGY_CHOICES = ("auto", "ddp", "fsdp")
@@ -130,7 +130,7 @@ def _unplanned(cfg: Config, device_type: str, world_size: int, dtype: str) -> Pl
     per_rank = max(1, rows // world_size)
     micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else min(per_rank, 4)
     method = cfg.method if cfg.method != "auto" else "lora"
-    strategy = "single" if world_size == 1 else ("fsdp" if t.distributed == "fsdp" and method != "qlora" else "ddp")
+    strategy = fixed_strategy(cfg, method, world_size)[0] or "ddp"  # auto without a prediction: unsharded
     return Plan(method=method, micro_batch_size=micro, grad_accum=max(1, per_rank // micro), recompute=(),
                 offload_activations=opt.offload.activations == "on", offload_optimizer=opt.offload.optimizer == "on",
                 optimizer=t.optimizer, loss_mode=opt.loss_mode,
@@ -309,24 +309,24 @@ def _dtype_name(name: str, device_type: str) -> str:
 
 
 # ---------------------------------------------------------------------------------- strategy
-def choose_strategy(requested: str, *, method: str, need_bytes: int | None = None,
-                    capacity_bytes: int | None = None) -> tuple[str, str | None]:
-    """(``ddp`` | ``fsdp``, notice or None) for `training.distributed` = `requested`.
-
-    ``auto`` picks FSDP2 when one device cannot hold the run (`need_bytes` > `capacity_bytes`),
-    else DDP (no sharding traffic). QLoRA always gets DDP: `fully_shard` cannot split
-    bitsandbytes' packed 4-bit weights (their quantisation state is lost)."""
-    if requested not in STRATEGY_CHOICES:
+def fixed_strategy(cfg: Config, method: str, world_size: int) -> tuple[str | None, list[str]]:
+    """The one place DDP vs FSDP2 is decided from the config: (``single`` | ``ddp`` | ``fsdp``, or
+    None when ``auto`` must size it against the memory; notes). One rank: ``single``. QLoRA is
+    never sharded (`fully_shard` cannot split bitsandbytes' packed 4-bit weights), nor a run whose
+    optimizer FSDP2 cannot update (8-bit, offloaded: ConfigError when fsdp is asked for)."""
+    if world_size == 1:
+        return "single", []
+    requested = cfg.training.distributed
+    if requested not in STRATEGY_CHOICES:  # pragma: no cover - the schema allows only these
         raise ConfigError(f"training.distributed must be one of {', '.join(STRATEGY_CHOICES)}, got {requested!r}")
-    if requested == "ddp":
-        return "ddp", None
-    wants_fsdp = requested == "fsdp" or (need_bytes is not None and capacity_bytes is not None
-                                         and need_bytes > capacity_bytes)
-    if not wants_fsdp:
-        return "ddp", None
-    if method == "qlora":
-        return "ddp", QLORA_FSDP_NOTICE
-    return "fsdp", None
+    fsdp_ok = cfg.training.optimizer == "adamw" and cfg.optimization.offload.optimizer != "on"
+    if requested == "fsdp" and not fsdp_ok:
+        raise ConfigError("training.distributed: fsdp supports the torch AdamW optimizer without offload only",
+                          "set training.optimizer: adamw and optimization.offload.optimizer: off, "
+                          "or training.distributed: ddp")
+    if requested == "ddp" or method == "qlora" or not fsdp_ok:
+        return "ddp", [QLORA_FSDP_NOTICE.removeprefix("notice: ")] if requested == "fsdp" else []
+    return ("fsdp", []) if requested == "fsdp" else (None, [])
 
 
 def device_capacity_bytes(device: Any, budget_bytes: int | None = None) -> int | None:
@@ -356,22 +356,11 @@ def _plan_with_strategy(cfg: Config, kwargs: dict, budget: int | None, shape, wo
     not fit the budget (or, without one, the device). QLoRA is never sharded (4-bit weights), nor
     a run whose optimizer FSDP2 cannot update (8-bit, offloaded)."""
     kwargs = dict(kwargs, free_memory=free_memory and budget is not None)
-    if world_size == 1:
-        return plan_for_budget(shape, budget, **kwargs), []
-    requested = cfg.training.distributed
-    if requested not in STRATEGY_CHOICES:  # pragma: no cover - the schema allows only these
-        raise ConfigError(f"training.distributed must be one of {', '.join(STRATEGY_CHOICES)}, got {requested!r}")
-    t = cfg.training
-    fsdp_ok = t.optimizer == "adamw" and cfg.optimization.offload.optimizer != "on"
-    if requested == "fsdp" and not fsdp_ok:
-        raise ConfigError("training.distributed: fsdp supports the torch AdamW optimizer without offload only",
-                          "set training.optimizer: adamw and optimization.offload.optimizer: off, "
-                          "or training.distributed: ddp")
-    if requested == "ddp" or kwargs["method"] == "qlora" or not fsdp_ok:
-        notes = [QLORA_FSDP_NOTICE.removeprefix("notice: ")] if requested == "fsdp" else []
+    strategy, notes = fixed_strategy(cfg, kwargs["method"], world_size)
+    if strategy in ("single", "ddp"):
         return plan_for_budget(shape, budget, sharded=False, **kwargs), notes
     fsdp_kwargs = dict(kwargs, offload_optimizer="off")  # FSDP2 updates its DTensor shards on the device
-    if requested == "fsdp":
+    if strategy == "fsdp":
         return plan_for_budget(shape, budget, sharded=True, **fsdp_kwargs), []
     try:  # unsharded only when it really fits (also against free memory)
         unsharded = plan_for_budget(shape, budget, sharded=False, **dict(kwargs, free_memory=False))
