@@ -87,6 +87,7 @@ def _eval(argv: list[str]) -> int:
     from maximus.evaluate.report import summary_lines, verdict
     from maximus.evaluate.tasks import task_eval_for_run
     from maximus.export import load_tuned, run_config
+    from maximus.kernels import cpu_threads
 
     run_dir = Path(args.run_dir)
     cfg = run_config(run_dir)
@@ -96,6 +97,7 @@ def _eval(argv: list[str]) -> int:
     cfg.eval.enabled = True
     if args.dataset:
         cfg.eval.dataset = args.dataset
+    cpu_threads(torch.device("cpu"))  # the cores free now, as training picks them: far faster on a busy machine
     model, tokenizer = load_tuned(run_dir, dtype=torch.float32)
     data = build_run_datasets(cfg, tokenizer, objective="sft")
     tasks = task_eval_for_run(cfg, tokenizer, data)
