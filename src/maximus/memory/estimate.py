@@ -25,7 +25,7 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Literal, Sequence
 
@@ -111,6 +111,9 @@ for _alias, _name in {
 }.items():
     KNOWN_SHAPES[_alias] = KNOWN_SHAPES[_name]
 
+#: Attention tensors per layer of the classes without SDPA (maximus.families.attention_implementation)
+#: or kept on SDPA by a sliding window (attention.varlen.sliding_window); measured, family matrix.
+ATTENTION_PROBS = {"gemma2": 3, "gpt_oss": 5, "gemma3": 1, "gemma3_text": 1}
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -132,6 +135,17 @@ class ModelShape:
     tied_embeddings: bool
     qkv_bias: bool = False
     mlp_bias: bool = False
+    #: Mixture of experts (0: dense): experts per layer, experts each token goes through, and the
+    #: intermediate size of one expert. Every expert's weights are resident; activations follow top-k.
+    num_experts: int = 0
+    experts_per_token: int = 0
+    expert_intermediate_size: int = 0
+    #: float32 heads x tokens x tokens attention tensors a layer holds for backward (0: SDPA without
+    #: them): Transformers' eager attention (Gemma 2, gpt-oss with its sinks) keeps scores, softmax and
+    #: copies; a sliding-window model left on SDPA (Gemma 3) gets a materialised mask path.
+    attention_probs: int = 0
+    #: Norms per layer beyond the two of a Llama layer (Gemma's post-attention / post-MLP norms).
+    extra_norms: int = 0
 
     @property
     def q_dim(self) -> int:
@@ -149,7 +163,33 @@ class ModelShape:
 
     @property
     def layer_linear_params(self) -> int:
-        return sum(a * b for a, b in self.linear_shapes().values())
+        dense = sum(a * b for a, b in self.linear_shapes().values())
+        if not self.num_experts:
+            return dense
+        h = self.hidden_size
+        mlp = 3 * h * self.intermediate_size
+        return dense - mlp + self.num_experts * 3 * h * self.expert_intermediate_size + h * self.num_experts
+
+    def expert_lora_params(self, r: int) -> int:
+        """LoRA parameters of one layer's experts (fused gate_up and down, one adapter per expert)
+        minus what the dense gate/up/down adapters would count."""
+        if not self.num_experts:
+            return 0
+        h, e, i = self.hidden_size, self.expert_intermediate_size, self.intermediate_size
+        return self.num_experts * r * ((h + 2 * e) + (e + h)) - r * 3 * (h + i)
+
+    def active_shape(self) -> "ModelShape":
+        """The shape one token's activations see: top-k experts' intermediate side by side."""
+        if not self.num_experts:
+            return self
+        return replace(self, intermediate_size=self.experts_per_token * self.expert_intermediate_size)
+
+    def routing_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Router logits, their softmax and top-k (float32), and the hidden states gathered per
+        routed expert (input copy and weighted output), per token and layer."""
+        if not self.num_experts:
+            return 0
+        return 3 * 4 * self.num_experts + 3 * self.experts_per_token * self.hidden_size * dtype_bytes
 
     @property
     def layer_other_params(self) -> int:
@@ -232,7 +272,11 @@ def model_shape(model_config: Any) -> ModelShape:
     inter = _get(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * h)
     model_type = str(_get(cfg, "model_type", default=""))
     qkv_bias = bool(_get(cfg, "attention_bias", default=False)) or model_type == "qwen2"
-    return ModelShape(vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=layers, num_heads=heads,
+    experts = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
+    moe = dict(num_experts=experts, experts_per_token=int(_get(cfg, "num_experts_per_tok", default=2)),
+               expert_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=inter))) if experts > 1 else {}
+    return ModelShape(**moe, attention_probs=ATTENTION_PROBS.get(model_type, 0),
+                      extra_norms=2 if model_type.startswith("gemma") else 0,vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=layers, num_heads=heads,
                       num_kv_heads=kv, head_dim=head_dim, tied_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
                       qkv_bias=qkv_bias, mlp_bias=bool(_get(cfg, "mlp_bias", default=False)))
 
@@ -315,6 +359,20 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, dtype_bytes
     if method != "full":
         per += 4 * lora_r * n_targets
     return float(per)
+
+
+def eager_attention_bytes_per_token(shape: ModelShape, seq_len: int) -> float:
+    """One float32 heads x tokens x tokens attention tensor, per token of one layer (0 when the
+    model's attention keeps none)."""
+    return 4.0 * shape.num_heads * seq_len if shape.attention_probs else 0.0
+
+
+def shape_extra_bytes_per_token(shape: ModelShape, dtype_bytes: int, seq_len: int) -> float:
+    """What a layer keeps beyond a Llama layer of the same (active) shape, per token: the router and
+    routed copies of a mixture of experts, the attention tensors (`ModelShape.attention_probs`),
+    Gemma's extra norms (their inputs)."""
+    return (shape.routing_bytes_per_token(dtype_bytes) + shape.attention_probs * eager_attention_bytes_per_token(shape, seq_len)
+            + shape.extra_norms * dtype_bytes * shape.hidden_size)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -734,6 +792,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     streamed = _streamed_weight_bytes(shape, method, b, device_type, notes) if offload_params else 0
     weights_dev -= streamed
     n_adapter = L * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets)
+    if any(t in ("gate_proj", "up_proj", "down_proj") for t in targets):  # lora.experts: every expert's adapter
+        n_adapter += L * shape.expert_lora_params(lora_r)
     adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
     trainable = n_adapter if adapter else shape.num_params
     if layout is not None:
@@ -766,9 +826,13 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     n_t = len(targets)
     n_mlp_t = sum(1 for t in targets if t in ("gate_proj", "up_proj", "down_proj"))
     lean = lean_lora and adapter
-    per_off = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "off", lean, n_mlp_t)
-    per_full = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "full")
-    per_sel = layer_activation_bytes_per_token(shape, method, b, lora_r, n_t, "selective")
+    act = shape.active_shape()  # mixture of experts: each token's activations go through top-k experts
+    per_off = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "off", lean, n_mlp_t)
+    per_full = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "full")
+    per_sel = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "selective")
+    extra_layer = shape_extra_bytes_per_token(shape, b, seq_len)
+    per_off += extra_layer
+    per_sel += extra_layer
     # Transformers' RMSNorm saves a float32 copy of its input in 16-bit steps (4 bytes x hidden per
     # token, measured); the lean norm keeps the input itself, a tensor the layer holds anyway.
     norm_copy = 4 * h if b < 4 else 0
@@ -827,12 +891,13 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     if lean:
         mlp_part = lean_layer_bytes_per_token(shape, b, lora_r, n_t, n_mlp_t)[1]
     else:  # PEFT: gate and up each keep a float32 copy of the input (adapters) or share it (full)
-        mlp_part = 4 * b * shape.intermediate_size + (8 * h + 12 * lora_r * n_mlp_t if adapter else b * h)
+        mlp_part = 4 * b * act.intermediate_size + (8 * h + 12 * lora_r * n_mlp_t if adapter else b * h)
     per_recomputed = tiled_layer_bytes_per_token(per_off, mlp_part, b, h, tile_fraction)
     # Backward of one layer also holds the gradients flowing through it (hidden and MLP
     # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
     # incoming hidden-state gradient; tiled, the intermediate part exists for one tile.
-    grad_work = 2 * b * (h + shape.intermediate_size * tile_fraction) + 2 * h * b + attn_work
+    grad_work = (2 * b * (h + act.intermediate_size * tile_fraction) + 2 * h * b + attn_work
+                 + eager_attention_bytes_per_token(shape, seq_len))
     # A later moment of the same layer's backward: its post-attention RMSNorm, after the MLP's
     # tensors are gone. Transformers' norm computes in float32: five float32 hidden-size
     # temporaries in its backward, plus its float32 copy of the input (16-bit steps) and the
