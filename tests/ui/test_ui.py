@@ -539,3 +539,20 @@ def torch_equal(a, b) -> bool:
     import torch
 
     return torch.equal(a, b)
+
+
+def test_run_page_shows_the_prompted_column_and_the_verdict(server, runs_dir):
+    from maximus.evaluate.report import verdict
+
+    d = _make_run(runs_dir, "prompted", finished=True)
+    summary = json.loads((d / "run.json").read_text())
+    after, prompted = {"loss": 0.28, "exact_match": 0.62}, {"loss": 0.79, "exact_match": 0.20, "few_shot": 4}
+    summary["eval"] = {"before": {"loss": 3.59, "exact_match": 0.0}, "after": after, "prompted": prompted,
+                       "verdict": verdict(after, prompted, ["exact_match"])}
+    (d / "run.json").write_text(json.dumps(summary))
+    status, body = server.get("/runs/prompted")
+    page = body.decode()
+    assert status == 200
+    assert "<th>base + 4-shot</th>" in page
+    assert "<td>exact_match</td><td>0.0000</td><td>0.2000</td><td>0.6200</td>" in page
+    assert f"<b>{summary['eval']['verdict']['text']}</b>" in page

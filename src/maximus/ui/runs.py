@@ -187,6 +187,8 @@ def run_detail(root: Path, run_dir: Path) -> dict[str, Any]:
         "plan": summary.get("plan") or live.get("plan"),
         "eval_before": ev.get("before") or {},
         "eval_after": ev.get("after") or {},
+        "eval_prompted": ev.get("prompted") or {},
+        "verdict": (ev.get("verdict") or {}).get("text"),
         "memory": summary.get("memory"),
         "replans": summary.get("replans"),
         "has_loss_png": (run_dir / "loss.png").is_file(),
