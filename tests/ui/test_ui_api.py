@@ -24,13 +24,14 @@ from tiny import tiny_config, write_prompt_completion
 TOKEN = "t0ken-for-tests"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 STEPS = 6
-# maximus-train with a pause after each backward, so that a stop lands mid-run (the trainer's own hook).
+# maximus-train with a pause after each backward (1.5 s: at 0.4 s a quiet machine finished all steps
+# before the page's stop arrived), so that a stop lands mid-run (the trainer's own hook).
 SLOW_TRAIN = """
 import sys, time
 from maximus.train import trainer as t
 orig = t.Trainer.__init__
 def slow_init(self, cfg, **kw):
-    orig(self, cfg, hooks={"after_backward": lambda tr, step: time.sleep(0.4)}, **kw)
+    orig(self, cfg, hooks={"after_backward": lambda tr, step: time.sleep(1.5)}, **kw)
 t.Trainer.__init__ = slow_init
 from maximus.cli import train_main
 sys.exit(train_main(sys.argv[1:]))

@@ -86,8 +86,10 @@ def _tensors_of(obj: Any) -> Iterator[torch.Tensor]:
     elif isinstance(obj, torch.optim.Optimizer):
         for state in obj.state.values():
             for v in tree_leaves(state):
-                if isinstance(v, torch.Tensor) and type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__"):
-                    yield from (getattr(v, n) for n in v.__tensor_flatten__()[0])  # torchao's 4-bit moments
+                if (isinstance(v, torch.Tensor) and type(v) is not torch.Tensor and hasattr(v, "__tensor_flatten__")
+                        and type(v).__name__ != "DTensor"):  # FSDP2's sharded state is counted as before
+                    inner = (getattr(v, n) for n in v.__tensor_flatten__()[0])  # torchao's 4-bit moments
+                    yield from (t for t in inner if isinstance(t, torch.Tensor))
                 elif isinstance(v, torch.Tensor):
                     yield v
                 elif hasattr(v, "__dict__"):  # APOLLO / GaLore projector objects
