@@ -28,7 +28,7 @@ ROPE_MODELING_MODULES = ("transformers.models.llama.modeling_llama", "transforme
                          "transformers.models.qwen2.modeling_qwen2")
 
 #: PEFT LoRA-layer attributes the lean LoRA projection reads to decide it is plain LoRA
-#: (`maximus.kernels.lean_lora._plain_adapter`, the Triton 4-bit path's `_lora_fast_adapter`).
+#: (`maximus.kernels.lean_lora.single_lora_adapter`, shared by the lean forward and the Triton 4-bit path).
 PEFT_LORA_ATTRIBUTES = ("disable_adapters", "merged", "active_adapters", "lora_A", "lora_B", "use_dora",
                         "lora_dropout", "scaling", "lora_variant", "lora_bias", "cast_input_dtype_enabled",
                         "fan_in_fan_out", "get_base_layer")

@@ -104,9 +104,11 @@ def lean_lora_linear(x: torch.Tensor, base: torch.nn.Module, lora_a: torch.Tenso
     return _LeanLoRAFunction.apply(x, lora_a, lora_b, base, float(scaling), quantized)
 
 
-def _plain_adapter(layer, args, kwargs) -> str | None:
-    """The adapter name when the PEFT layer's forward is plain LoRA on a frozen base, else None."""
-    if args or kwargs or layer.disable_adapters or layer.merged:
+def single_lora_adapter(layer, kwargs) -> str | None:
+    """The one active adapter's name when the PEFT LoRA layer's forward is plain LoRA (no variant
+    such as DoRA, no LoRA bias, not merged, adapters on, no extra forward kwargs), else None.
+    Shared by the lean LoRA forward and the Triton 4-bit path."""
+    if kwargs or layer.disable_adapters or layer.merged:
         return None
     active = [a for a in layer.active_adapters if a in layer.lora_A]
     if len(active) != 1:
@@ -114,7 +116,16 @@ def _plain_adapter(layer, args, kwargs) -> str | None:
     name = active[0]
     if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
         return None
-    if getattr(layer, "lora_bias", {}).get(name, False) or not isinstance(layer.lora_dropout[name], torch.nn.Identity):
+    if getattr(layer, "lora_bias", {}).get(name, False):
+        return None
+    return name
+
+
+def _plain_adapter(layer, args, kwargs) -> str | None:
+    """The adapter name when the PEFT layer's forward is plain LoRA on a frozen base with no
+    dropout, else None."""
+    name = None if args else single_lora_adapter(layer, kwargs)
+    if name is None or not isinstance(layer.lora_dropout[name], torch.nn.Identity):
         return None
     if not getattr(layer, "cast_input_dtype_enabled", True):
         return None

@@ -111,27 +111,13 @@ def _remove_rope_dispatcher(attention: torch.nn.Module) -> None:
         modeling.apply_rotary_pos_emb = original
 
 
-def _lora_fast_adapter(layer, kwargs) -> str | None:
-    """The adapter name when PEFT's Linear4bit forward reduces to plain LoRA, else None."""
-    if kwargs or layer.disable_adapters or layer.merged:
-        return None
-    active = [a for a in layer.active_adapters if a in layer.lora_A]
-    if len(active) != 1:
-        return None
-    name = active[0]
-    if name in getattr(layer, "lora_variant", {}) or layer.use_dora.get(name, False):
-        return None
-    if getattr(layer, "lora_bias", {}).get(name, False):
-        return None
-    return name
-
-
 def _lora_4bit_forward(self, x, *args, **kwargs):
+    from maximus.kernels.lean_lora import single_lora_adapter
     from maximus.kernels.triton.lora_4bit import lora_linear_4bit
     from maximus.kernels.triton.nf4 import _dequantize_nf4_kernel, nf4_supported
     from maximus.kernels.triton.runtime import can_launch
 
-    name = None if args else _lora_fast_adapter(self, kwargs)
+    name = None if args else single_lora_adapter(self, kwargs)
     base = self.base_layer
     quant_state = getattr(base.weight, "quant_state", None)
     if name is None or not nf4_supported(quant_state) or not can_launch(_dequantize_nf4_kernel, x):
