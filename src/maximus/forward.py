@@ -37,10 +37,17 @@ def output_head(model) -> OutputHead:
     if bias is None and hasattr(head, "base_layer"):
         bias = getattr(head.base_layer, "bias", None)
     softcap = getattr(lm.config, "final_logit_softcapping", None)
-    scale = 1.0 / float(getattr(lm.config, "logits_scaling", None) or 1.0)
+    scale = 1.0 / logits_divisor(lm.config)
     if bias is not None and scale != 1.0:
         bias = bias * scale
     return OutputHead(weight, bias, softcap, scale)
+
+
+def logits_divisor(config) -> float:
+    """What the model divides its logits by: Granite's ``logits_scaling``; HyperCLOVA X multiplies
+    them by it instead (1 / it); 1 for every other model."""
+    scaling = float(getattr(config, "logits_scaling", None) or 1.0)
+    return 1.0 / scaling if getattr(config, "model_type", None) == "hyperclovax" else scaling
 
 
 def _effective_weight(head) -> torch.Tensor:
@@ -72,7 +79,7 @@ def through_head(model, hidden: torch.Tensor, compute):
     """`compute(hidden)`, for a loss that reads the output head's weight (`output_head`): run
     through the head's `HEAD_FORWARD_METHOD` when it has one (a sharded head), else directly."""
     lm = causal_lm_of(model)
-    scaling = float(getattr(lm.config, "logits_scaling", None) or 1.0)
+    scaling = logits_divisor(lm.config)
     if scaling != 1.0:  # logits / s == head(hidden / s): see OutputHead.hidden_scale
         hidden = hidden * (1.0 / scaling)
     method = getattr(lm.get_output_embeddings(), HEAD_FORWARD_METHOD, None)

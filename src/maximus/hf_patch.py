@@ -8,7 +8,11 @@ in place:
   normalisation) with `maximus.losses.linear_cross_entropy`, one chunk of tokens at a time, over
   the labelled tokens only; ``.logits`` is None unless the call passes ``return_logits=True``
   (which runs the model's own forward). A forward without labels (generation, evaluation
-  without labels) is the model's own.
+  without labels) is the model's own. As the model's own loss, it includes Gemma's final
+  soft-cap, Granite's ``logits_scaling`` and, for a mixture of experts asked for its router
+  logits (the call or the config), ``router_aux_loss_coef`` x its load-balancing loss (returned
+  as ``aux_loss``). A logit scale we do not model (Cohere's ``logit_scale``, ...) keeps the
+  model's own loss, with a notice.
 * **TRL's fused LM head** (``model(..., fused_lm_head=True)``, installed by TRL's trainers with
   ``add_fused_lm_head``): served from our chunked head (`maximus.losses.token_outputs`), with
   every field TRL asked for (``log_probs``, ``entropy``, ``is_top1``, ...). TRL's own head is
@@ -31,26 +35,29 @@ from __future__ import annotations
 
 import functools
 import inspect
+import math
 import sys
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from transformers.modeling_outputs import CausalLMOutputWithPast
+from transformers.modeling_outputs import CausalLMOutputWithPast, MoeCausalLMOutputWithPast
 from transformers.utils import ModelOutput
 
 from maximus.compat import TRL_FUSED_CLOSURE, TRL_FUSED_FORWARD_NAME
 from maximus.errors import ConfigError, ModelError
-from maximus.forward import IGNORE_INDEX, output_head, through_head, token_loss_sum
+from maximus.families import is_mixture_of_experts
+from maximus.forward import IGNORE_INDEX, logits_divisor, output_head, router_aux_loss, through_head, token_loss_sum
 from maximus.structure import causal_lm_of, find_decoder_layers
 
 LOSSES = ("exact", "off")
 CHECKPOINTING = ("auto", "off", "full", "selective")
 
 #: Config attributes that scale the logits before the softmax; our head does not model them, so
-#: on such a model (Cohere, Granite, Falcon-H1, ...) the loss stays the model's own.
-_LOGIT_SCALE_ATTRS = ("logit_scale", "logits_scaling", "output_multiplier", "lm_head_multiplier")
+#: on such a model (Cohere, Falcon-H1, ...) the loss stays the model's own. Granite's
+#: ``logits_scaling`` is modelled (`maximus.forward.logits_divisor`: the head sees the hidden states divided).
+_LOGIT_SCALE_ATTRS = ("logit_scale", "output_multiplier", "lm_head_multiplier")
 
 
 @dataclass
@@ -142,10 +149,10 @@ def patch(model, *, loss: str = "exact", gradient_checkpointing: str | bool | li
         if scale is not None:
             report.loss = "off"
             report.notice(f"maximus.patch: {type(lm).__name__} scales its logits ({scale}); the loss stays the model's own")
-        elif getattr(lm.config.get_text_config(), "num_experts", None) or getattr(lm.config, "output_router_logits", False):
+        elif hasattr(lm.config.get_text_config(), "output_router_logits") and not _router_loss_known(lm):
             report.loss = "off"
-            report.notice(f"maximus.patch: {type(lm).__name__} is a mixture of experts; the loss (with its router "
-                          "loss) stays the model's own")
+            report.notice(f"maximus.patch: {type(lm).__name__} is a mixture of experts whose router loss Maximus "
+                          "does not know; the loss (with its router loss) stays the model's own")
 
     if target_vram is not None:
         policy, report.chunk_size, report.plan = _plan(model, lm, policy, target_vram, seq_len, micro_batch_size, device)
@@ -211,6 +218,12 @@ def patch_report(model) -> PatchReport | None:
 # ------------------------------------------------------------------------------------------------
 
 
+def _router_loss_known(lm) -> bool:
+    """Whether `maximus.forward.router_aux_loss` computes this mixture of experts' load-balancing loss
+    as its own forward does (its module's `load_balancing_loss_func`, its expert counts)."""
+    return is_mixture_of_experts(lm) and hasattr(sys.modules[type(lm).__module__], "load_balancing_loss_func")
+
+
 def _checkpointing_policy(value):
     if value is True:
         return "full"
@@ -261,7 +274,7 @@ def _patched_class(base: type) -> type:
     def __setattr__(self, name, value):
         report = self.__dict__.get("_maximus_patch")
         if name == "forward" and report is not None and report.loss == "exact":
-            head = _trl_head_of(value, report)
+            head = _trl_head_of(value, report, self)
             if head is not None:
                 report.trl_head = head
                 report.notice(f"maximus.patch: TRL's fused LM head ({', '.join(head.outputs)}) is served by "
@@ -295,9 +308,10 @@ def _modes_label(modes: list[str]) -> str:
     return ", ".join(f"{m} x{modes.count(m)}" for m in kinds)
 
 
-def _trl_head_of(value, report: PatchReport) -> TRLHead | None:
+def _trl_head_of(value, report: PatchReport, lm) -> TRLHead | None:
     """The options of TRL's ``add_fused_lm_head`` forward (None when ``value`` is not one, or one
-    we cannot serve: then TRL's head is installed as it is, with a notice)."""
+    we cannot serve: then TRL's head is installed as it is, with a notice). Its logit scale must be
+    the one our head applies: 1, or Granite's 1 / ``logits_scaling``."""
     func = getattr(value, "__func__", value)
     code = getattr(func, "__code__", None)
     if code is None or code.co_name != TRL_FUSED_FORWARD_NAME or "trl" not in code.co_filename:
@@ -306,7 +320,8 @@ def _trl_head_of(value, report: PatchReport) -> TRLHead | None:
         found = inspect.getclosurevars(func).nonlocals
     except (TypeError, ValueError):
         found = {}
-    if not TRL_FUSED_CLOSURE <= set(found) or found.get("logit_scale", 1.0) != 1.0:
+    modelled = 1.0 / logits_divisor(lm.config)
+    if not TRL_FUSED_CLOSURE <= set(found) or not math.isclose(float(found.get("logit_scale", 1.0)), modelled):
         report.notice("maximus.patch: this TRL version's fused LM head is not one Maximus can serve; TRL's own head "
                       "computes its log-probs (the loss's memory savings do not apply to those calls)")
         return None
@@ -336,7 +351,14 @@ def _forward(self, base: type, args: tuple, kwargs: dict):
     kwargs.pop("logits_to_keep", None)
     num_items = kwargs.pop("num_items_in_batch", None)
     kwargs["use_cache"] = False
+    # A mixture of experts adds its router load-balancing loss as its own forward does: when asked
+    # (the call, else the config), coefficient x the model's load_balancing_loss_func.
+    router = is_mixture_of_experts(self) and bool(
+        kwargs.pop("output_router_logits", None) or getattr(self.config, "output_router_logits", False))
+    if router:
+        kwargs["output_router_logits"] = True
     out = self.get_decoder()(**kwargs)
+    aux_loss = router_aux_loss(self, out.router_logits, kwargs.get("attention_mask")) if router else None
     # With the model split across devices (`device_map`), the decoder may end where the head is not.
     hidden = out.last_hidden_state.to(self.get_output_embeddings().weight.device)
     if shift_labels is None:
@@ -354,15 +376,24 @@ def _forward(self, base: type, args: tuple, kwargs: dict):
         fields = through_head(self, rows, lambda h: _fused_fields(self, h, row_targets, head_opts, report.chunk_size))
         per_token = {k: (None if v is None else v.new_zeros(mask.shape).masked_scatter(mask, v))
                      for k, v in fields.items()}
-        loss = -per_token["log_probs"].sum() / denominator
-        return FusedHeadOutput(loss=loss, label_mask=mask, **per_token)
+        loss = _with_router_loss(self, -per_token["log_probs"].sum() / denominator, aux_loss)
+        return FusedHeadOutput(loss=loss, label_mask=mask, aux_loss=aux_loss, **per_token)
     if rows.shape[0] == 0:
         loss_sum = hidden.sum() * 0.0  # stays connected to the graph: backward of an all-masked batch is zero
     else:
         loss_sum = through_head(self, rows, lambda h: token_loss_sum(h, output_head(self), row_targets,
                                                                       mode="exact", chunk_size=report.chunk_size))
-    return CausalLMOutputWithPast(loss=loss_sum / denominator, logits=None, hidden_states=out.hidden_states,
-                                  attentions=out.attentions)
+    loss = _with_router_loss(self, loss_sum / denominator, aux_loss)
+    if router:
+        return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux_loss, logits=None, hidden_states=out.hidden_states,
+                                         attentions=out.attentions, router_logits=out.router_logits)
+    return CausalLMOutputWithPast(loss=loss, logits=None, hidden_states=out.hidden_states, attentions=out.attentions)
+
+
+def _with_router_loss(lm, loss: torch.Tensor, aux_loss: torch.Tensor | None) -> torch.Tensor:
+    if aux_loss is None:
+        return loss
+    return loss + lm.router_aux_loss_coef * aux_loss.to(loss.device)
 
 
 def _fused_fields(lm, rows: torch.Tensor, targets: torch.Tensor, head_opts: TRLHead, chunk_size: int | None) -> dict:
