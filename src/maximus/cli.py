@@ -150,22 +150,26 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--quant", default=None, help="gguf / ollama: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; "
                         "k-quants (q4_k_m ...) with llama-cpp-python installed (default f16 for gguf, q8_0 for ollama)")
     parser.add_argument("--overwrite", action="store_true", help="replace a previous export at --out (nothing else)")
+    parser.add_argument("--progress", metavar="FILE", help="keep FILE (JSON: stage, done, total, text) up to date "
+                        "while the export runs (maximus ui shows it)")
     args = parser.parse_args(argv)
     if args.quant is not None and args.format not in ("gguf", "ollama"):
         raise ConfigError(f"--quant applies to --format gguf or ollama, not {args.format}", "drop --quant or change --format")
     _quiet_libraries()
     from maximus import export
+    from maximus.export.progress import ExportProgress
 
+    progress = ExportProgress(args.progress)
     if args.format == "adapter":
-        out = export.export_adapter(args.run_dir, args.out, overwrite=args.overwrite)
+        out = export.export_adapter(args.run_dir, args.out, overwrite=args.overwrite, progress=progress)
         print(f"wrote {out} (PEFT adapter; see {out / 'README.md'})")
     elif args.format == "merged":
-        out = export.export_merged(args.run_dir, args.out, dtype=args.dtype, overwrite=args.overwrite)
+        out = export.export_merged(args.run_dir, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=progress)
         print(f"wrote {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     else:
         fn = export.export_gguf if args.format == "gguf" else export.export_ollama
         out, notices = fn(args.run_dir, args.out, quant=args.quant or ("f16" if args.format == "gguf" else "q8_0"),
-                          overwrite=args.overwrite)
+                          overwrite=args.overwrite, progress=progress)
         for notice in notices:
             print(f"notice: {notice}")
         how = f"llama-cli -m {out}" if args.format == "gguf" else f"cd {out} && ollama create NAME -f Modelfile"

@@ -507,15 +507,7 @@ class Config(_Section):
         path = Path(path)
         if not path.is_file():
             raise ConfigError(f"config file not found: {path}", "check the path passed to --config")
-        text = path.read_text(encoding="utf-8")
-        try:
-            data = yaml.safe_load(text)
-        except yaml.YAMLError as exc:
-            mark = getattr(exc, "problem_mark", None)
-            where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
-            problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-            raise ConfigError(f"{path}{where}: YAML syntax error: {problem}",
-                              "check indentation and quoting on that line") from None
+        data = parse_yaml(path.read_text(encoding="utf-8"), str(path))
         if data is None:
             raise ConfigError(f"{path}: the config file is empty", "it needs at least `model:` and `dataset:`")
         return cls.from_dict(data, overrides, source=str(path))
@@ -530,6 +522,19 @@ class Config(_Section):
 
 # --------------------------------------------------------------------------------------------
 # Errors and overrides
+
+
+def parse_yaml(text: str, source: str):
+    """`yaml.safe_load(text)` (no tags, no objects); a syntax error is one `ConfigError` line
+    naming ``source:line:column`` (a config file, or "config" for one sent from the browser)."""
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f":{mark.line + 1}:{mark.column + 1}" if mark else ""
+        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+        raise ConfigError(f"{source}{where}: YAML syntax error: {problem}",
+                          "check indentation and quoting on that line") from None
 
 
 def _deep_copy(d):

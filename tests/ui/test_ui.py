@@ -420,13 +420,13 @@ def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, 
     from the page, downloaded and loaded by llama.cpp."""
     from selenium.webdriver.common.by import By
     from selenium.webdriver.support.ui import Select
-    from test_ui_api import SLOW_TRAIN, STEPS, TOKEN, Api, _adapter, _cfg
+    from test_ui_api import SLOW_TRAIN, STEPS, TOKEN, Api, _adapter, _cfg, _in_use
 
     from maximus import Config, Trainer
     from maximus.cli import main
     from maximus.memory.plan_command import plan_json
 
-    api = Api(tmp_path, train_argv=[sys.executable, "-c", SLOW_TRAIN])
+    api = Api(tmp_path, train_argv=[sys.executable, "-c", SLOW_TRAIN], slots=1)
     try:
         model = Path(shutil.copytree(tiny_model_dirs["llama"], api.models / "llama"))
         cfg = _cfg(api, model, "flow", training={"max_steps": 2, "save_every": 2}, eval={"enabled": False},
@@ -465,7 +465,7 @@ def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, 
         _wait_until(lambda: browser.current_url.endswith("/runs/flow"), what="the run page")
         run = api.runs / "flow"
         status, body = api.post("/api/runs", {"config": yaml.safe_dump(run_cfg)})  # one run per output dir
-        assert status == 409 and body["error"].startswith(f"output_dir {run} is in use by a run")
+        assert (status, body["error"]) == (409, _in_use(run, f"pid {api.jobs.record('train', 'flow')['pid']}"))
         points = lambda: int(browser.find_element(By.ID, "points").text)  # noqa: E731
         first = _wait_until(points, what="the first point")
         _wait_until(lambda: points() > first, what="the chart to grow")
@@ -479,6 +479,26 @@ def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, 
         old = api.jobs.record("train", "flow")["pid"]
         browser.find_element(By.ID, "resume-button").click()
         _wait_until(lambda: (api.jobs.record("train", "flow") or {}).get("pid") != old, what="the resumed child")
+        # The queue, while the resumed run holds the one slot: a second run waits, with its position
+        # on the Runs page, and is cancelled there (nothing of it is left; it never starts).
+        waiting = _cfg(api, model, "waits", training={"max_steps": 1})
+        assert api.post("/api/runs", {"config": yaml.safe_dump(waiting)}) == (
+            201, {"run": "waits", "status": "queued", "queue_position": 1})
+        browser.get(api.url + "/runs")
+        queued = "#runs tr[data-run='waits'][data-status='queued'] .position"
+        assert _wait_until(lambda: _texts(browser, queued), what="the queued row") == ["1"]
+        _shot(browser, "runs.png")
+
+        def cancelled() -> bool:  # clicked again if the page reloaded (a status changed) under the click
+            if not browser.find_elements(By.CSS_SELECTOR, "#runs tr[data-run='waits']"):
+                return True
+            _click(browser, "#runs tr[data-run='waits'] button.cancel")
+            time.sleep(0.5)
+            return False
+
+        _wait_until(cancelled, timeout=60, what="the cancel button to take the run out of the queue")
+        assert api.jobs.queued() == [] and not (api.runs / "waits").exists()
+        browser.get(api.url + "/runs/flow")
         assert api.jobs.wait("train", "flow", timeout=180) == 0
         _wait_until(lambda: browser.find_element(By.ID, "status").text == "finished", what="finished")
         assert api.post("/api/runs/flow/resume")[0] == 409  # finished
@@ -513,6 +533,7 @@ def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, 
         _wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#exports tr[data-export='gguf-q8_0']"), what="row")
         assert api.jobs.wait("export-gguf-q8_0", "flow", timeout=180) == 0
         row = _wait_until(lambda: browser.find_elements(By.CSS_SELECTOR, "#exports tr[data-status='done']"), what="done")[0]
+        assert row.get_attribute("data-stage") == "done" and row.find_element(By.CSS_SELECTOR, ".stage").text == "done"
         link = row.find_element(By.LINK_TEXT, "download").get_attribute("href")
         assert link == f"{api.url}/runs/flow/exports/gguf-q8_0"
         status, data = api.call("GET", "/runs/flow/exports/gguf-q8_0")
@@ -524,7 +545,6 @@ def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, 
         _shot(browser, "run-controls.png")
         browser.get(api.url + "/runs")
         assert browser.find_element(By.CSS_SELECTOR, "#runs tr[data-run='flow']").get_attribute("data-status") == "finished"
-        _shot(browser, "runs.png")
         try:
             import llama_cpp
         except ImportError:
@@ -533,6 +553,28 @@ def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, 
         assert llm.n_vocab() == json.loads((model / "config.json").read_text())["vocab_size"]
     finally:
         api.close()
+
+
+def _texts(browser, css: str) -> list[str]:
+    """The texts of the elements `css` selects; [] while the page reloads under us."""
+    from selenium.common.exceptions import StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        return [e.text for e in browser.find_elements(By.CSS_SELECTOR, css)]
+    except StaleElementReferenceException:
+        return []
+
+
+def _click(browser, css: str) -> bool:
+    from selenium.common.exceptions import NoSuchElementException, StaleElementReferenceException
+    from selenium.webdriver.common.by import By
+
+    try:
+        browser.find_element(By.CSS_SELECTOR, css).click()
+    except (NoSuchElementException, StaleElementReferenceException):
+        return False
+    return True
 
 
 def torch_equal(a, b) -> bool:

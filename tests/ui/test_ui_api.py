@@ -8,6 +8,7 @@ import http.client
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -85,7 +86,7 @@ class Api:
 
 @pytest.fixture
 def api(tmp_path):
-    a = Api(tmp_path, train_argv=[sys.executable, "-c", SLOW_TRAIN])
+    a = Api(tmp_path, train_argv=[sys.executable, "-c", SLOW_TRAIN], slots=1)
     yield a
     a.close()
 
@@ -94,6 +95,12 @@ def _cfg(api: Api, model: Path, name: str = "r1", **sections) -> dict:
     data = write_prompt_completion(api.data / "pc.jsonl")
     return tiny_config(model, data, api.runs / name, **{"training": {"max_steps": STEPS, "save_every": 2},
                                                        "eval": {"enabled": False}, **sections})
+
+
+def _in_use(run: Path, owner: str) -> str:
+    """The output-dir lock's own line (`maximus.train.lock`), which the server answers too."""
+    return (f"output_dir {run} is in use by another run ({owner}) "
+            "(hint: wait for it to finish, stop it, or choose another output_dir)")
 
 
 def _tree(root: Path) -> dict[str, int]:
@@ -125,10 +132,10 @@ def test_start_stop_resume_equals_an_uninterrupted_run(api, tiny_model_dirs, tmp
     model = Path(shutil.copytree(tiny_model_dirs["llama"], api.models / "llama"))
     cfg = _cfg(api, model)
     status, body = api.post("/api/runs", {"config": yaml.safe_dump(cfg)})
-    assert (status, body) == (201, {"run": "r1"})
+    assert (status, body) == (201, {"run": "r1", "status": "starting"})
     run = api.runs / "r1"
     status, body = api.post("/api/runs", {"config": yaml.safe_dump(cfg)})  # one run per output dir
-    assert status == 409 and body["error"].startswith(f"output_dir {run} is in use by a run")
+    assert (status, body["error"]) == (409, _in_use(run, f"pid {api.jobs.record('train', 'r1')['pid']}"))
     _wait(lambda: (run / "checkpoints" / "step-000002").is_dir(), what="the first checkpoint")
     status, info = api.call("GET", "/api/runs/r1")
     assert status == 200 and info["info"]["status"] == "running" and info["info"]["steps_done"] >= 2
@@ -155,6 +162,67 @@ def test_start_stop_resume_equals_an_uninterrupted_run(api, tiny_model_dirs, tmp
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
     listed = {r["name"]: r for r in api.call("GET", "/api/runs")[1]}
     assert listed["r1"]["status"] == "finished" and listed["r1"]["exit_code"] == 0
+
+
+def test_the_queue_starts_runs_in_order_as_slots_free_and_cancels(api, tiny_model_dirs):
+    """One slot (a CPU): a second and a third start wait as `queued` in order, the second is
+    cancelled (token needed), the third starts by itself when the first ends, and the queue is on
+    disk for a server started again. One real run trains (1 step); the third is stopped as soon as
+    it starts (SIGTERM while it loads), so the test costs one run."""
+    from maximus.ui.jobs import Jobs
+
+    model = Path(shutil.copytree(tiny_model_dirs["llama"], api.models / "llama"))
+    cfgs = {n: _cfg(api, model, n, training={"max_steps": steps, "save_every": 2}) for n, steps in
+            (("qa", 1), ("qb", 1), ("qc", 1))}
+    start = lambda n: api.post("/api/runs", {"config": yaml.safe_dump(cfgs[n])})  # noqa: E731
+    assert start("qa") == (201, {"run": "qa", "status": "starting"})
+    assert start("qb") == (201, {"run": "qb", "status": "queued", "queue_position": 1})
+    assert start("qc") == (201, {"run": "qc", "status": "queued", "queue_position": 2})
+    # One run per output dir, running or queued: the lock's line.
+    pid = api.jobs.record("train", "qa")["pid"]
+    assert start("qa") == (409, {"error": _in_use(api.runs / "qa", f"pid {pid}"), "key": "output_dir"})
+    assert start("qb") == (409, {"error": _in_use(api.runs / "qb", "run qb, queued at position 1"), "key": "output_dir"})
+    listed = {r["name"]: r for r in api.call("GET", "/api/runs")[1]}
+    assert listed["qa"]["status"] in ("starting", "running") and listed["qa"]["queue_position"] is None
+    assert [(listed[n]["status"], listed[n]["queue_position"]) for n in ("qb", "qc")] == [("queued", 1), ("queued", 2)]
+    status, info = api.call("GET", "/api/runs/qb")
+    assert status == 200 and (info["info"]["status"], info["info"]["queue_position"]) == ("queued", 1)
+    assert info["config"]["output_dir"] == str(api.runs / "qb") and info["job"] is None
+    assert b"Cancel</button>" in api.call("GET", "/runs")[1]
+    # A resume waits in the queue too; cancelled, the run is as it was (an interrupted one, made by hand).
+    stopped = api.runs / "qi"
+    (stopped / "checkpoints" / "step-000001").mkdir(parents=True)
+    (stopped / "metrics.jsonl").write_text(json.dumps({"step": 1, "loss": 2.0}) + "\n")
+    (stopped / "plan.json").write_text(json.dumps({"config": _cfg(api, model, "qi")}))
+    assert api.post("/api/runs/qi/resume") == (202, {"run": "qi", "status": "queued", "queue_position": 3})
+    assert api.post("/api/runs/qi/resume") == (409, {"error": "run qi is queued (hint: it starts when a slot frees; "
+                                                              "or cancel it)"})
+    assert api.post("/api/runs/qi/cancel") == (200, {"run": "qi", "status": "cancelled"})
+    assert api.call("GET", "/api/runs/qi")[1]["info"]["status"] == "interrupted"
+    # Cancel: token and origin checked like every POST; only a queued run.
+    for headers in ({"Authorization": ""}, {"Origin": "http://evil.example"}):
+        assert api.post("/api/runs/qb/cancel", {}, headers)[0] == 403
+    assert api.jobs.queued() == ["qb", "qc"]
+    assert api.post("/api/runs/qc/stop") == (409, {"error": "run qc is queued, not running "
+                                                             "(hint: cancel it: POST /api/runs/qc/cancel)"})
+    assert api.post("/api/runs/qb/cancel") == (200, {"run": "qb", "status": "cancelled"})
+    assert api.post("/api/runs/qb/cancel")[0] == 404  # a cancelled new run is gone
+    assert api.post("/api/runs/qa/cancel") == (409, {"error": "run qa is not queued (hint: only a queued run can be "
+                                                             "cancelled; stop a running one)"})
+    assert api.call("GET", "/api/runs/qc")[1]["info"]["queue_position"] == 1
+    # The queue lives on disk: a server started again on these runs sees it and the live child.
+    again = Jobs(api.runs)
+    assert again.queued() == ["qc"] and again.running() == ["qa"] and again.status("qc", "failed") == "queued"
+    # qa ends: qc starts by itself (and is stopped while it loads, before the trainer's handler); qb never does.
+    assert api.jobs.wait("train", "qa", timeout=240) == 0
+    _wait(lambda: ("train", "qc") in api.jobs._procs, what="the queued run to start")
+    assert api.post("/api/runs/qc/stop") == (202, {"run": "qc", "status": "stopping"})
+    assert api.jobs.queued() == [] and json.loads((api.runs / ".maximus-ui" / ".queue.json").read_text()) == {"queue": []}
+    assert api.jobs.wait("train", "qc", timeout=60) == -signal.SIGTERM
+    listed = {r["name"]: r for r in api.call("GET", "/api/runs")[1]}
+    assert {n: (r["status"], r["exit_code"]) for n, r in listed.items()} == {
+        "qa": ("finished", 0), "qc": ("failed", -signal.SIGTERM), "qi": ("interrupted", None)}
+    assert not (api.runs / "qb").exists() and ("train", "qb") not in api.jobs._procs
 
 
 def _finished_run(api: Api, model: Path, name: str = "done") -> Path:
@@ -234,7 +302,8 @@ def test_every_mutating_endpoint_refuses_and_changes_nothing(api, tiny_llama, tm
             status, answer = api.post(path, {"config": yaml.safe_dump(cfg)})
             assert status == 403 and answer["error"].startswith(message), (case, answer)
     status, answer = api.post("/api/runs", {"config": "model: [unclosed"})
-    assert status == 400 and answer["error"].startswith("config: YAML syntax error at line 1")
+    assert (status, answer) == (400, {"error": "config:1:17: YAML syntax error: expected ',' or ']', but got '<stream end>' "
+                                                "(hint: check indentation and quoting on that line)"})
     status, answer = api.post("/api/runs", {"config": yaml.safe_dump({**good, "training": {"max_stepz": 3}})})
     assert (status, answer) == (400, {"error": "config: unknown key 'training.max_stepz' (hint: did you mean "
                                                 "'training.max_steps'?)", "key": "training.max_stepz"})
@@ -368,6 +437,8 @@ def test_export_from_the_api_obeys_the_export_rules_and_downloads(served, finish
                                                    "export wrote (e.g. 'notes.txt')")
     assert (foreign / "notes.txt").read_text() == "mine"  # never replaced
     assert rows["gguf-q8_0"]["status"] == "done" and rows["gguf-q8_0"]["download"] == "/runs/fin/exports/gguf-q8_0"
+    assert rows["gguf-q8_0"]["progress"] == {"stage": "done", "done": None, "total": None, "text": "done"}
+    assert rows["adapter"]["progress"] is None  # refused before its first stage
     status, data = api.call("GET", rows["gguf-q8_0"]["download"])
     gguf = run / "exports" / "gguf-q8_0.gguf"
     assert status == 200 and data == gguf.read_bytes()
@@ -378,6 +449,32 @@ def test_export_from_the_api_obeys_the_export_rules_and_downloads(served, finish
         pytest.skip("llama-cpp-python is not installed: the exported GGUF was checked by the export rules only")
     llm = llama_cpp.Llama(str(gguf), n_ctx=128, n_threads=1, verbose=False)
     assert llm.n_vocab() == json.loads((api.models / "llama" / "config.json").read_text())["vocab_size"]
+
+
+def test_export_progress_names_each_stage_and_counts_every_tensor(finished, tmp_path, monkeypatch):
+    """What `maximus export --progress` (and the run page's export table) reports, heard in process:
+    the stages in order, and the tensor count up to the number of tensors the GGUF file holds."""
+    import gguf
+
+    from maximus.export import export_gguf
+    from maximus.export import progress as progress_module
+    from maximus.export.progress import ExportProgress, progress_text
+
+    run, _ = finished
+    heard = []
+    out, _ = export_gguf(run, tmp_path / "m.gguf", quant="q8_0", progress=lambda *a: heard.append(a))
+    n = len(gguf.GGUFReader(str(out)).tensors)
+    assert n > 10 and heard == ([("loading",), ("merging",)] + [("tensors", i, n) for i in range(n + 1)]
+                                + [("writing",), ("checking",), ("done",)])
+    assert progress_text("tensors", 12, n) == f"writing tensors 12/{n}"
+    monkeypatch.setattr(progress_module, "MIN_INTERVAL_SECONDS", 3600)
+    written = ExportProgress(tmp_path / "p.json")
+    written("tensors", 0, n)
+    written("tensors", 1, n)  # sooner than MIN_INTERVAL_SECONDS after the last write: skipped; the last count never is
+    assert json.loads((tmp_path / "p.json").read_text())["done"] == 0
+    written("tensors", n, n)
+    assert json.loads((tmp_path / "p.json").read_text()) == {"stage": "tensors", "done": n, "total": n,
+                                                               "text": f"writing tensors {n}/{n}"}
 
 
 def test_cli_mistakes_are_one_line(tmp_path, monkeypatch, capsys):

@@ -168,19 +168,26 @@ def _tensor_type(name: str, array: np.ndarray, quant: str):
 
 
 def write_gguf(model, tokenizer, path: str | Path, *, quant: str = "f16", name: str | None = None,
-               source: dict | None = None) -> list[str]:
+               source: dict | None = None, progress=None) -> list[str]:
     """Write `model` (a merged Hugging Face Llama / Mistral / Qwen2 causal LM) and `tokenizer` to
-    the GGUF file `path`. Returns notices (what the file cannot express) for the user to read.
+    the GGUF file `path`, then read it back (`check_written`). Returns notices (what the file
+    cannot express) for the user to read. `progress` hears "tensors" (n of N), "writing",
+    "quantizing" and "checking" (`maximus.export.progress.ExportProgress`).
 
     Raises ExportError for an unsupported architecture, RoPE scaling, tokenizer or quant type."""
     import gguf
 
     check_quant(quant)
+    progress = progress or (lambda *a: None)
     if quant in K_QUANTS:
         f16 = Path(path).with_name(Path(path).name + ".f16.tmp")
         try:
-            notices = write_gguf(model, tokenizer, f16, quant="f16", name=name, source={**(source or {}), "quant": quant})
+            notices = write_gguf(model, tokenizer, f16, quant="f16", name=name, source={**(source or {}), "quant": quant},
+                                 progress=progress)
+            progress("quantizing")
             quantize_with_llama_cpp(f16, Path(path), quant)
+            progress("checking")
+            check_written(Path(path), len(gguf.GGUFReader(str(f16)).tensors))
         finally:
             f16.unlink(missing_ok=True)
         return notices
@@ -207,11 +214,13 @@ def write_gguf(model, tokenizer, path: str | Path, *, quant: str = "f16", name: 
 
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2 if arch == "qwen2" else gguf.MODEL_ARCH.LLAMA,
                                      config.num_hidden_layers)
+    written = [hf for hf in state if not (hf == "lm_head.weight" and tied)]
+    total = len(written) + (factors is not None)
+    progress("tensors", 0, total)
     if factors is not None:
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
-    for hf_name, tensor in state.items():
-        if hf_name == "lm_head.weight" and tied:
-            continue
+    for done, hf_name in enumerate(written, start=1 + (factors is not None)):
+        tensor = state[hf_name]
         gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
         if gguf_name is None:
             raise ExportError(f"tensor {hf_name!r} has no place in llama.cpp's {arch} architecture",
@@ -227,11 +236,25 @@ def write_gguf(model, tokenizer, path: str | Path, *, quant: str = "f16", name: 
             writer.add_tensor(gguf_name, array)
         else:
             writer.add_tensor(gguf_name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        progress("tensors", done, total)
+    progress("writing")
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()
     writer.close()
+    progress("checking")
+    check_written(Path(path), total)
     return notices
+
+
+def check_written(path: Path, tensors: int) -> None:
+    """Read the GGUF file back: it must carry our marker and `tensors` tensors (a file llama.cpp
+    would refuse is caught here, before it replaces anything)."""
+    import gguf
+
+    reader = gguf.GGUFReader(str(path))
+    if GGUF_MARKER_KEY not in reader.fields or len(reader.tensors) != tensors:
+        raise RuntimeError(f"the GGUF file written holds {len(reader.tensors)} tensors, expected {tensors}")
 
 
 def is_maximus_gguf(path: Path) -> bool:

@@ -20,9 +20,11 @@ def run_config(run_dir: Path) -> Config:
     return Config.from_dict(data["config"], source=str(path))
 
 
-def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torch.dtype = torch.float32, merge: bool = False):
+def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torch.dtype = torch.float32, merge: bool = False,
+               progress=None):
     """(model, tokenizer) of a finished run: base in full precision (never 4-bit, so a QLoRA adapter
-    merges into real weights) plus the adapter; or the fully fine-tuned model."""
+    merges into real weights) plus the adapter; or the fully fine-tuned model. `progress`: called
+    with "loading" and "merging" (`maximus.export.progress.ExportProgress`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from maximus.models import load_base_model
@@ -30,6 +32,8 @@ def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torc
     run_dir = Path(run_dir)
     cfg = run_config(run_dir)
     device = device or torch.device("cpu")
+    if progress is not None:
+        progress("loading")
     if (run_dir / "model").is_dir():
         model = AutoModelForCausalLM.from_pretrained(str(run_dir / "model"), dtype=dtype, use_safetensors=True,
                                                      trust_remote_code=cfg.trust_remote_code).to(device)
@@ -47,6 +51,8 @@ def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torc
         base = install_kronecker(base, cfg.optimization.kronecker)
     model = PeftModel.from_pretrained(base, str(adapter))
     if merge:
+        if progress is not None:
+            progress("merging")
         model = model.merge_and_unload()
     tokenizer = AutoTokenizer.from_pretrained(str(adapter))
     model.eval()

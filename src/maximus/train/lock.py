@@ -10,6 +10,12 @@ from maximus.errors import CheckpointError
 LOCK_NAME = ".maximus.lock"
 
 
+def in_use(run_dir: Path, owner: str, error: type[CheckpointError] | type = CheckpointError):
+    """The one line that refuses a second run on `run_dir`; `owner` says whose it is ("pid 123")."""
+    return error(f"output_dir {run_dir} is in use by another run ({owner})",
+                 "wait for it to finish, stop it, or choose another output_dir")
+
+
 class RunLock:
     def __init__(self, run_dir: Path):
         self.run_dir = Path(run_dir)
@@ -24,8 +30,7 @@ class RunLock:
         except BlockingIOError:
             owner = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
             os.close(fd)
-            raise CheckpointError(f"output_dir {self.run_dir} is in use by another run (pid {owner})",
-                                  "wait for it to finish, stop it, or choose another output_dir") from None
+            raise in_use(self.run_dir, f"pid {owner}") from None
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         self._fd = fd

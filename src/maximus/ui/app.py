@@ -9,7 +9,8 @@ JSON API (documented in docs/ui.md; the pages and the tests use it):
 - reads: ``GET /api/runs``, ``GET /api/runs/<name>`` (status, step, plan, the child's exit code
   and log tail), ``/api/runs/<name>/metrics?since=N``, ``/api/plan`` (the planner form);
 - mutating (POST): ``/api/check`` (validate and plan a config), ``/api/runs`` (start: 201
-  ``{"run": NAME}``), ``/api/runs/<name>/stop``, ``/api/runs/<name>/resume``, ``/api/chat``
+  ``{"run": NAME, "status": "starting" | "queued"}``), ``/api/runs/<name>/stop``,
+  ``/api/runs/<name>/resume``, ``/api/runs/<name>/cancel`` (take a run out of the queue), ``/api/chat``
   (streams NDJSON rows), ``/api/runs/<name>/export``.
 
 Every planner number comes from `maximus.memory.plan_command` (``maximus plan --json`` and
@@ -50,7 +51,7 @@ from maximus.memory.optimizer_state import OPTIMIZERS as OPTIMIZER_TABLE
 from maximus.ui.chat import Busy, ChatModels, chat_settings
 from maximus.ui.guard import Refused, Roots, confine_config
 from maximus.ui.jobs import Conflict, Jobs
-from maximus.ui.runs import RunInfo, confined_run_dir, list_runs, lock_is_held, read_metrics, run_detail, run_status
+from maximus.ui.runs import RunInfo, confined_run_dir, list_runs, read_metrics, run_detail, run_status
 
 MAX_UPLOAD_BYTES = 256 * 1024
 TOKEN_COOKIE = "maximus_ui_token"
@@ -84,18 +85,21 @@ def error_key(message: str) -> str | None:
 
 def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bool = False,
                roots: Roots | None = None, allow_code: bool = False, allowed_hosts: frozenset[str] | None = None,
-               train_argv: list[str] | None = None, export_argv: list[str] | None = None) -> Flask:
+               train_argv: list[str] | None = None, export_argv: list[str] | None = None,
+               slots: int | None = None) -> Flask:
     """The app over `runs_dir`. `token`: needed by every mutating request, and by reads unless
     `open_reads`; `roots`: where a browser's config may point (default: the working directory for
     data and models, `runs_dir` for runs); `allowed_hosts`: the Host names served (None: any);
-    `train_argv` / `export_argv`: the child commands (`maximus.ui.jobs.Jobs`)."""
+    `train_argv` / `export_argv`: the child commands; `slots`: runs at once, the rest queue
+    (`maximus.ui.jobs.Jobs`: one per CUDA device, one without)."""
     app = Flask(__name__)
     app.url_map.merge_slashes = False  # '/runs//etc' must reach the confinement check, not be redirected
     app.jinja_env.filters.update(gib=format_bytes, plan_text=plan_text)
     app.config["MAX_CONTENT_LENGTH"] = MAX_UPLOAD_BYTES + 16 * 1024  # the form fields around the file
     root = Path(runs_dir)
     roots = roots or Roots.of(Path.cwd(), Path.cwd(), root)
-    jobs = Jobs(root, train_argv=train_argv, export_argv=export_argv)
+    jobs = Jobs(root, train_argv=train_argv, export_argv=export_argv, slots=slots)
+    jobs.start_queue()  # the queue an earlier server left in <runs>/.maximus-ui/.queue.json moves on
     chats = ChatModels()
     app.extensions.update(maximus_jobs=jobs, maximus_chats=chats)
 
@@ -205,25 +209,26 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
     # ------------------------------------------------------------------ runs
     def run_rows() -> list[dict]:
         rows = {r.name: r.to_dict() for r in list_runs(root)}
-        for name in jobs.launched():  # started here and still loading: no run files yet
+        for name in jobs.launched() + jobs.queued():  # started here or waiting: maybe no run files yet
             if name not in rows and confined(name) is not None:
                 rows[name] = launched_info(name)
         for name, row in rows.items():
             row["status"] = jobs.status(name, row["status"])
+            row["queue_position"] = jobs.position(name)
             row["exit_code"] = (jobs.record("train", name) or {}).get("exit_code")
         return list(rows.values())
 
     def launched_info(name: str) -> dict[str, Any]:
         """The runs-page row of a run this server started that has written no run files yet."""
-        cfg = jobs.config(name) or {}
+        cfg = jobs.queued_config(name) or jobs.config(name) or {}
         return RunInfo(name=name, status="failed", model=cfg.get("model"), method=cfg.get("method"), steps_done=0,
                        steps_total=None, best_eval_loss=None, peak_bytes=None, budget_bytes=None,
                        predicted_peak_bytes=None).to_dict()
 
     def confined(name: str) -> Path | None:
-        """A run directory under --runs: one with run files, or one this server launched."""
+        """A run directory under --runs: one with run files, or one this server launched or queued."""
         path = confined_run_dir(root, name)
-        if path is None and name in jobs.launched():
+        if path is None and (name in jobs.launched() or jobs.position(name) is not None):
             candidate = (root / name).resolve()
             if candidate.is_relative_to(root.resolve()) and candidate != root.resolve():
                 path = candidate
@@ -237,7 +242,8 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
 
     @app.route("/runs")
     def runs() -> str:
-        return render_template("runs.html", runs=run_rows(), root=str(root))
+        return render_template("runs.html", runs=run_rows(), root=str(root), slots=jobs.slots,
+                               running=len(jobs.running()), queued=len(jobs.queued()))
 
     @app.route("/api/runs", methods=["GET"])
     def api_runs():
@@ -258,9 +264,10 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
 
     def detail_of(name: str, path: Path) -> dict[str, Any]:
         detail = run_detail(root, path) if path.is_dir() and confined_run_dir(root, name) else {
-            "info": launched_info(name), "config": jobs.config(name), "plan": None,
+            "info": launched_info(name), "config": jobs.queued_config(name) or jobs.config(name), "plan": None,
             "eval_before": {}, "eval_after": {}, "memory": None, "replans": None, "has_loss_png": False}
         detail["info"]["status"] = jobs.status(name, detail["info"]["status"] if path.is_dir() else "failed")
+        detail["info"]["queue_position"] = jobs.position(name)
         record = jobs.record("train", name)
         detail["job"] = None if record is None else {
             "exit_code": record.get("exit_code"), "started": record.get("started"), "ended": record.get("ended"),
@@ -317,19 +324,22 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
         return jsonify({"run": run_name(data["output_dir"]), "config": data, "plan": report,
                         "plan_html": render_template("_plan_report.html", report=report)})
 
+    def started(name: str, position: int | None) -> dict[str, Any]:
+        if position is None:
+            return {"run": name, "status": "starting"}
+        return {"run": name, "status": "queued", "queue_position": position}
+
     @app.route("/api/runs", methods=["POST"])
     def api_start():
         req = body()
         data, _ = confine_config(req.get("config"), roots, allow_code=allow_code, overrides=req.get("overrides"))
         name = run_name(data["output_dir"])
         path = Path(data["output_dir"])
-        if jobs.alive("train", name) or lock_is_held(path):
-            raise Conflict(f"output_dir {path} is in use by a run", "stop it first, or choose another output_dir")
+        jobs.refuse_in_use(name, path)
         if path.exists() and (not path.is_dir() or any(path.iterdir())):
             raise Conflict(f"output_dir {path} already exists and is not empty",
                            f"resume it with POST /api/runs/{name}/resume, or choose another output_dir")
-        jobs.start_train(name, path, data)
-        return jsonify({"run": name}), 201
+        return jsonify(started(name, jobs.submit(name, path, data))), 201
 
     @app.route("/api/runs/<path:name>/stop", methods=["POST"])
     def api_stop(name: str):
@@ -340,6 +350,8 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
     def api_resume(name: str):
         path = run_dir_of(name)
         status = jobs.status(name, run_status(path) if path.is_dir() else "failed")
+        if status == "queued":
+            raise Conflict(f"run {name} is queued", "it starts when a slot frees; or cancel it")
         if status in ("running", "starting", "stopping"):
             raise Conflict(f"run {name} is {status}", "wait for it to stop first")
         if status == "finished":
@@ -352,8 +364,13 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
         if Path(saved["output_dir"]) != path:
             raise Refused(f"run {name} recorded output_dir {saved['output_dir']}, not this directory",
                           "resume it with its own maximus-train command")
-        jobs.start_train(name, path, saved)
-        return jsonify({"run": name, "status": "starting"}), 202
+        return jsonify(started(name, jobs.submit(name, path, saved, resume=True))), 202
+
+    @app.route("/api/runs/<path:name>/cancel", methods=["POST"])
+    def api_cancel(name: str):
+        run_dir_of(name)
+        jobs.cancel(name)
+        return jsonify({"run": name, "status": "cancelled"})
 
     # ------------------------------------------------------------------ chat
     @app.route("/api/chat", methods=["POST"])
@@ -377,7 +394,8 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
     def export_rows(name: str, path: Path) -> list[dict]:
         rows = []
         for fmt in EXPORT_FORMATS:
-            for rec_path in sorted(jobs.state_dir(name).glob(f"export-{fmt}*.json")):
+            for rec_path in sorted(p for p in jobs.state_dir(name).glob(f"export-{fmt}*.json")
+                                   if not p.name.endswith(".progress.json")):
                 export_id = rec_path.stem[len("export-"):]
                 rec = jobs.record(f"export-{export_id}", name) or {}
                 code = rec.get("exit_code")
@@ -388,6 +406,7 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
                              "status": "running" if code is None and jobs.alive(f"export-{export_id}", name)
                              else "done" if code == 0 and out.exists() else "failed",
                              "exit_code": code, "last_line": tail[-1] if tail else "",
+                             "progress": jobs.export_progress(name, export_id),
                              "download": f"/runs/{name}/exports/{export_id}" if code == 0 and out.exists() else None})
         return rows
 

@@ -24,9 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import yaml
-
-from maximus.config import Config
+from maximus.config import Config, parse_yaml
 from maximus.config import _apply_override as apply_override  # the CLI's key.sub=value parser
 from maximus.errors import ConfigError, MaximusError
 
@@ -60,13 +58,7 @@ def parse_config_text(text: Any) -> dict:
         raise ConfigError("the request has no config", 'send {"config": "<the YAML of a maximus-train config>"}')
     if len(text.encode("utf-8")) > MAX_CONFIG_BYTES:
         raise ConfigError(f"the config is larger than {MAX_CONFIG_BYTES // 1024} KiB", "send the YAML only, not the data")
-    try:
-        data = yaml.safe_load(text)
-    except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
-        problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
-        raise ConfigError(f"config: YAML syntax error{where}: {problem}", "check indentation and quoting on that line") from None
+    data = parse_yaml(text, "config")
     if not isinstance(data, dict):
         raise ConfigError("config: expected a mapping of keys at the top level", "start with e.g. `model: ...`")
     return data
