@@ -186,7 +186,6 @@ class Jobs:
         run started elsewhere holds its lock) keeps its place and lets the next one by."""
         with self._lock:
             free = self.slots - len(self.running())
-            changed = False
             for entry in list(self._queue):
                 if free <= 0:
                     break
@@ -194,15 +193,13 @@ class Jobs:
                 if self.alive("train", name) or lock_is_held(run_dir):
                     continue
                 self._queue.remove(entry)
-                changed = True
+                self._write_queue()  # before the child exists: a crash now loses this run, never starts it twice
                 if not entry.get("resume") and run_dir.exists() and (not run_dir.is_dir() or any(run_dir.iterdir())):
                     self._fail(name, entry["config"], f"output_dir {run_dir} was filled while this run waited "
                                "(hint: start it again with another output_dir)")
                     continue
                 self._start(name, run_dir, entry["config"])
                 free -= 1
-            if changed:
-                self._write_queue()
 
     def start_queue(self) -> None:
         """Move the queue now and from now on: on every exit of a child of ours, and every
