@@ -70,7 +70,8 @@ def logged_run(tmp_path_factory, tiny_model_dirs):
     cfg = tiny_config(tiny_model_dirs["llama"], data, root / "run",
                       logging={"progress": "none", "tensorboard": True, "wandb": True, "mlflow": True},
                       optimization={"gradient_checkpointing": "off", "target_vram": "4GB"},
-                      eval={"split": 0.1, "before": True, "every": 2})
+                      eval={"split": 0.1, "before": True, "every": 2},
+                      training={"memory_meter": "every_step"})  # every row carries memory
     try:
         Trainer(Config.from_dict(cfg)).train()
     finally:

@@ -134,6 +134,7 @@ class ProgressDisplay:
             mode = "rich" if self.stream.isatty() else "plain"
         self.mode = mode
         self._t0 = time.perf_counter()
+        self._memory: tuple[int | None, int | None] = (None, None)  # the last metered step's
         self._progress = None
         if mode == "rich":
             from rich.console import Console
@@ -153,7 +154,10 @@ class ProgressDisplay:
         return time.strftime("%H:%M:%S", time.gmtime(left))
 
     def info(self, row: dict) -> str:
-        mem = f"mem {format_bytes(row.get('memory_bytes'))}/{format_bytes(row.get('peak_memory_bytes'))}"
+        if "peak_memory_bytes" in row:  # a step run without the meter shows the last metered one's
+            self._memory = (row.get("memory_bytes"), row["peak_memory_bytes"])
+        current, peak = self._memory
+        mem = f"mem {format_bytes(current)}/{format_bytes(peak)}"
         if self.budget:
             mem += f"/{format_bytes(self.budget)}"
         loss = row.get("loss")

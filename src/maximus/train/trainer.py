@@ -50,6 +50,7 @@ from maximus.models import check_model_source, load_model, load_tokenizer, resol
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import latest_good_checkpoint, save_checkpoint
 from maximus.train.lock import RunLock
+from maximus.train.metering import MeterPolicy, meter_mode
 from maximus.train.objectives import ObjectiveModule, build_objective
 from maximus.memory.lengths import split_by_tokens
 from maximus.train.optimizers import build_optimizer, check_in_backward, require_packages
@@ -141,6 +142,7 @@ class Trainer:
         # What the loop calls each micro-batch; under torchrun, wrapped for DDP / FSDP2.
         self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.optimizer)
         self.meter = MemoryMeter(self.device, budget_bytes=self.plan.budget_bytes)
+        self.meter_policy = MeterPolicy(meter_mode(cfg.training.memory_meter, self.device.type), self.total_steps)
 
     def _load_data(self):
         from maximus.data import build_run_datasets
@@ -372,21 +374,34 @@ class Trainer:
             run.out.message(f"{column_label(state['eval_prompted'])}: held-out loss {state['eval_prompted']['loss']:.4f}")
 
     def _measured_step(self, step: int, run: _Run) -> tuple[dict, bool]:
-        """One optimizer step under the memory meter (re-planned after an out-of-memory error or
-        a peak over the budget): its metrics row, and whether its loss and gradient were finite."""
+        """One optimizer step, under the memory meter when `training.memory_meter` says so
+        (re-planned after an out-of-memory error or a metered peak over the budget): its metrics
+        row, and whether its loss and gradient were finite."""
+        from maximus.train.objectives.base import Objective
+
+        own_batches = type(self.objective).step_batches is not Objective.step_batches  # GRPO
+        lengths = None if own_batches else [row_length(r) for r in self.rows_for_step(step)]
+        metered = self.meter_policy.decide(step, self.plan, lengths)
         t0 = time.perf_counter()
-        self.meter.reset_peak()  # each row's peak_memory_bytes is that step's own peak
-        with self.meter.track(self.model, self.optimizer):
+        if metered:
+            self.meter.reset_peak()  # each row's peak_memory_bytes is that step's own peak
+            if self.meter_policy.mode == "sampled":  # what an unmetered step re-allocated
+                self.meter.adopt(self.model, self.optimizer)
+            with self.meter.track(self.model, self.optimizer):
+                result = guarded_step(self, step, run.out.message)
+        else:
             result = guarded_step(self, step, run.out.message)
         elapsed = time.perf_counter() - t0
-        step_peak = self.meter.peak_bytes()
-        run.peak = max(run.peak, step_peak)
-        check_budget(self, step, run.out.message)
         # float(): torchao's optimizers hold lr as a tensor
         row = {"step": step, "loss": result["loss"], "lr": float(self.scheduler.get_last_lr()[0]),
                "grad_norm": result["grad_norm"], "tokens_per_s": result["tokens"] / max(elapsed, 1e-9),
-               "step_time_s": elapsed, "tokens": result["tokens"], "memory_bytes": self.meter.current_bytes(),
-               "peak_memory_bytes": step_peak, **result["metrics"]}
+               "step_time_s": elapsed, "tokens": result["tokens"]}
+        if metered:
+            step_peak = self.meter.peak_bytes()
+            run.peak = max(run.peak, step_peak)
+            check_budget(self, step, run.out.message)
+            row.update(memory_bytes=self.meter.current_bytes(), peak_memory_bytes=step_peak)
+        row.update(result["metrics"])
         return row, result["finite"]
 
     def _count_bad_step(self, row: dict, finite: bool, run: _Run) -> None:
