@@ -32,13 +32,24 @@ def build_tiny_model_dir(path: Path, arch: str = "llama", *, hidden: int = 64, l
                   tie_word_embeddings=tie)
     cls = {"llama": (LlamaConfig, LlamaForCausalLM), "mistral": (MistralConfig, MistralForCausalLM),
            "qwen2": (Qwen2Config, Qwen2ForCausalLM)}[arch]
+    return save_random_model(path, cls[1], cls[0](**common), tok, seed=seed)
+
+
+def save_random_model(path: Path, model_cls, config, *companions, seed: int = 0) -> Path:
+    """`model_cls(config)` with seeded random weights, saved to `path` like a hub checkpoint
+    (safetensors) together with its `companions` (tokenizer, processor) via save_pretrained."""
     torch.manual_seed(seed)
-    model = cls[1](cls[0](**common))
-    model.save_pretrained(str(path), safe_serialization=True)
-    tok.save_pretrained(str(path))
+    model_cls(config).save_pretrained(str(path), safe_serialization=True)
+    for companion in companions:
+        companion.save_pretrained(str(path))
     return path
 
 
+def merge_sections(cfg: dict, sections: dict) -> dict:
+    """`cfg` with each of `sections` merged into its mapping (or replacing a plain value)."""
+    for key, value in sections.items():
+        cfg[key] = {**cfg[key], **value} if isinstance(value, dict) and isinstance(cfg.get(key), dict) else value
+    return cfg
 
 
 #: The config of the project's source article (shared/MISSION.md), word for word.
@@ -88,12 +99,7 @@ def tiny_config(model_dir: Path, data: Path, out: Path, **sections) -> dict:
         "eval": {"split": 0.1, "before": True},
         "logging": {"progress": "none"},
     }
-    for key, value in sections.items():
-        if isinstance(value, dict) and isinstance(cfg.get(key), dict):
-            cfg[key] = {**cfg[key], **value}
-        else:
-            cfg[key] = value
-    return cfg
+    return merge_sections(cfg, sections)
 
 
 class OpRecorder(TorchDispatchMode):
@@ -174,9 +180,5 @@ def build_family_model_dir(path: Path, model_type: str, *, hidden: int = 64, lay
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
                   tie_word_embeddings=tie, **FAMILY_FIELDS[model_type])
-    config = AutoConfig.for_model(model_type, **fields)
-    torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config)
-    model.save_pretrained(str(path), safe_serialization=True)
-    tok.save_pretrained(str(path))
-    return path
+    return save_random_model(path, AutoModelForCausalLM.from_config, AutoConfig.for_model(model_type, **fields), tok,
+                             seed=seed)

@@ -310,6 +310,20 @@ class VisionConfig(_Section):
     max_pixels: int | None = Field(None, ge=64, description="Cap on an image's area in pixels: a larger image is resized (aspect kept) before the processor sees it, which bounds its image tokens and the tower's memory for processors that keep the resolution (Qwen2-VL, Idefics3); null = the processor's own limit.")
 
 
+class ImagePrompt(_Section):
+    """An `eval.prompts` entry for a vision-language model: a user turn with images."""
+
+    text: str = Field(description="The user's text, after the images.")
+    image: Union[str, list[str]] = Field(description="Image file(s) shown before the text, relative to the working directory.")
+
+    @property
+    def images(self) -> list[str]:
+        return [self.image] if isinstance(self.image, str) else list(self.image)
+
+    def __str__(self) -> str:
+        return f"[{', '.join(self.images)}] {self.text}"
+
+
 class EvalConfig(_Section):
     """Held-out evaluation against the base model."""
 
@@ -319,7 +333,7 @@ class EvalConfig(_Section):
     before: bool = Field(True, description="Evaluate the base model before training, for the before/after table.")
     max_batches: int | None = Field(None, ge=1, description="Cap on evaluation batches; null = the whole held-out split.")
     exact_match: int = Field(0, ge=0, description="Shorthand: N > 0 adds `exact_match` to `eval.metrics` and scores it on up to N held-out examples (instead of `max_examples`); 0 = off. With no example that has a prompt (plain text), run.json has exact_match: null and exact_match_note.")
-    prompts: list[str] = Field(default_factory=list, description="Prompts to generate from before and after training (objectives sft, dpo and grpo).")
+    prompts: list[Union[str, ImagePrompt]] = Field(default_factory=list, description="Prompts to generate from before and after training (objectives sft, dpo and grpo). For a vision-language model an entry may be `{text: ..., image: file.png}` (or a list of files): the images, then the text, in one user turn.")
     max_new_tokens: int = Field(32, ge=1, description="Tokens generated per prompt, and at most per held-out example for `eval.metrics` (greedy, stopping at EOS).")
     dataset: Union[str, DatasetSpec, list[Union[str, DatasetSpec]], None] = Field(None, description="Your own held-out data, in the same forms as `dataset` (a path, a mapping with `format`, or a list). When set, the training data is not split (`eval.split` is unused) and every held-out row comes from it; missing or empty after filtering is an error naming it, before training.")
     metrics: list[str] = Field(default_factory=list, description="Task metrics of greedy completions (chat template for chat data, the format's prompt otherwise) against the held-out answers: `exact_match` (equal after stripping surrounding whitespace), `rouge_l` (ROUGE-L F1, `rouge-score`), `chrf` (chrF, `sacrebleu`, 0-100), or `module:function` / `path/file.py:function` called as f(predictions, references, **columns) -> float, each column a list with one value per example. A metric that raises is recorded as failed (eval.<when>.metrics_failed); training is kept. Objective sft only.")
@@ -457,6 +471,9 @@ class Config(_Section):
                                 ("eval.few_shot", e.few_shot), ("eval.system_prompt", e.system_prompt)) if on]
         if self.objective == "contrastive" and e.prompts:
             used.insert(0, "eval.prompts")
+        if any(isinstance(p, ImagePrompt) for p in e.prompts):
+            raise ConfigError(f"eval.prompts: an image prompt does not apply to objective {self.objective}",
+                              "image prompts are for supervised fine-tuning of a vision-language model (objective sft)")
         if used:
             own = {"dpo": "its held-out rewards/accuracy and chosen-answer perplexity",
                    "contrastive": "its held-out recall@k (embed texts with maximus embed)",

@@ -33,7 +33,8 @@ TOWER_NAMES = ("vision_tower", "visual", "vision_model")
 PROJECTOR_NAMES = ("multi_modal_projector", "connector", "merger")
 
 #: Batch keys that carry images into the model's forward (`maximus.data.vision.collate_vision`).
-MEDIA_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids")
+MEDIA_KEYS = ("pixel_values", "pixel_attention_mask", "image_grid_thw", "image_sizes", "token_type_ids",
+              "mm_token_type_ids")
 
 
 def is_vision_config(config) -> bool:
@@ -63,17 +64,20 @@ def model_is_vision(model_source: str, trust_remote_code: bool = False) -> bool:
 
 def load_processor(source: str, trust_remote_code: bool = False):
     """The model's Transformers processor (tokenizer + image processor), built without torchvision
-    (Transformers' PIL image processors). Raises ModelError when the model has none."""
+    (Transformers' PIL image processors): a processor whose video processor needs torchvision
+    (Qwen2-VL, Qwen2.5-VL) is built from its image processor and tokenizer alone
+    (`image_only_processor`). Raises ModelError when the model has none."""
     from transformers import AutoProcessor
 
     try:
         processor = AutoProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
     except (OSError, ValueError, TypeError, ImportError) as exc:
         first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-        hint = ("Qwen2-VL's video processor needs torchvision: install a torchvision build that matches torch"
-                if "torchvision" in first.lower() else
-                "save the processor next to the model (processor.save_pretrained(model_dir))")
-        raise ModelError(f"cannot load the image processor of {source}: {first}", hint) from None
+        videos = any(word in str(exc).lower() for word in ("torchvision", "video processor"))
+        processor = _without_video(source, trust_remote_code) if videos else None
+        if processor is None:
+            raise ModelError(f"cannot load the image processor of {source}: {first}",
+                             "save the processor next to the model (processor.save_pretrained(model_dir))") from None
     if getattr(processor, "image_processor", None) is None or getattr(processor, "tokenizer", None) is None:
         raise ModelError(f"model {source} has no image processor ({type(processor).__name__}): its architecture "
                          "cannot be fed images", "save the model's processor (tokenizer and image processor) "
@@ -83,6 +87,49 @@ def load_processor(source: str, trust_remote_code: bool = False):
         tok.pad_token = tok.eos_token
     tok.padding_side = "right"
     return processor
+
+
+def image_only_processor(processor_cls):
+    """`processor_cls` (a Transformers processor whose `__init__` takes a `video_processor`) with
+    the video processor left out: Transformers' ProcessorMixin takes its sub-processors from the
+    `__init__` signature, so a subclass without the argument builds, saves and applies its chat
+    template with the image processor and tokenizer only (videos are not supported)."""
+
+    class ImageOnly(processor_cls):
+        def __init__(self, image_processor=None, tokenizer=None, chat_template=None, **kwargs):
+            super().__init__(image_processor, tokenizer, None, chat_template=chat_template, **kwargs)
+
+    ImageOnly.__name__ = ImageOnly.__qualname__ = processor_cls.__name__
+    return ImageOnly
+
+
+def _without_video(source: str, trust_remote_code: bool):
+    """The processor of `source` built without its video processor (`image_only_processor`), or
+    None when its class has no video processor to leave out."""
+    import inspect
+
+    import transformers
+    from transformers import AutoImageProcessor, AutoTokenizer
+
+    path = Path(source).expanduser()
+    try:
+        if path.is_dir():
+            config = json.loads((path / "processor_config.json").read_text())
+        else:
+            from huggingface_hub import hf_hub_download
+
+            config = json.loads(Path(hf_hub_download(source, "processor_config.json")).read_text())
+    except (OSError, ValueError):
+        return None
+    cls = getattr(transformers, str(config.get("processor_class")), None)
+    if cls is None or "video_processor" not in inspect.signature(cls.__init__).parameters:
+        return None
+    image_processor = AutoImageProcessor.from_pretrained(source, trust_remote_code=trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(source, trust_remote_code=trust_remote_code)
+    extra = {k: v for k, v in config.items() if k not in ("processor_class", "image_processor", "video_processor",
+                                                           "tokenizer", "chat_template")}
+    return image_only_processor(cls)(image_processor=image_processor, tokenizer=tokenizer,
+                                     chat_template=tokenizer.chat_template, **extra)
 
 
 def auto_model_class():

@@ -56,6 +56,13 @@ def fold_system_messages(messages: Messages) -> Messages:
     return [{"role": "user", "content": system}, *rest]
 
 
+def text_of(content) -> str:
+    """The text of a message content: a string, or a list of parts (its text parts joined)."""
+    if isinstance(content, list):
+        return "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    return content
+
+
 def assistant_spans(tokenizer, messages: Messages, full: str, train_from_message: int = 0) -> list[tuple[int, int]]:
     """Character spans [start, end) in `full` of the assistant messages with index >= train_from_message."""
     spans: list[tuple[int, int]] = []
@@ -80,8 +87,7 @@ def _find_content(content, end_text: str, full: str, cursor: int) -> tuple[int, 
     """Fallback span: the message content found after `cursor`, extended by the end-of-turn text
     the template writes after it (taken from the render that ends with this message). A content
     given as a list of parts (images and text) is looked up by its text."""
-    if isinstance(content, list):
-        content = "".join(p.get("text", "") for p in content if isinstance(p, dict))
+    content = text_of(content)
     start = full.find(content, cursor)
     if start < 0 or not content:
         return (cursor, cursor)

@@ -11,7 +11,6 @@ Order of operations (all deterministic given `seed`):
 from __future__ import annotations
 
 import random
-from pathlib import Path
 
 from jinja2 import TemplateError
 
@@ -24,7 +23,7 @@ from maximus.data.packing import RowStats, pack_documents, truncate_documents
 from maximus.data.pairs import encode_pair, fit_pair_row
 from maximus.data.prompts import check_prompt_format, encode_prompt, fit_prompt_rows, to_prompt_example
 from maximus.data.preference import PreferencePair, chat_prompt_and_answers, encode_preference, fit_pair
-from maximus.data.sources import read_source
+from maximus.data.sources import encode_records, read_source
 from maximus.data.templates import ensure_chat_template
 
 OBJECTIVES = ("sft", "dpo", "contrastive", "grpo")
@@ -142,40 +141,21 @@ def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -
                             "use a dataset with query/positive fields, or set `format: pairs`, query_field and positive_field")
         raise DataError(f"format pairs (query, positive) is for objective contrastive; {spec.path} is used with "
                         f"objective {objective}", "set `objective: contrastive` to train an embedding model")
-    # Seeded per source (not per list position) so that adding or reordering sources does not
-    # reshuffle, and resample, the others; by the source's file name, not its whole path, so that
-    # moving the data (or a test's temporary folder) does not change the run.
-    order = list(range(len(records)))
-    random.Random(f"{seed}:{Path(str(spec.path)).name}:{spec.name}:{spec.split}").shuffle(order)
+    def encode(record):
+        if fmt == "prompt":
+            return encode_prompt(encoder, to_prompt_example(record.fields, spec, record.where))
+        example = to_example(record.fields, fmt, spec, record.where)
+        if isinstance(example, PreferenceExample) and objective == "sft":
+            example = _chosen_as_sft(example)  # SFT on preference data learns the chosen answers
+        if isinstance(example, ChatExample) or (isinstance(example, PreferenceExample) and _is_chat_pair(example)):
+            stats["chat_template_fallback"] |= ensure_chat_template(encoder.tokenizer)
+        return _encode(example, encoder, record.where)
 
-    documents: list = []
-    for i in order:
-        if spec.max_samples is not None and len(documents) >= spec.max_samples:
-            break
-        record = records[i]
-        try:
-            if fmt == "prompt":
-                documents.append(encode_prompt(encoder, to_prompt_example(record.fields, spec, record.where)))
-                continue
-            example = to_example(record.fields, fmt, spec, record.where)
-            if isinstance(example, PreferenceExample) and objective == "sft":
-                example = _chosen_as_sft(example)  # SFT on preference data learns the chosen answers
-            if isinstance(example, ChatExample) or (isinstance(example, PreferenceExample) and _is_chat_pair(example)):
-                stats["chat_template_fallback"] |= ensure_chat_template(encoder.tokenizer)
-            document = _encode(example, encoder, record.where)
-        except DataError:
-            if spec.on_error != "skip":
-                raise
-            stats["skipped"] += 1
-            summary["skipped"] += 1
-            continue
-        if document is None:
-            stats["empty"] += 1
-            continue
+    documents = []
+    for where, document in encode_records(source, spec, seed, encode, stats, summary):
         if isinstance(document, Document):
-            document.where = record.where
+            document.where = where
         documents.append(document)
-    summary["documents"] = len(documents)
     return documents
 
 
@@ -264,16 +244,18 @@ def build_run_datasets(cfg, tokenizer, *, eval_split: float | None = None, objec
         from maximus.data.vision import build_vision_datasets
 
         processor = load_processor(cfg.tokenizer or cfg.model, cfg.trust_remote_code)
-        return build_vision_datasets(cfg, processor, eval_split=eval_split)
+        build = lambda specs, split: build_vision_datasets(cfg, processor, eval_split=split, specs=specs)  # noqa: E731
+    else:
+        build = lambda specs, split: build_datasets(specs, tokenizer, eval_split=split, **settings)  # noqa: E731
     if not held_out:
-        return build_datasets(cfg.datasets, tokenizer, eval_split=eval_split, **settings)
+        return build(cfg.datasets, eval_split)
     try:
-        evaluation = build_datasets(held_out, tokenizer, eval_split=0.0, **settings)
+        evaluation = build(held_out, 0.0)
     except DataError as exc:
         paths = ", ".join(str(s.path) for s in held_out)
         message = exc.message.replace("training row", "row").replace(" training documents", " documents")
         raise DataError(f"eval.dataset: {message}" + ("" if paths in message else f" ({paths})"), exc.hint) from None
-    splits = build_datasets(cfg.datasets, tokenizer, eval_split=0.0, **settings)
+    splits = build(cfg.datasets, 0.0)
     e = evaluation.stats
     splits.stats.update(eval_documents=e["documents"], eval_rows=e["rows"], eval_tokens=e["tokens"],
                         eval_loss_tokens=e["loss_tokens"], eval_sources=e["sources"])

@@ -19,7 +19,8 @@ from __future__ import annotations
 
 import csv
 import json
-from collections.abc import Iterator
+import random
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -70,6 +71,38 @@ def read_source(spec) -> SourceRead:
         raise DataError(f"dataset not found: {spec.path}",
                         "check the path (relative paths are resolved from the current directory)")
     return _read_hub(spec, out)
+
+
+def encode_records(source: SourceRead, spec, seed: int, encode: Callable, stats: dict, summary: dict) -> list:
+    """[(record.where, document)] of `source`'s records, in a seeded order, until `spec.max_samples`
+    documents: `encode(record)` returns the document, or None for a record with nothing to learn
+    (counted in `stats["empty"]`); a DataError it raises stops the build, or under
+    `on_error: skip` counts the record in `stats["skipped"]` and `summary["skipped"]`.
+
+    The order is seeded per source (not per list position) so that adding or reordering sources
+    does not reshuffle, and resample, the others; by the source's file name, not its whole path,
+    so that moving the data (or a test's temporary folder) does not change the run."""
+    order = list(range(len(source.records)))
+    random.Random(f"{seed}:{Path(str(spec.path)).name}:{spec.name}:{spec.split}").shuffle(order)
+    documents: list = []
+    for i in order:
+        if spec.max_samples is not None and len(documents) >= spec.max_samples:
+            break
+        record = source.records[i]
+        try:
+            document = encode(record)
+        except DataError:
+            if spec.on_error != "skip":
+                raise
+            stats["skipped"] += 1
+            summary["skipped"] += 1
+            continue
+        if document is None:
+            stats["empty"] += 1
+            continue
+        documents.append((record.where, document))
+    summary["documents"] = len(documents)
+    return documents
 
 
 def _looks_local(text: str) -> bool:

@@ -36,12 +36,12 @@ from pathlib import Path
 import torch
 from jinja2 import TemplateError
 
-from maximus.data.chat import assistant_spans
+from maximus.data.chat import assistant_spans, text_of
 from maximus.data.encoding import IGNORE_INDEX
 from maximus.data.formats import detect_format
-from maximus.data.sources import read_source
+from maximus.data.sources import encode_records, read_source
 from maximus.data.splits import DataSplits, eval_count
-from maximus.errors import DataError
+from maximus.errors import ConfigError, DataError
 from maximus.vision import MEDIA_KEYS
 
 IMAGE_PLACEHOLDER = "<image>"
@@ -77,7 +77,10 @@ class VisionEncoder:
         self.train_on_inputs = train_on_inputs
         self.placeholder = self._placeholder()
         self.vision_ids = self._vision_token_ids()
-        self.wants_token_type_ids = False  # Gemma 3: image tokens attend bidirectionally, marked by token_type_ids
+        #: The processor's per-token image marks that the model reads (Gemma 3's `token_type_ids`:
+        #: image tokens attend bidirectionally; Qwen2-VL's `mm_token_type_ids`: its 3-D positions),
+        #: found on the first image; None for models without them (LLaVA, Idefics3).
+        self.type_key: str | None = None
         self.resized = 0
 
     def _placeholder(self) -> str:
@@ -106,18 +109,20 @@ class VisionEncoder:
         image, resized = open_image(Path(path), self.max_pixels)
         return image, resized
 
-    def encode(self, messages: list[dict], images: list) -> tuple[list[int], list[int]]:
-        """(input_ids, labels) of one conversation whose image parts are `images` (PIL, in order)."""
+    def _type_ids(self, out) -> list[int] | None:
+        if self.type_key is None:
+            names = set(self.processor.model_input_names)
+            self.type_key = next((k for k in ("token_type_ids", "mm_token_type_ids")
+                                  if k in out and k in names and any(out[k][0])), None)
+        return list(out[self.type_key][0]) if self.type_key in out else None
+
+    def _tokens(self, pieces: list[tuple[str, bool]], images: list) -> tuple[list[int], list[int], list[int]]:
+        """(input_ids, labels, image marks) of text pieces (text, trainable) whose placeholders take
+        `images` in order; the processor expands a piece's placeholders into the image tokens."""
         proc = self.processor
-        full = proc.apply_chat_template(messages, tokenize=False)
-        spans = assistant_spans(proc, messages, full)
-        pieces, cursor = [], 0
-        for start, end in spans:
-            pieces += [(full[cursor:start], False), (full[start:end], True)]
-            cursor = end
-        pieces.append((full[cursor:], False))
         ids: list[int] = []
         labels: list[int] = []
+        types: list[int] = []
         remaining = list(images)
         for text, trainable in pieces:
             if not text:
@@ -126,20 +131,61 @@ class VisionEncoder:
             if k:
                 out = proc(text=[text], images=[remaining[:k]], add_special_tokens=False)
                 piece = list(out["input_ids"][0])
-                self.wants_token_type_ids |= "token_type_ids" in out
+                types += self._type_ids(out) or [0] * len(piece)
                 remaining = remaining[k:]
             else:
                 piece = list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+                types += [0] * len(piece)
             ids += piece
             keep = trainable or self.train_on_inputs
             labels += [t if keep and t not in self.vision_ids else IGNORE_INDEX for t in piece]
         if remaining:
             raise ValueError(f"{len(images)} images but the template wrote {len(images) - len(remaining)} image tokens")
-        return ids, labels
+        return ids, labels, types
 
-    def pixel_inputs(self, rows: list[dict]) -> dict[str, torch.Tensor]:
-        """The image processor's tensors for every image of `rows`, in row order."""
-        per_row = [[self.load(p)[0] for p in row["images"].paths] for row in rows]
+    def encode(self, messages: list[dict], images: list) -> tuple[list[int], list[int], list[int]]:
+        """(input_ids, labels, image marks) of one conversation whose image parts are `images`
+        (PIL, in order); the labels are the assistant spans' tokens, never an image token."""
+        full = self.processor.apply_chat_template(messages, tokenize=False)
+        spans = assistant_spans(self.processor, messages, full)
+        pieces, cursor = [], 0
+        for start, end in spans:
+            pieces += [(full[cursor:start], False), (full[start:end], True)]
+            cursor = end
+        pieces.append((full[cursor:], False))
+        return self._tokens(pieces, images)
+
+    def prompt(self, messages: list[dict], images: list) -> dict:
+        """Model inputs (batch of one) to generate the assistant's reply to `messages`: the chat
+        template with its generation prompt, the image tokens and the image tensors."""
+        text = self.processor.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        ids, _, types = self._tokens([(text, False)], images)
+        inputs = {"input_ids": torch.tensor([ids]), "attention_mask": torch.ones(1, len(ids), dtype=torch.long)}
+        if images:
+            inputs.update(self.pixel_tensors([images]))
+        if self.type_key is not None:
+            inputs[self.type_key] = torch.tensor([types])
+        return inputs
+
+    def prompt_for(self, prompt) -> dict:
+        """`prompt` (a string, or a `maximus.config.ImagePrompt`: images, then text) as one user
+        turn, the model inputs of `prompt`. Raises ConfigError for an image that cannot be read."""
+        files = [] if isinstance(prompt, str) else prompt.images
+        text = prompt if isinstance(prompt, str) else prompt.text
+        images = []
+        for file in files:
+            try:
+                images.append(self.load(file)[0])
+            except (OSError, ValueError) as exc:
+                reason = "no such file" if not Path(file).exists() else str(exc).splitlines()[0]
+                raise ConfigError(f"eval.prompts: cannot read image {file}: {reason}",
+                                  "image paths of eval.prompts are relative to the working directory") from None
+        content = [{"type": "image", "image": f} for f in files] + [{"type": "text", "text": text}]
+        return self.prompt([{"role": "user", "content": content}], images)
+
+    def pixel_tensors(self, per_row: list[list]) -> dict[str, torch.Tensor]:
+        """The image processor's tensors for rows of PIL images, in row order (rows without images
+        are left out)."""
         per_row = [images for images in per_row if images]
         if not per_row:
             return {}
@@ -149,11 +195,15 @@ class VisionEncoder:
             tensors = [o[key] for o in outs if key in o]
             if not tensors:
                 continue
-            if tensors[0].ndim == 5:  # Idefics3: (1, tiles, C, H, W); pad the tile axis with empty tiles
+            if tensors[0].ndim >= 4:  # Idefics3: (1, tiles, ...) per row; pad the tile axis with empty tiles
                 most = max(t.shape[1] for t in tensors)
                 tensors = [torch.nn.functional.pad(t, (0, 0) * (t.ndim - 2) + (0, most - t.shape[1])) for t in tensors]
             batch[key] = torch.cat(tensors, dim=0)
         return batch
+
+    def pixel_inputs(self, rows: list[dict]) -> dict[str, torch.Tensor]:
+        """The image processor's tensors for every image of `rows`, in row order."""
+        return self.pixel_tensors([[self.load(p)[0] for p in row["images"].paths] for row in rows])
 
 
 @dataclass
@@ -162,6 +212,8 @@ class RowImages:
 
     paths: list[str]
     encoder: VisionEncoder = field(repr=False)
+    where: str = ""  #: the record (`data.jsonl:3`), for evaluation to go back to it
+    token_types: list[int] | None = None  #: the processor's image marks per token (`VisionEncoder.type_key`)
 
 
 def collate_vision(rows: list[dict], pad_token_id: int, pad_to_multiple_of: int | None = None) -> dict[str, torch.Tensor]:
@@ -181,9 +233,12 @@ def collate_vision(rows: list[dict], pad_token_id: int, pad_to_multiple_of: int 
     encoder = next((r["images"].encoder for r in rows), None)
     if encoder is not None:
         batch.update(encoder.pixel_inputs(rows))
-        if encoder.wants_token_type_ids:
-            image_id = getattr(encoder.processor, "image_token_id", None)
-            batch["token_type_ids"] = (input_ids == image_id).long()
+        if encoder.type_key is not None:
+            types = torch.zeros((len(rows), longest), dtype=torch.long)
+            for i, row in enumerate(rows):
+                marks = row["images"].token_types or []
+                types[i, :len(marks)] = torch.tensor(marks, dtype=torch.long)
+            batch[encoder.type_key] = types
     return batch
 
 
@@ -270,9 +325,10 @@ def _image_paths(messages: list[dict], base: Path) -> list[Path]:
 
 
 # ------------------------------------------------------------------------------------- datasets
-def build_vision_datasets(cfg, processor, *, eval_split: float, model_name: str | None = None):
+def build_vision_datasets(cfg, processor, *, eval_split: float, model_name: str | None = None, specs=None):
     """`DataSplits` of image + text conversations for a vision-language model (see the module
-    docstring). Raises DataError for a text format, a bad record or image (unless on_error: skip),
+    docstring), from `specs` (default: `cfg.datasets`). Raises DataError for a text format, a bad
+    record or image (unless on_error: skip),
     a row whose image tokens pass seq_len, and an empty dataset."""
     seq_len = cfg.training.seq_len
     encoder = VisionEncoder(processor, cfg.vision.max_pixels, cfg.training.train_on_inputs)
@@ -280,10 +336,11 @@ def build_vision_datasets(cfg, processor, *, eval_split: float, model_name: str 
              "chat_template_fallback": False, "sources": [], "packing": False,
              "vision": {"images": 0, "resized": 0, "max_pixels": cfg.vision.max_pixels}}
     documents: list[dict] = []
-    for spec in cfg.datasets:
+    specs = cfg.datasets if specs is None else specs
+    for spec in specs:
         documents += _read_vision_spec(spec, encoder, seq_len, cfg.training.seed, stats, model_name or cfg.model)
     if not documents:
-        raise DataError(f"dataset is empty after filtering: {', '.join(str(s.path) for s in cfg.datasets)} "
+        raise DataError(f"dataset is empty after filtering: {', '.join(str(s.path) for s in specs)} "
                         f"({stats['records']} records read, {stats['skipped']} skipped, {stats['empty']} with "
                         "nothing to learn)", "check the files, the image paths and the assistant turns")
     random.Random(cfg.training.seed).shuffle(documents)
@@ -297,7 +354,8 @@ def build_vision_datasets(cfg, processor, *, eval_split: float, model_name: str 
                  eval_loss_tokens=count(evaluation, "labels"), dropped_rows=0,
                  fill=round(count(train, "input_ids") / (len(train) * seq_len), 4) if train else 0.0)
     stats["vision"]["resized"] = encoder.resized
-    return DataSplits(train, evaluation, stats)
+    return DataSplits(train, evaluation, stats, train_where=[r["images"].where for r in train],
+                      eval_where=[r["images"].where for r in evaluation])
 
 
 def _read_vision_spec(spec, encoder: VisionEncoder, seq_len: int, seed: int, stats: dict, model: str) -> list[dict]:
@@ -316,34 +374,22 @@ def _read_vision_spec(spec, encoder: VisionEncoder, seq_len: int, seed: int, sta
                         "needs format: chat (messages whose content lists image and text parts) or sharegpt",
                         "write messages with {\"type\": \"image\", \"image\": \"file.png\"} parts, or an images "
                         "column with <image> placeholders (docs/vision.md)")
-    order = list(range(len(source.records)))
-    random.Random(f"{seed}:{Path(str(spec.path)).name}:{spec.name}:{spec.split}").shuffle(order)
-    rows = []
-    for i in order:
-        if spec.max_samples is not None and len(rows) >= spec.max_samples:
-            break
-        record = source.records[i]
-        try:
-            row = _encode_record(record, spec, fmt, encoder, seq_len, stats)
-        except DataError:
-            if spec.on_error != "skip":
-                raise
-            stats["skipped"] += 1
-            summary["skipped"] += 1
-            continue
-        if row is None:
-            stats["empty"] += 1
-            continue
-        rows.append(row)
-    summary["documents"] = len(rows)
-    return rows
+    encode = lambda record: _encode_record(record, spec, fmt, encoder, seq_len, stats)  # noqa: E731
+    return [row for _, row in encode_records(source, spec, seed, encode, stats, summary)]
+
+
+def record_conversation(record, spec, fmt: str) -> tuple[list[dict], list[Path]]:
+    """(messages with list-of-parts contents, the image files in order, resolved against the
+    data file's folder) of one record. Raises DataError for a malformed record."""
+    where = record.where
+    messages = conversation(record.fields, spec, fmt, where)
+    base = Path(where.rsplit(":", 1)[0]).parent if ":" in where else Path(str(spec.path)).parent
+    return messages, _image_paths(messages, base)
 
 
 def _encode_record(record, spec, fmt: str, encoder: VisionEncoder, seq_len: int, stats: dict) -> dict | None:
     where = record.where
-    messages = conversation(record.fields, spec, fmt, where)
-    base = Path(where.rsplit(":", 1)[0]).parent if ":" in where else Path(str(spec.path)).parent
-    paths = _image_paths(messages, base)
+    messages, paths = record_conversation(record, spec, fmt)
     images = []
     for path in paths:
         try:
@@ -355,7 +401,7 @@ def _encode_record(record, spec, fmt: str, encoder: VisionEncoder, seq_len: int,
         encoder.resized += resized
         images.append(image)
     try:
-        ids, labels = encoder.encode(messages, images)
+        ids, labels, types = encoder.encode(messages, images)
     except (TemplateError, ValueError) as exc:
         raise DataError(f"{where}: cannot tokenize record: {str(exc).strip().splitlines()[0]}",
                         "fix the record, or set on_error: skip") from None
@@ -364,9 +410,10 @@ def _encode_record(record, spec, fmt: str, encoder: VisionEncoder, seq_len: int,
         if last_image >= seq_len:
             raise DataError(f"{where}: the image tokens reach token {last_image + 1}, past training.seq_len={seq_len}",
                             "raise training.seq_len or lower vision.max_pixels")
-        ids, labels = ids[:seq_len], labels[:seq_len]
+        ids, labels, types = ids[:seq_len], labels[:seq_len], types[:seq_len]
         stats["truncated"] += 1
     if all(t == IGNORE_INDEX for t in labels[1:]):
         return None
     stats["vision"]["images"] += len(images)
-    return {"input_ids": ids, "labels": labels, "images": RowImages([str(p) for p in paths], encoder)}
+    return {"input_ids": ids, "labels": labels,
+            "images": RowImages([str(p) for p in paths], encoder, where, types if any(types) else None)}

@@ -130,7 +130,7 @@ def summary_lines(before: dict, after: dict, prompted: dict | None, result: dict
     if cost:
         lines.append(cost)
     for i, prompt in enumerate(prompts):
-        lines.append(f"prompt: {prompt!r}")
+        lines.append(f"prompt: {prompt if isinstance(prompt, str) else str(prompt)!r}")  # an ImagePrompt: [files] text
         for when, d in (("before", before), ("after", after)):
             generations = d.get("generations") or []
             if i < len(generations):

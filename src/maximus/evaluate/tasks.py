@@ -47,15 +47,17 @@ class TaskExample:
     prompt: str | None = None
     turns: list[dict] | None = None
     columns: dict = field(default_factory=dict)
+    images: list[str] = field(default_factory=list)  #: image files of `turns` (vision-language data), in order
 
     def key(self) -> tuple:
         """What the example shows a model: two records with the same key are the same example."""
         return (self.prompt, tuple((m["role"], m["content"]) for m in self.turns or ()), self.reference)
 
 
-def read_examples(specs, wanted: set[str]) -> dict[str, TaskExample]:
+def read_examples(specs, wanted: set[str], vision: bool = False) -> dict[str, TaskExample]:
     """The records of `specs` whose `where` is in `wanted`, as TaskExamples (records without a
-    prompt and an answer, e.g. plain text, are left out)."""
+    prompt and an answer, e.g. plain text, are left out). `vision`: conversations with images
+    (`maximus.data.vision`), their image files resolved as training resolved them."""
     from maximus.data.formats import ChatExample, PreferenceExample, PromptCompletion, detect_format, to_example
     from maximus.data.sources import read_source
 
@@ -67,6 +69,11 @@ def read_examples(specs, wanted: set[str]) -> dict[str, TaskExample]:
         fmt = detect_format(source.records[0].fields, spec, str(spec.path))
         for record in source.records:
             if record.where not in wanted:
+                continue
+            if vision:
+                task = _image_example(record, spec, fmt)
+                if task is not None:
+                    found[record.where] = task
                 continue
             try:
                 example = to_example(record.fields, fmt, spec, record.where)
@@ -85,6 +92,23 @@ def read_examples(specs, wanted: set[str]) -> dict[str, TaskExample]:
                 task.columns = dict(record.fields)
                 found[record.where] = task
     return found
+
+
+def _image_example(record, spec, fmt: str) -> TaskExample | None:
+    """A conversation with images as a TaskExample: the turns before the last assistant answer."""
+    from maximus.data.chat import text_of
+    from maximus.data.vision import record_conversation
+
+    try:
+        messages, paths = record_conversation(record, spec, fmt)
+    except DataError:  # a record training skipped (on_error: skip) is not held out either
+        return None
+    if len(messages) < 2 or messages[-1]["role"] != "assistant":
+        return None
+    turns = messages[:-1]
+    shown = sum(p["type"] == "image" for m in turns for p in m["content"])
+    return TaskExample(record.where, text_of(messages[-1]["content"]), turns=turns,
+                       columns=dict(record.fields), images=[str(p) for p in paths[:shown]])
 
 
 class Prompter:
@@ -152,7 +176,13 @@ class TaskEval:
         self.max_new_tokens = e.max_new_tokens
         self.few_shot, self.system_prompt = e.few_shot, e.system_prompt
         self.seq_len = cfg.training.seq_len
-        held = read_examples(e.dataset or cfg.datasets, set(data.eval_where))
+        rows = data.eval or data.train
+        #: the `VisionEncoder` of a vision-language run: prompts go through its processor, with the images
+        self.vision = rows[0]["images"].encoder if rows and "images" in rows[0] else None
+        if self.vision is not None and self.prompted:
+            raise ConfigError("eval.few_shot / eval.system_prompt: the prompting baseline does not show images yet",
+                              "leave them out for a vision-language model; eval.metrics and eval.prompts work")
+        held = read_examples(e.dataset or cfg.datasets, set(data.eval_where), vision=self.vision is not None)
         #: every held-out example with a prompt (the prompted loss), and those the metrics generate for
         self.held_out = [held[w] for w in dict.fromkeys(data.eval_where) if w in held]
         self.examples = self.held_out[:e.task_examples]
@@ -217,7 +247,10 @@ class TaskEval:
             return {}
         if not self.examples:
             return {**{m.name: None for m in self.metrics}, "metrics_note": NO_PROMPT_NOTE}
-        prompts = [self.prompter.prompt_ids(x, shots, system) for x in self.examples]
+        if self.vision is not None:
+            prompts = [self.vision.prompt(x.turns, [self.vision.load(p)[0] for p in x.images]) for x in self.examples]
+        else:
+            prompts = [self.prompter.prompt_ids(x, shots, system) for x in self.examples]
         predictions = greedy_texts(model, self.tokenizer, prompts, device=device, max_new_tokens=self.max_new_tokens,
                                    batch_size=batch_size)
         columns = {k: [x.columns.get(k) for x in self.examples] for k in dict.fromkeys(c for x in self.examples for c in x.columns)}
