@@ -185,12 +185,14 @@ def unpatch(model):
     lm.__class__ = report.base_class
     del lm.__dict__["_maximus_patch"]
     remove_checkpointing(lm)
+    from maximus.kernels.grouped_experts import uninstall_grouped_experts
     from maximus.kernels.lean_lora import uninstall_lean_lora
     from maximus.kernels.lean_norm import uninstall_lean_norm
     from maximus.kernels.triton.install import uninstall_triton_kernels
 
     uninstall_lean_lora(lm)  # apply_kernels routed the LoRA linears through lean projections
     uninstall_lean_norm(lm)  # ... and the RMSNorms through the lean norm
+    uninstall_grouped_experts(lm)  # ... and, on CPU, the fused experts through the grouped forward
     uninstall_triton_kernels(lm)  # ... and, on CUDA, the norms, MLPs, attentions and 4-bit LoRA through Triton
     _, layers = find_decoder_layers(lm)
     for layer, was_on in zip(layers, report.hf_checkpointing):

@@ -19,6 +19,11 @@ gradient checkpointing are in place and before DDP / FSDP2 wrap the model:
   mode but ``compile``, the Transformers RMSNorms the Triton kernel did not take keep their input
   once and work in float32 one block of tokens at a time (Transformers' norm keeps a float32 copy
   and five float32 ``tokens x hidden`` temporaries in backward);
+- grouped experts (`maximus.kernels.grouped_experts`, ``optimization.grouped_experts``, on by
+  default): on CPU, in every mode but ``compile``, Transformers' fused mixture-of-experts layers
+  (Mixtral, Qwen3-MoE, gpt-oss) run one matmul per expert over its routed tokens with the expert
+  LoRA kept factored (no merged expert weights, no weight-sized gradients; 2.2x Transformers' eager
+  experts forward and backward, docs/benchmarks/moe.md); on CUDA Transformers' grouped_mm stays;
 - on CPU, `cpu_threads` picks the intra-op thread count before anything runs (see there);
 - ``auto``: ``triton`` on CUDA when Triton is importable, else eager. Compilation is not the CPU
   default because it pays off only slowly there: regional compilation of the reference model's
@@ -49,6 +54,7 @@ class KernelReport:
     threads: int | None = None
     lean_lora: int = 0  # PEFT LoRA linears routed through maximus.kernels.lean_lora
     lean_norm: int = 0  # Transformers RMSNorms routed through maximus.kernels.lean_norm
+    grouped_experts: int = 0  # mixture-of-experts layers routed through maximus.kernels.grouped_experts
 
     @property
     def padding_free(self) -> bool:
@@ -59,7 +65,7 @@ class KernelReport:
     def to_dict(self) -> dict:
         return {"requested": self.requested, "used": self.used, "attention": self.attention,
                 "patched": len(self.patched), "notices": list(self.notices), "cpu_threads": self.threads,
-                "lean_lora": self.lean_lora, "lean_norm": self.lean_norm}
+                "lean_lora": self.lean_lora, "lean_norm": self.lean_norm, "grouped_experts": self.grouped_experts}
 
 
 def cpu_threads(device: torch.device, processes_per_node: int = 1, *, busy: int | None = None,
@@ -106,10 +112,11 @@ def busy_cores(samples: int = 5, interval_s: float = 0.01) -> int:
 
 
 def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = True,
-                  lean_norm: bool = True) -> KernelReport:
+                  lean_norm: bool = True, grouped_experts: bool = True) -> KernelReport:
     """Make ``model``'s training step run as ``mode`` asks (see the module docstring); with
     ``lean_lora``, the LoRA linears left to PEFT then take the lean projection, with ``lean_norm``
-    the RMSNorms left to Transformers the lean norm (neither under ``compile``).
+    the RMSNorms left to Transformers the lean norm, with ``grouped_experts`` the fused experts
+    the grouped forward on CPU (none of them under ``compile``).
 
     Never raises for an unsupported combination: the step falls back to eager PyTorch and
     ``report.notices`` says why (the trainer prints them once).
@@ -123,9 +130,19 @@ def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = T
         from maximus.kernels.lean_norm import install_lean_norm
 
         report.lean_norm = len(install_lean_norm(model))
+    if grouped_experts_apply(grouped_experts, report.used, device):
+        from maximus.kernels.grouped_experts import install_grouped_experts
+
+        report.grouped_experts = len(install_grouped_experts(model))
     report.notices.extend(_lean_fallbacks(model, lean_lora and report.used != "compile",
                                           lean_norm and report.used != "compile"))
     return report
+
+
+def grouped_experts_apply(enabled: bool, mode: str, device) -> bool:
+    """Whether `maximus.kernels.grouped_experts` takes the experts: asked for, on CPU (where it is
+    measured), and not under ``compile`` (its per-expert loop reads the routing counts)."""
+    return bool(enabled) and str(getattr(device, "type", device)).split(":")[0] == "cpu" and mode != "compile"
 
 
 def _lean_fallbacks(model, lean_lora: bool, lean_norm: bool) -> list[str]:

@@ -140,6 +140,9 @@ class ModelShape:
     num_experts: int = 0
     experts_per_token: int = 0
     expert_intermediate_size: int = 0
+    #: Layers with experts (None: all); the others keep a dense MLP of `intermediate_size`
+    #: (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``). Per-layer figures average them.
+    moe_layers: int | None = None
     #: float32 heads x tokens x tokens attention tensors a layer holds for backward (0: SDPA without
     #: them): Transformers' eager attention (Gemma 2, gpt-oss with its sinks) keeps scores, softmax and
     #: copies; a sliding-window model left on SDPA (Gemma 3) gets a materialised mask path.
@@ -162,34 +165,64 @@ class ModelShape:
                 "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
 
     @property
+    def sparse_fraction(self) -> float:
+        """The share of layers that route to experts (0.0 for a dense model)."""
+        if not self.num_experts:
+            return 0.0
+        return 1.0 if self.moe_layers is None else self.moe_layers / self.num_layers
+
+    @property
     def layer_linear_params(self) -> int:
         dense = sum(a * b for a, b in self.linear_shapes().values())
         if not self.num_experts:
             return dense
         h = self.hidden_size
         mlp = 3 * h * self.intermediate_size
-        return dense - mlp + self.num_experts * 3 * h * self.expert_intermediate_size + h * self.num_experts
+        sparse = dense - mlp + self.num_experts * 3 * h * self.expert_intermediate_size + h * self.num_experts
+        return round(self.sparse_fraction * sparse + (1 - self.sparse_fraction) * dense)
 
-    def expert_lora_params(self, r: int) -> int:
+    def expert_lora_params(self, r: int, experts: bool = True) -> int:
         """LoRA parameters of one layer's experts (fused gate_up and down, one adapter per expert)
-        minus what the dense gate/up/down adapters would count."""
+        minus what the dense gate/up/down adapters would count, averaged over the layers; with
+        `experts` False (``lora.experts: false``) the expert layers have no MLP adapters at all."""
         if not self.num_experts:
             return 0
         h, e, i = self.hidden_size, self.expert_intermediate_size, self.intermediate_size
-        return self.num_experts * r * ((h + 2 * e) + (e + h)) - r * 3 * (h + i)
+        routed = self.num_experts * r * ((h + 2 * e) + (e + h)) if experts else 0
+        return round(self.sparse_fraction * (routed - r * 3 * (h + i)))
 
     def active_shape(self) -> "ModelShape":
-        """The shape one token's activations see: top-k experts' intermediate side by side."""
+        """The shape one token's activations see: top-k experts' intermediate side by side (the
+        average over the layers when some are dense)."""
         if not self.num_experts:
             return self
-        return replace(self, intermediate_size=self.experts_per_token * self.expert_intermediate_size)
+        f = self.sparse_fraction
+        routed = self.experts_per_token * self.expert_intermediate_size
+        return replace(self, intermediate_size=round(f * routed + (1 - f) * self.intermediate_size))
 
-    def routing_bytes_per_token(self, dtype_bytes: int) -> int:
-        """Router logits, their softmax and top-k (float32), and the hidden states gathered per
-        routed expert (input copy and weighted output), per token and layer."""
+    def routing_bytes_per_token(self, dtype_bytes: int, lora_experts: bool = True) -> int:
+        """What an expert layer keeps for backward per token beyond a dense MLP of the active shape
+        (`active_shape`): the router's float32 logits and top-k, the routing indices, the experts'
+        output rows for their weights; without expert adapters the gathered input rows and the
+        gated rows are not kept (frozen expert weights need no input for a gradient). Measured with
+        saved_tensors_hooks on Transformers' Mixtral, Qwen3-MoE and gpt-oss experts (grouped_mm and
+        `maximus.kernels.grouped_experts` alike), averaged over the layers."""
         if not self.num_experts:
             return 0
-        return 3 * 4 * self.num_experts + 3 * self.experts_per_token * self.hidden_size * dtype_bytes
+        b, k, h = dtype_bytes, self.experts_per_token, self.hidden_size
+        per = 4 * self.num_experts + 24 * k + 12 + b * (2 * k - 1) * h
+        if not lora_experts:
+            per -= b * k * (h + self.expert_intermediate_size)
+        return round(self.sparse_fraction * per)
+
+    def merged_expert_bytes(self, dtype_bytes: int) -> int:
+        """One layer's expert weights as PEFT folds the adapters into them on every forward
+        (``target_parameters``), a copy Transformers' experts forward keeps for backward;
+        averaged over the layers. `maximus.kernels.grouped_experts` keeps the adapters factored."""
+        if not self.num_experts:
+            return 0
+        return round(self.sparse_fraction * self.num_experts * 3 * self.hidden_size * self.expert_intermediate_size
+                     * dtype_bytes)
 
     @property
     def layer_other_params(self) -> int:
@@ -252,6 +285,17 @@ def load_model_config(model: str | Path | dict | Any) -> Any:
                          f"pass a local model directory or config.json, or a known id such as {known}") from None
 
 
+def _moe_layers(cfg: Any, layers: int) -> int | None:
+    """How many layers route to experts, as Qwen3-MoE decides it (a layer is sparse unless listed
+    in ``mlp_only_layers``, and only every ``decoder_sparse_step``-th one); None: every layer."""
+    step = _get(cfg, "decoder_sparse_step")
+    dense = set(_get(cfg, "mlp_only_layers", default=None) or [])
+    if step is None and not dense:
+        return None
+    step = max(1, int(step or 1))
+    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
+
+
 def model_shape(model_config: Any) -> ModelShape:
     """Read a `ModelShape` from a transformers config, a config.json dict, a path or a hub id."""
     if isinstance(model_config, ModelShape):
@@ -274,7 +318,8 @@ def model_shape(model_config: Any) -> ModelShape:
     qkv_bias = bool(_get(cfg, "attention_bias", default=False)) or model_type == "qwen2"
     experts = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
     moe = dict(num_experts=experts, experts_per_token=int(_get(cfg, "num_experts_per_tok", default=2)),
-               expert_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=inter))) if experts > 1 else {}
+               expert_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=inter)),
+               moe_layers=_moe_layers(cfg, layers)) if experts > 1 else {}
     return ModelShape(**moe, attention_probs=ATTENTION_PROBS.get(model_type, 0),
                       extra_norms=2 if model_type.startswith("gemma") else 0,vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=layers, num_heads=heads,
                       num_kv_heads=kv, head_dim=head_dim, tied_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
@@ -367,11 +412,11 @@ def eager_attention_bytes_per_token(shape: ModelShape, seq_len: int) -> float:
     return 4.0 * shape.num_heads * seq_len if shape.attention_probs else 0.0
 
 
-def shape_extra_bytes_per_token(shape: ModelShape, dtype_bytes: int, seq_len: int) -> float:
+def shape_extra_bytes_per_token(shape: ModelShape, dtype_bytes: int, seq_len: int, lora_experts: bool = True) -> float:
     """What a layer keeps beyond a Llama layer of the same (active) shape, per token: the router and
     routed copies of a mixture of experts, the attention tensors (`ModelShape.attention_probs`),
     Gemma's extra norms (their inputs)."""
-    return (shape.routing_bytes_per_token(dtype_bytes) + shape.attention_probs * eager_attention_bytes_per_token(shape, seq_len)
+    return (shape.routing_bytes_per_token(dtype_bytes, lora_experts) + shape.attention_probs * eager_attention_bytes_per_token(shape, seq_len)
             + shape.extra_norms * dtype_bytes * shape.hidden_size)
 
 
@@ -446,7 +491,15 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
                 matryoshka_dims=None if mat is None else list(mat.dims),
                 matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
                 offload_params=opt.offload.params == "on",
-                lean_norm=opt.lean_norm and opt.kernels != "compile", **optimizer_kwargs(cfg))
+                lean_norm=opt.lean_norm and opt.kernels != "compile", lora_experts=lora_reaches_experts(cfg),
+                grouped_experts=opt.grouped_experts and opt.kernels != "compile",
+                **optimizer_kwargs(cfg))
+
+
+def lora_reaches_experts(cfg: Any) -> bool:
+    """Whether LoRA adapts a mixture of experts' experts: `lora.experts` when set, else with
+    ``target_modules: all-linear`` (as `maximus.models.lora_targets` resolves it)."""
+    return cfg.lora.experts if cfg.lora.experts is not None else cfg.lora.target_modules == "all-linear"
 
 
 def _check_techniques(loss_mode: str, attention: str, objective: str, dpo_reference: str, token_fraction: float) -> None:
@@ -683,7 +736,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   matryoshka_token_fraction: float = 0.0625, offload_params: bool = False,
                   tile_tokens: int | None = None, lean_lora: bool = False, lean_norm: bool = True,
                   optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
-                  master_weights: str = "fp32") -> Estimate:
+                  master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -706,6 +759,11 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         master_weights: ``fp32`` (float32 master weights for 16-bit full fine-tuning) or ``bf16``
             (bf16 weights, stochastic rounding: no master copy).
         lora_r, lora_targets: adapter rank and targeted linear layers.
+        lora_experts: a mixture of experts' MLP targets reach every expert (`lora.experts`);
+            False: its expert layers carry no MLP adapters (no expert LoRA state).
+        grouped_experts: `maximus.kernels.grouped_experts` runs the experts (on CPU,
+            `optimization.grouped_experts`): the adapters stay factored; else Transformers'
+            forward keeps PEFT's merged copy of each layer's expert weights for backward.
         world_size: data-parallel ranks; the estimate is per rank.
         sharded: whether FSDP2 shards the model over the ranks (`training.distributed: fsdp`).
             Default: yes for full and LoRA when world_size > 1 (what `auto` picks when one
@@ -793,7 +851,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     weights_dev -= streamed
     n_adapter = L * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets)
     if any(t in ("gate_proj", "up_proj", "down_proj") for t in targets):  # lora.experts: every expert's adapter
-        n_adapter += L * shape.expert_lora_params(lora_r)
+        n_adapter += L * shape.expert_lora_params(lora_r, experts=lora_experts)
     adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
     trainable = n_adapter if adapter else shape.num_params
     if layout is not None:
@@ -830,9 +888,13 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     per_off = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "off", lean, n_mlp_t)
     per_full = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "full")
     per_sel = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "selective")
-    extra_layer = shape_extra_bytes_per_token(shape, b, seq_len)
+    expert_adapters = adapter and lora_experts and n_mlp_t > 0
+    extra_layer = shape_extra_bytes_per_token(shape, b, seq_len, expert_adapters)
     per_off += extra_layer
     per_sel += extra_layer
+    if expert_adapters and not (grouped_experts and device_type == "cpu"):
+        # PEFT's merged expert weights, kept per layer until its backward (a per-layer constant)
+        per_off += shape.merged_expert_bytes(b) / T
     # Transformers' RMSNorm saves a float32 copy of its input in 16-bit steps (4 bytes x hidden per
     # token, measured); the lean norm keeps the input itself, a tensor the layer holds anyway.
     norm_copy = 4 * h if b < 4 else 0

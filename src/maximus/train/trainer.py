@@ -122,7 +122,8 @@ class Trainer:
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
         self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device, lean_lora=lean_lora_applies(cfg),
-                                     lean_norm=cfg.optimization.lean_norm)
+                                     lean_norm=cfg.optimization.lean_norm,
+                                     grouped_experts=cfg.optimization.grouped_experts)
         self.kernels.threads = self.threads
         for notice in self.kernels.notices:
             self.dist.say(notice)

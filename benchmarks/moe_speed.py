@@ -1,0 +1,167 @@
+"""Mixture-of-experts step speed on CPU: Maximus' grouped expert forward against Transformers' own
+experts forwards, side by side in one process.
+
+One random model of a real MoE class (default: Mixtral shape, `--hidden 512`, `--experts 8`, top-2,
+expert intermediate `--intermediate 1024`, `--layers 2`, fp32), loaded by `maximus.load_model` with
+LoRA as Maximus trains it (r=16 on every linear layer and, through PEFT's `target_parameters`, on
+every expert's fused `gate_up_proj` / `down_proj`; the router frozen). The sides share that model
+and the same `--batch x --seq` token batch, and alternate over `--repeats` rounds:
+
+- `eager`: Transformers' eager experts forward (`experts_implementation="eager"`: a loop over the
+  experts hit, `torch.where` per expert), PEFT folding each adapter into the expert weights;
+- `grouped_mm`: Transformers' default here (`torch._grouped_mm` over expert-sorted tokens), PEFT
+  folding the adapters the same way;
+- `maximus`: `maximus.kernels.grouped_experts` installed: one matmul per expert over its routed
+  tokens, the adapters kept factored (no merged expert weights, no weight-sized gradients).
+
+Timed per side: a training step's forward + backward (the loss with the router loss, as the
+trainer computes it), and the MoE blocks alone (forward + backward of every layer's MoE block on
+the layer's real input, as a share of the step). The loss of each side is printed: they must agree
+to float32 rounding. Medians and [min, max] over the rounds, and the ratios of the medians.
+
+    python benchmarks/moe_speed.py [--family mixtral|qwen3_moe|gpt_oss] [--hidden 512] [--intermediate 1024]
+        [--experts 8] [--top-k 2] [--layers 2] [--batch 2] [--seq 1024] [--repeats 5] [--threads 1]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+SIDES = ("eager", "grouped_mm", "maximus")
+
+
+def build_model_dir(path: Path, args) -> Path:
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer(None, vocab_size=300)
+    experts = {"mixtral": dict(num_local_experts=args.experts, intermediate_size=args.intermediate),
+               "qwen3_moe": dict(num_experts=args.experts, moe_intermediate_size=args.intermediate,
+                                 intermediate_size=args.intermediate, head_dim=args.hidden // 8),
+               "gpt_oss": dict(num_local_experts=args.experts, intermediate_size=args.intermediate,
+                               head_dim=args.hidden // 8, sliding_window=args.seq)}[args.family]
+    config = AutoConfig.for_model(args.family, vocab_size=len(tok), hidden_size=args.hidden, num_hidden_layers=args.layers,
+                                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=args.seq * 2,
+                                  num_experts_per_tok=args.top_k, router_aux_loss_coef=0.01,
+                                  eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                                  **experts)
+    torch.manual_seed(0)
+    AutoModelForCausalLM.from_config(config).save_pretrained(str(path), safe_serialization=True)
+    tok.save_pretrained(str(path))
+    return path
+
+
+def use_side(model, side: str) -> None:
+    """Put `model`'s experts on one side's forward."""
+    from maximus.kernels.grouped_experts import install_grouped_experts, uninstall_grouped_experts
+    from maximus.structure import causal_lm_of
+
+    uninstall_grouped_experts(model)
+    if side == "maximus":
+        assert install_grouped_experts(model), "no experts module was routed"
+    else:
+        causal_lm_of(model).set_experts_implementation(side)
+
+
+def moe_blocks(model):
+    from maximus.structure import causal_lm_of
+
+    return [layer.mlp for layer in causal_lm_of(model).model.layers]
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--family", default="mixtral", choices=["mixtral", "qwen3_moe", "gpt_oss"])
+    ap.add_argument("--hidden", type=int, default=512)
+    ap.add_argument("--intermediate", type=int, default=1024)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--layers", type=int, default=2)
+    ap.add_argument("--batch", type=int, default=2)
+    ap.add_argument("--seq", type=int, default=1024)
+    ap.add_argument("--rank", type=int, default=16)
+    ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--threads", type=int, default=1)
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+
+    from maximus.config import Config
+    from maximus.forward import sft_loss_sum
+    from maximus.models import load_model
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = build_model_dir(Path(tmp) / "model", args)
+        cfg = Config.from_dict({"model": str(model_dir), "dataset": "unused.jsonl", "method": "lora", "device": "cpu",
+                                "lora": {"r": args.rank, "alpha": 2 * args.rank},
+                                "training": {"dtype": "fp32", "seq_len": args.seq}})
+        model, _ = load_model(cfg)
+    model.train()
+    with torch.no_grad():  # trained adapters: B != 0, so the adapters change the experts' outputs
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.02)
+    vocab = model.config.vocab_size
+    g = torch.Generator().manual_seed(0)
+    ids = torch.randint(3, vocab, (args.batch, args.seq), generator=g)
+    batch = {"input_ids": ids, "labels": ids.clone()}
+    params = [p for p in model.parameters() if p.requires_grad]
+
+    # The MoE blocks' real inputs, captured once (the same for every side: routing is side-independent).
+    blocks = moe_blocks(model)
+    inputs = []
+    hooks = [b.register_forward_pre_hook(lambda m, a: inputs.append(a[0].detach())) for b in blocks]
+    with torch.no_grad():
+        model(**batch)
+    for h in hooks:
+        h.remove()
+
+    def step() -> float:
+        loss_sum, count = sft_loss_sum(model, batch, metrics={})
+        loss = loss_sum / count
+        torch.autograd.grad(loss, params)
+        return float(loss)
+
+    def blocks_only() -> None:
+        for block, x in zip(blocks, inputs):
+            x = x.clone().requires_grad_(True)
+            out = block(x)
+            out = out[0] if isinstance(out, tuple) else out
+            torch.autograd.grad(out.sum(), [x] + [p for p in block.parameters() if p.requires_grad])
+
+    times = {s: {"step": [], "moe": []} for s in SIDES}
+    losses = {}
+    for side in SIDES:  # warm-up, not timed; the loss of each side
+        use_side(model, side)
+        losses[side] = step()
+    for _ in range(args.repeats):
+        for side in SIDES:
+            use_side(model, side)
+            t = time.perf_counter()
+            step()
+            times[side]["step"].append(time.perf_counter() - t)
+            t = time.perf_counter()
+            blocks_only()
+            times[side]["moe"].append(time.perf_counter() - t)
+    tokens = args.batch * args.seq
+    print(f"{args.family}: hidden {args.hidden}, {args.experts} experts top-{args.top_k}, expert intermediate "
+          f"{args.intermediate}, {args.layers} layers, {tokens} tokens, LoRA r={args.rank} on all linears + experts, "
+          f"fp32, {args.threads} thread(s), {args.repeats} rounds")
+    for side in SIDES:
+        st, mo = times[side]["step"], times[side]["moe"]
+        print(f"  {side:>10}: loss {losses[side]:.6f}  step {statistics.median(st):.3f} s [{min(st):.3f}, {max(st):.3f}]"
+              f"  MoE blocks {statistics.median(mo):.3f} s [{min(mo):.3f}, {max(mo):.3f}]")
+    ours = {k: statistics.median(times['maximus'][k]) for k in ("step", "moe")}
+    for side in ("eager", "grouped_mm"):
+        theirs = {k: statistics.median(times[side][k]) for k in ("step", "moe")}
+        print(f"  maximus vs {side}: step {theirs['step'] / ours['step']:.2f}x, MoE blocks {theirs['moe'] / ours['moe']:.2f}x")
+    print(f"  |loss maximus - eager| = {abs(losses['maximus'] - losses['eager']):.2e}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,177 @@
+"""Grouped expert forward: one matmul per expert over the tokens routed to it, LoRA kept factored.
+
+Transformers keeps a mixture-of-experts layer's experts as fused 3-D parameters (Mixtral,
+Qwen3-MoE: ``gate_up_proj [E, 2I, H]`` and ``down_proj [E, H, I]``; gpt-oss transposed, with
+biases and its clamped, interleaved SwiGLU). Its ``eager`` experts forward builds a one-hot
+``E x k x T`` mask and loops over the experts that were hit, a ``torch.where`` per expert; its
+``grouped_mm`` forward (the default with torch >= 2.9) sorts the routed tokens and runs
+``torch._grouped_mm``. With LoRA on the experts (PEFT ``target_parameters``), PEFT folds the
+adapters into the weights on every forward (``W + s * B @ A`` for the whole expert stack, one
+``baddbmm``), so both forwards multiply by a merged copy of every expert's weights, and backward
+computes the full ``[E, out, in]`` gradient of that copy before projecting it onto the rank-r
+factors: as many FLOPs as the weight gradient of full fine-tuning, and, in the eager loop, one
+zero-filled ``[E, out, in]`` gradient per expert hit (the backward of ``W[e]``).
+
+`grouped_experts` computes the same function another way:
+
+* the ``T x k`` routed (token, expert) pairs are sorted by expert once (a stable sort, so each
+  expert's tokens stay in token order) and the tokens gathered once;
+* per expert with tokens, on its contiguous slice: ``gate_up = x_e W_e^T (+ b_e)``, the model's
+  own gate (``_apply_gate``: SiLU/GELU x up, or gpt-oss's clamped SwiGLU), ``down``;
+* LoRA stays factored: ``+ s * (x_e A_e^T) B_e^T``, the rank-r product only, so backward
+  computes the adapters' gradients from ``T x r`` products and never a weight-sized tensor;
+* the routing weights scale the rows, which go back to token order (one gather) and each
+  token's k rows are summed, as Transformers' grouped_mm forward does (the eager loop's
+  ``index_add_`` would keep its whole source for backward).
+
+The base weights are split once per forward (``unbind``: one autograd node, so a trainable base,
+as in full fine-tuning, gets one weight-sized gradient, not one per expert). Same results as
+Transformers' forward to float32 rounding (LoRA is ``x W^T + s (x A^T) B^T`` instead of
+``x (W + s B A)^T``); tests/fused/test_grouped_experts.py checks loss and every gradient, base
+and adapter, against the eager experts forward of Mixtral, Qwen3-MoE and gpt-oss.
+
+Installed per module instance (`install_grouped_experts`) on the outermost module at each experts
+position (PEFT's ``ParamWrapper`` chain when the experts carry adapters), so the classes,
+state_dict keys and the saved adapter stay PEFT's. A wrapper in a state this path does not
+compute (adapters disabled or merged, several active adapters, a LoRA bias) runs the library's
+forward for that call. `uninstall_grouped_experts` takes it off again.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+
+import torch
+
+from maximus.kernels.forward_override import install_forward_override, is_transformers_class, remove_forward_overrides
+
+__all__ = ["EXPERT_CLASSES", "grouped_experts", "install_grouped_experts", "uninstall_grouped_experts"]
+
+#: Transformers' fused experts classes this forward computes (their layout is read from the module:
+#: ``is_transposed``, ``has_bias`` and ``_apply_gate``, set by Transformers' experts decorator).
+EXPERT_CLASSES = ("MixtralExperts", "Qwen3MoeExperts", "GptOssExperts")
+_MARK = "_maximus_grouped_experts"
+_PROJECTIONS = ("gate_up_proj", "down_proj")
+
+
+def _lora_factors(wrapper) -> tuple[torch.Tensor, torch.Tensor, float] | None:
+    """(A [E, r, in], B [E, out, r], scaling) of a PEFT ``ParamWrapper``'s one active adapter, in
+    PEFT's layout (``lora_A`` rows expert-major, ``lora_B`` columns rank-major); None when the
+    wrapper is in a state `grouped_experts` does not compute."""
+    if wrapper.disable_adapters or wrapper.merged:
+        return None
+    active = [a for a in wrapper.active_adapters if a in wrapper.lora_A]
+    if len(active) != 1 or wrapper.lora_bias.get(active[0], False) or wrapper.parameter_name not in _PROJECTIONS:
+        return None
+    name, experts = active[0], wrapper.num_experts
+    a = wrapper.lora_A[name].weight
+    b = wrapper.lora_B[name].weight
+    return (a.reshape(experts, -1, a.shape[-1]), b.reshape(b.shape[0], -1, experts).permute(2, 0, 1),
+            float(wrapper.scaling[name]))
+
+
+def _unwrap(module) -> tuple[torch.nn.Module, dict] | None:
+    """(the Transformers experts module, {parameter name: LoRA factors}) under `module`'s PEFT
+    wrappers; None when some wrapper cannot take this path."""
+    adapters = {}
+    while hasattr(module, "parameter_name") and hasattr(module, "base_layer"):  # PEFT ParamWrapper
+        factors = _lora_factors(module)
+        if factors is None:
+            return None
+        adapters[module.parameter_name] = factors
+        module = module.base_layer
+    return module, adapters
+
+
+def _projection(x: torch.Tensor, weight: torch.Tensor, bias, transposed: bool, lora) -> torch.Tensor:
+    """One expert's projection of rows `x`: ``x W^T`` (``x W`` for transposed storage), bias, LoRA."""
+    y = x @ weight if transposed else torch.nn.functional.linear(x, weight)
+    if bias is not None:
+        y = y + bias
+    if lora is not None:
+        a, b, scaling = lora
+        y = y + ((x @ a.to(x.dtype).T) @ b.to(x.dtype).T) * scaling
+    return y
+
+
+def _per_expert(factors):
+    """[(A_e, B_e, scaling) per expert] (split with `unbind`: one autograd node, so backward builds
+    each factor's gradient once, not a zero-filled one per expert); [None, ...] without LoRA."""
+    if factors is None:
+        return defaultdict(lambda: None)
+    a, b, scaling = factors
+    return [(a_e, b_e, scaling) for a_e, b_e in zip(a.unbind(0), b.unbind(0))]
+
+
+def grouped_experts(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
+                    top_k_weights: torch.Tensor, adapters: dict | None = None) -> torch.Tensor:
+    """The output of Transformers' fused `experts` module (one of `EXPERT_CLASSES`) for
+    ``hidden_states [T, H]`` routed to ``top_k_index [T, k]`` with ``top_k_weights [T, k]``, computed
+    per expert over its routed tokens (module docstring). `adapters`: {``gate_up_proj`` |
+    ``down_proj``: (A [E, r, in], B [E, out, r], scaling)} LoRA factors added to those weights."""
+    adapters = adapters or {}
+    num_experts = experts.gate_up_proj.shape[0]
+    k = top_k_index.shape[-1]
+    transposed = bool(getattr(experts, "is_transposed", False))
+    has_bias = bool(getattr(experts, "has_bias", False))
+    flat = top_k_index.reshape(-1)
+    order = torch.argsort(flat, stable=True)
+    # Index num_experts is Transformers' expert-parallel sentinel ("no expert here"): sorted last, skipped.
+    counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
+    routed = sum(counts)
+    rows = hidden_states[order[:routed] // k]
+    gate_up_w = experts.gate_up_proj.unbind(0)
+    down_w = experts.down_proj.unbind(0)
+    gate_up_b = experts.gate_up_proj_bias.unbind(0) if has_bias else None
+    down_b = experts.down_proj_bias.unbind(0) if has_bias else None
+    lora_gate_up = _per_expert(adapters.get("gate_up_proj"))
+    lora_down = _per_expert(adapters.get("down_proj"))
+    outputs, start = [], 0
+    for e, count in enumerate(counts):
+        if not count:
+            continue
+        x = rows[start:start + count]
+        start += count
+        h = _projection(x, gate_up_w[e], gate_up_b[e] if has_bias else None, transposed, lora_gate_up[e])
+        h = experts._apply_gate(h)
+        outputs.append(_projection(h, down_w[e], down_b[e] if has_bias else None, transposed, lora_down[e]))
+    if routed < flat.numel():  # sentinel slots add nothing
+        outputs.append(hidden_states.new_zeros(flat.numel() - routed, hidden_states.shape[-1]))
+    weighted = torch.cat(outputs) * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(hidden_states.dtype)
+    # Back to (token, slot) order and a sum over the k slots: saves only the permutation for
+    # backward (``index_add_`` would keep its whole source, k rows per token).
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    return weighted[inverse].view(-1, k, weighted.shape[-1]).sum(1)
+
+
+def _grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    unwrapped = _unwrap(self)
+    if unwrapped is None:  # e.g. adapters disabled for a reference forward: the library's path
+        return type(self).forward(self, hidden_states, top_k_index, top_k_weights)
+    experts, adapters = unwrapped
+    return grouped_experts(experts, hidden_states, top_k_index, top_k_weights, adapters)
+
+
+setattr(_grouped_experts_forward, _MARK, True)
+
+
+def _innermost(module):
+    while hasattr(module, "parameter_name") and hasattr(module, "base_layer"):
+        module = module.base_layer
+    return module
+
+
+def install_grouped_experts(model: torch.nn.Module) -> list[str]:
+    """Route every fused Transformers experts module of `model` (`EXPERT_CLASSES`, bare or under
+    PEFT's ``target_parameters`` wrappers) through `grouped_experts`; returns their module paths."""
+    inner = {id(m.base_layer) for m in model.modules() if hasattr(m, "parameter_name") and hasattr(m, "base_layer")}
+
+    def wanted(module):
+        return id(module) not in inner and is_transformers_class(_innermost(module), EXPERT_CLASSES)
+
+    return install_forward_override(model, wanted, _grouped_experts_forward, _MARK)
+
+
+def uninstall_grouped_experts(model: torch.nn.Module) -> int:
+    """Undo `install_grouped_experts`; returns how many modules went back to the library's forward."""
+    return remove_forward_overrides(model, _MARK)

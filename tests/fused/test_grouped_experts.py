@@ -1,0 +1,108 @@
+"""Grouped expert forward (`maximus.kernels.grouped_experts`): the loss and every gradient (expert
+adapters in LoRA, base weights in full fine-tuning) equal Transformers' eager experts forward in
+float32, for Mixtral, Qwen3-MoE and gpt-oss; install / uninstall restore the library's forward;
+disabled adapters take the library's path; `apply_kernels` installs it on CPU only."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+import maximus.kernels.grouped_experts as grouped
+from maximus.kernels.grouped_experts import install_grouped_experts, uninstall_grouped_experts
+
+from tiny import build_family_model_dir, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
+
+pytestmark = pytest.mark.usefixtures("one_thread")
+
+MOE = ["mixtral", "qwen3_moe", "gpt_oss"]
+
+
+@pytest.fixture(scope="module")
+def moe_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("moe")
+    return {t: build_family_model_dir(root / t, t) for t in MOE}
+
+
+def _model(model_dir, method: str):
+    """Transformers' eager experts forward; LoRA as Maximus puts it on the experts (PEFT
+    `target_parameters`), with trained-looking adapters (B != 0)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from maximus.families import attention_implementation
+    from maximus.models import expert_parameters
+
+    config = AutoConfig.from_pretrained(model_dir)
+    config.output_router_logits = True  # the router loss is in the loss: its gradient reaches the router input
+    model = AutoModelForCausalLM.from_pretrained(model_dir, config=config, dtype=torch.float32, experts_implementation="eager",
+                                                 attn_implementation=attention_implementation(config)[0])
+    if method == "lora":
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"],
+                                                 target_parameters=expert_parameters(model)))
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05, generator=torch.Generator().manual_seed(len(name)))
+    return model
+
+
+def _batch(seed: int = 0) -> dict:
+    ids = torch.randint(3, 290, (2, 24), generator=torch.Generator().manual_seed(seed))
+    return {"input_ids": ids, "labels": ids.clone()}
+
+
+def _loss_and_grads(model, params):
+    loss = model(**_batch()).loss
+    return loss.detach(), torch.autograd.grad(loss, params)
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+@pytest.mark.parametrize("model_type", MOE)
+def test_loss_and_gradients_equal_transformers_eager_experts(moe_dirs, model_type, method, monkeypatch):
+    model = _model(moe_dirs[model_type], method)
+    params = [p for p in model.parameters() if p.requires_grad]
+    expert_params = [n for n, p in model.named_parameters() if p.requires_grad and ".experts." in n]
+    assert expert_params, "the gradients checked include the experts'"
+    theirs, their_grads = _loss_and_grads(model, params)
+
+    calls = []
+    original = grouped.grouped_experts
+    monkeypatch.setattr(grouped, "grouped_experts", lambda *a, **k: calls.append(a[2]) or original(*a, **k))
+    assert len(install_grouped_experts(model)) == 2  # both layers' experts
+    ours, our_grads = _loss_and_grads(model, params)
+    assert len(calls) == 2 and all(torch.unique(idx).numel() == 4 for idx in calls)  # every expert has tokens
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
+    for name, a, b in zip([n for n, p in model.named_parameters() if p.requires_grad], our_grads, their_grads):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "gpt_oss"])
+def test_uninstall_restores_the_library_forward_and_disabled_adapters_take_it(moe_dirs, model_type):
+    model = _model(moe_dirs[model_type], "lora").eval()
+    batch = _batch(1)
+    with torch.no_grad():
+        before = model(input_ids=batch["input_ids"]).logits
+        with model.disable_adapter():
+            base = model(input_ids=batch["input_ids"]).logits
+        paths = install_grouped_experts(model)
+        assert paths == [f"base_model.model.model.layers.{i}.mlp.experts" for i in range(2)]
+        assert install_grouped_experts(model) == paths  # installing twice changes nothing
+        ours = model(input_ids=batch["input_ids"]).logits
+        with model.disable_adapter():  # PEFT's own path, bitwise
+            assert torch.equal(model(input_ids=batch["input_ids"]).logits, base)
+        assert uninstall_grouped_experts(model) == 2
+        assert all("forward" not in m.__dict__ for m in model.modules())
+        after = model(input_ids=batch["input_ids"]).logits
+    torch.testing.assert_close(ours, before, rtol=0, atol=1e-5)
+    assert torch.equal(after, before)
+
+
+def test_apply_kernels_installs_it_on_cpu_unless_switched_off(moe_dirs):
+    from maximus.kernels import apply_kernels, grouped_experts_apply
+
+    model = _model(moe_dirs["qwen3_moe"], "lora")
+    assert apply_kernels(model, "eager", torch.device("cpu"), grouped_experts=False).grouped_experts == 0
+    report = apply_kernels(model, "eager", torch.device("cpu"))
+    assert report.grouped_experts == 2 and report.to_dict()["grouped_experts"] == 2
+    assert not grouped_experts_apply(True, "eager", torch.device("cuda"))  # Transformers' grouped_mm stays there
+    assert not grouped_experts_apply(True, "compile", torch.device("cpu"))
