@@ -125,7 +125,7 @@ def main() -> None:
         loss_sum, count = sft_loss_sum(model, batch, metrics={})
         loss = loss_sum / count
         torch.autograd.grad(loss, params)
-        return float(loss)
+        return loss.item()
 
     def blocks_only() -> None:
         for block, x in zip(blocks, inputs):

@@ -22,8 +22,8 @@ gradient checkpointing are in place and before DDP / FSDP2 wrap the model:
 - grouped experts (`maximus.kernels.grouped_experts`, ``optimization.grouped_experts``, on by
   default): on CPU, in every mode but ``compile``, Transformers' fused mixture-of-experts layers
   (Mixtral, Qwen3-MoE, gpt-oss) run one matmul per expert over its routed tokens with the expert
-  LoRA kept factored (no merged expert weights, no weight-sized gradients; 2.2x Transformers' eager
-  experts forward and backward, docs/benchmarks/moe.md); on CUDA Transformers' grouped_mm stays;
+  LoRA kept factored (no merged expert weights, no weight-sized gradients; 1.6-2.2x Transformers'
+  eager experts forward and backward, docs/benchmarks/moe.md); on CUDA Transformers' grouped_mm stays;
 - on CPU, `cpu_threads` picks the intra-op thread count before anything runs (see there);
 - ``auto``: ``triton`` on CUDA when Triton is importable, else eager. Compilation is not the CPU
   default because it pays off only slowly there: regional compilation of the reference model's
@@ -134,7 +134,7 @@ def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = T
         from maximus.kernels.grouped_experts import install_grouped_experts
 
         report.grouped_experts = len(install_grouped_experts(model))
-    report.notices.extend(_lean_fallbacks(model, lean_lora and report.used != "compile",
+    report.notices.extend(_lean_fallbacks(model, lean_lora and report.used != "compile" and not report.grouped_experts,
                                           lean_norm and report.used != "compile"))
     return report
 
