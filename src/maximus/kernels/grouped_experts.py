@@ -125,18 +125,20 @@ def grouped_experts(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k
     down_b = experts.down_proj_bias.unbind(0) if has_bias else None
     lora_gate_up = _per_expert(adapters.get("gate_up_proj"))
     lora_down = _per_expert(adapters.get("down_proj"))
-    outputs, start = [], 0
+    # Each expert writes its rows into one buffer (no list of outputs beside a concatenated copy);
+    # sentinel slots stay zero.
+    expert_rows = hidden_states.new_zeros(flat.numel(), hidden_states.shape[-1])
+    start = 0
     for e, count in enumerate(counts):
         if not count:
             continue
         x = rows[start:start + count]
-        start += count
         h = _projection(x, gate_up_w[e], gate_up_b[e] if has_bias else None, transposed, lora_gate_up[e])
         h = experts._apply_gate(h)
-        outputs.append(_projection(h, down_w[e], down_b[e] if has_bias else None, transposed, lora_down[e]))
-    if routed < flat.numel():  # sentinel slots add nothing
-        outputs.append(hidden_states.new_zeros(flat.numel() - routed, hidden_states.shape[-1]))
-    weighted = torch.cat(outputs) * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(hidden_states.dtype)
+        expert_rows[start:start + count] = _projection(h, down_w[e], down_b[e] if has_bias else None, transposed,
+                                                       lora_down[e])
+        start += count
+    weighted = expert_rows * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(hidden_states.dtype)
     # Back to (token, slot) order and a sum over the k slots: saves only the permutation for
     # backward (``index_add_`` would keep its whole source, k rows per token).
     inverse = torch.empty_like(order)
