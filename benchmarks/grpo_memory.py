@@ -40,51 +40,12 @@ import torch
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
-
-
-def constant_reward(prompts, completions, **columns):
-    """Any reward: the step's memory and time do not depend on its values."""
-    return [float(len(c) % 7) for c in completions]
-
-
-def cpu_report() -> str:
-    flags = ""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
-    except (OSError, StopIteration):
-        pass
-    have = [f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f" {f}" in flags]
-    rates = []
-    for dtype in (torch.float32, torch.bfloat16):
-        n = 1024
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b
-        best = min(_timed(lambda: a @ b) for _ in range(3))
-        rates.append(f"{str(dtype).replace('torch.', '')} {2 * n ** 3 / best / 1e9:.0f} GFLOP/s")
-    return (f"cpu: bf16 flags {', '.join(have) or 'none (bf16 is emulated)'}; matmul {'; '.join(rates)} "
-            f"({torch.get_num_threads()} threads)")
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
+from _grpo_sides import cpu_report, length_reward, measure, small_llama_dir, trl_grpo_trainer  # noqa: E402
 
 
 def build(root: Path, quick: bool, prompt_tokens: int) -> tuple[Path, Path, str]:
-    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
-
     if quick:
-        from transformers import LlamaConfig, LlamaForCausalLM
-
-        tok = build_tiny_tokenizer()
-        config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                             num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                             eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
-        torch.manual_seed(0)
-        model_dir = root / "model"
-        LlamaForCausalLM(config).save_pretrained(str(model_dir), safe_serialization=True)
-        tok.save_pretrained(str(model_dir))
+        model_dir = small_llama_dir(root)
     else:
         from _reference_model import reference_model_dir
 
@@ -102,20 +63,6 @@ def build(root: Path, quick: bool, prompt_tokens: int) -> tuple[Path, Path, str]
     return model_dir, data, text.strip()
 
 
-def measure(run, *adopt) -> dict:
-    """Peak live tensor bytes and wall time of `run()`, the `adopt`-ed objects counted as live."""
-    from maximus.memory.meter import MemoryMeter
-
-    meter = MemoryMeter("cpu")
-    with meter.track(*adopt):
-        before = meter.current_bytes()
-        meter.reset_peak()
-        t = time.perf_counter()
-        extra = run() or {}
-        seconds = time.perf_counter() - t
-    return {"step_bytes": meter.peak_bytes() - before, "total_bytes": meter.peak_bytes(), "step_seconds": seconds, **extra}
-
-
 def ours(model_dir: Path, data: Path, out: Path, args) -> dict:
     import maximus
 
@@ -125,7 +72,7 @@ def ours(model_dir: Path, data: Path, out: Path, args) -> dict:
            "training": {"batch_size": 1, "micro_batch_size": args.micro if args.micro == "auto" else int(args.micro), "max_steps": 1, "seq_len": args.prompt_tokens + 8,
                         "dtype": "fp32", "warmup_steps": 0},
            "grpo": {"group_size": args.group, "max_completion_tokens": args.completion, "beta": 0.0, "loss_type": "dapo",
-                    "rewards": [f"{Path(__file__).resolve()}:constant_reward"]},
+                    "rewards": [f"{HERE / '_grpo_sides.py'}:length_reward"]},
            "eval": {"enabled": False}, "logging": {"progress": "none"}}
     trainer = maximus.Trainer(maximus.Config.from_dict(cfg))
     trainer.setup()
@@ -140,23 +87,10 @@ def ours(model_dir: Path, data: Path, out: Path, args) -> dict:
 
 
 def trl(model_dir: Path, prompt: str, out: Path, args) -> dict:
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-    from trl import GRPOConfig, GRPOTrainer
-
     checkpointing = {"default": True, "off": False, "full": True}.get(args.checkpointing, True)
-
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = GRPOConfig(output_dir=str(out), per_device_train_batch_size=args.group, num_generations=args.group,
-                        max_completion_length=args.completion, beta=0.0, loss_type="dapo", max_steps=1,
-                        gradient_checkpointing=checkpointing, use_cpu=True, report_to=[], bf16=False, save_strategy="no",
-                        logging_steps=1, seed=0)
-    trainer = GRPOTrainer(model=model, reward_funcs=[constant_reward], args=config,
-                          train_dataset=Dataset.from_list([{"prompt": prompt, "answer": "x"}] * 4),
-                          processing_class=tok,
-                          peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    trainer = trl_grpo_trainer(model_dir, [{"prompt": prompt, "answer": "x"}] * 4, out, prompts=1, group=args.group,
+                               completion=args.completion, max_steps=1, reward_funcs=[length_reward],
+                               gradient_checkpointing=checkpointing)
 
     def run():
         trainer.train()

@@ -11,7 +11,12 @@ and run `--steps` optimizer steps through their own trainer (after one warm-up s
 - `per-group`: the same trainer with the former sampler put back: one `model.generate` per
   prompt on its group (G copies of the prompt, so G prefills), Transformers' sampling loop;
 - `trl`: `GRPOTrainer(...).train()` for the same steps (`per_device_train_batch_size` = prompts x
-  group, its own generation with the KV cache, its default gradient checkpointing).
+  group, its own generation with the KV cache, its default gradient checkpointing), set up by
+  `_grpo_sides.trl_grpo_trainer` (shared with grpo_memory.py and grpo_reward_time.py).
+
+Threads: `--threads default` gives each side the intra-op thread count it picks by itself on this
+machine (ours: `maximus.kernels.cpu_threads`, from the cores and the load right now; TRL: torch's
+default, every core); `--threads N` gives both N.
 
 Reported per side: completions per second over the timed steps (generated completions / wall
 seconds of those steps), the step peak (`MemoryMeter("cpu")`, live tensor storages, what a step
@@ -21,9 +26,7 @@ prefill), loss (everything else: rewards, log-prob passes, forward and backward)
 optimizer step. The sides alternate over `--repeats` rounds; medians and ratios are printed.
 
     python benchmarks/grpo_speed.py [--prompts 4] [--group 8] [--completion 12] [--steps 3] [--repeats 2]
-    python benchmarks/grpo_speed.py --example before --out runs/grpo_before   # examples/grpo.yaml, former sampler
-    python benchmarks/grpo_speed.py --curves runs/grpo_before/metrics.jsonl runs/grpo/metrics.jsonl \\
-        --out docs/benchmarks/grpo_reward_time.png                              # reward against wall time
+                                    [--threads default|N] [--sides batched,per-group,trl]
 """
 from __future__ import annotations
 
@@ -41,12 +44,11 @@ import torch
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from _grpo_sides import cpu_report, length_reward, measure, small_llama_dir, trl_grpo_trainer  # noqa: E402
+
 WORDS = "reverse the list of words and answer in order please red gold stone river".split()
-
-
-def length_reward(prompts, completions, **columns):
-    """Any reward that varies within a group: the step's time does not depend on its values."""
-    return [float(len(c) % 7) for c in completions]
+#: torch's intra-op threads before anything here changed them: TRL's default.
+DEFAULT_THREADS = torch.get_num_threads()
 
 
 # ------------------------------------------------------------------------------ the former sampler
@@ -97,18 +99,7 @@ class ForwardClock:
 
 
 def build(root: Path, prompts: int) -> tuple[Path, Path, list[str]]:
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
-
-    tok = build_tiny_tokenizer()
-    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
-                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
-    torch.manual_seed(0)
-    model_dir = root / "model"
-    LlamaForCausalLM(config).save_pretrained(str(model_dir), safe_serialization=True)
-    tok.save_pretrained(str(model_dir))
+    model_dir = small_llama_dir(root)
     texts = [" ".join(WORDS[i % 5:i % 5 + 6 + 2 * i]) for i in range(prompts)]
     data = root / "prompts.jsonl"
     data.write_text("".join(json.dumps({"prompt": t, "answer": "x"}) + "\n" for t in texts))
@@ -117,7 +108,6 @@ def build(root: Path, prompts: int) -> tuple[Path, Path, list[str]]:
 
 def ours(model_dir: Path, data: Path, out: Path, args, sampler: str) -> dict:
     import maximus
-    from grpo_memory import measure
     from maximus.train.objectives.grpo import GRPOObjective
 
     cfg = {"model": str(model_dir), "dataset": {"path": str(data), "format": "prompt"}, "method": "lora",
@@ -125,11 +115,11 @@ def ours(model_dir: Path, data: Path, out: Path, args, sampler: str) -> dict:
            "training": {"batch_size": args.prompts, "max_steps": args.steps + 2, "seq_len": 64, "dtype": "fp32",
                         "warmup_steps": 0, "learning_rate": 1e-5},
            "grpo": {"group_size": args.group, "max_completion_tokens": args.completion, "beta": 0.0,
-                    "loss_type": "dapo", "rewards": [f"{Path(__file__).resolve()}:length_reward"]},
+                    "loss_type": "dapo", "rewards": [f"{HERE / '_grpo_sides.py'}:length_reward"]},
            "eval": {"enabled": False}, "logging": {"progress": "none"}}
     trainer = maximus.Trainer(maximus.Config.from_dict(cfg))
-    trainer.setup()
-    torch.set_num_threads(args.threads)  # the trainer picks its own from the machine's load: the same as TRL's
+    trainer.setup()  # picks its intra-op threads (OMP_NUM_THREADS when --threads N set it)
+    threads = torch.get_num_threads()
     objective = trainer.objective
     objective.prepare(trainer)
     clock = ForwardClock(trainer.model)
@@ -166,7 +156,7 @@ def ours(model_dir: Path, data: Path, out: Path, args, sampler: str) -> dict:
     res = {"step_seconds": seconds / args.steps, "completion_length": statistics.mean(lengths),
            "completions_per_s": args.steps * args.prompts * args.group / seconds, "prefill_s": clock.prefill / args.steps,
            "decode_s": clock.decode / args.steps, "optimizer_s": opt_s[0] / args.steps,
-           "loss_s": (seconds - clock.prefill - clock.decode - opt_s[0]) / args.steps}
+           "loss_s": (seconds - clock.prefill - clock.decode - opt_s[0]) / args.steps, "threads": threads}
     # The step peak: one more step under the storage meter (it slows every allocation, so apart).
     peak = measure(lambda: trainer.train_step(args.steps + 2), trainer.model, trainer.optimizer)
     res.update(step_bytes=peak["step_bytes"], total_bytes=peak["total_bytes"])
@@ -174,19 +164,11 @@ def ours(model_dir: Path, data: Path, out: Path, args, sampler: str) -> dict:
 
 
 def trl(model_dir: Path, texts: list[str], out: Path, args) -> dict:
-    from datasets import Dataset
-    from peft import LoraConfig
-    from transformers import AutoModelForCausalLM, AutoTokenizer, TrainerCallback
-    from trl import GRPOConfig, GRPOTrainer
+    from transformers import TrainerCallback
 
     from maximus.memory.meter import MemoryMeter
 
-    tok = AutoTokenizer.from_pretrained(model_dir)
-    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    config = GRPOConfig(output_dir=str(out), per_device_train_batch_size=args.prompts * args.group,
-                        num_generations=args.group, max_completion_length=args.completion, beta=0.0, loss_type="dapo",
-                        max_steps=args.steps + 2, use_cpu=True, report_to=[], bf16=False, save_strategy="no",
-                        logging_steps=1, seed=0, learning_rate=1e-5)
+    torch.set_num_threads(DEFAULT_THREADS if args.threads == "default" else int(args.threads))
     marks = {}
     meter = MemoryMeter("cpu")
     tracking = []
@@ -210,65 +192,15 @@ def trl(model_dir: Path, texts: list[str], out: Path, args) -> dict:
                 marks["peak"] = meter.peak_bytes()
                 tracking[0].__exit__(None, None, None)
 
-    trainer = GRPOTrainer(model=model, reward_funcs=[length_reward], args=config,
-                          train_dataset=Dataset.from_list([{"prompt": t} for t in texts] * (args.steps + 3)),
-                          processing_class=tok, callbacks=[Clock()],
-                          peft_config=LoraConfig(r=16, lora_alpha=32, target_modules="all-linear", task_type="CAUSAL_LM"))
+    trainer = trl_grpo_trainer(model_dir, [{"prompt": t} for t in texts] * (args.steps + 3), out, prompts=args.prompts,
+                               group=args.group, completion=args.completion, max_steps=args.steps + 2,
+                               reward_funcs=[length_reward], callbacks=[Clock()], learning_rate=1e-5)
     trainer.train()
     seconds = marks["end"] - marks["start"]
     lengths = [h["completions/mean_length"] for h in trainer.state.log_history if "completions/mean_length" in h]
     return {"step_seconds": seconds / args.steps, "completions_per_s": args.steps * args.prompts * args.group / seconds,
             "completion_length": statistics.mean(lengths[1:args.steps + 1]),
-            "step_bytes": marks["peak"] - marks["before"], "total_bytes": marks["peak"]}
-
-
-# ------------------------------------------------------------------------------ the example, before / after
-def run_example(which: str, out: Path) -> None:
-    """examples/grpo.yaml with the shipped sampler (`after`) or the former one (`before`)."""
-    import yaml
-
-    import maximus
-    from maximus.train.objectives.grpo import GRPOObjective
-
-    cfg = yaml.safe_load(Path("examples/grpo.yaml").read_text())
-    cfg["output_dir"] = str(out)
-    if which == "before":
-        GRPOObjective.sample = lambda self, trainer, prompt_ids, index, **extra: per_group_sample(self, trainer, prompt_ids, index)
-    maximus.Trainer(maximus.Config.from_dict(cfg)).train()
-
-
-def plot_curves(paths: list[Path], out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 3.5))
-    for path in paths:
-        rows = [json.loads(line) for line in path.read_text().splitlines()]
-        rows = [r for r in rows if r.get("reward") is not None]
-        wall, t = [], 0.0
-        for r in rows:
-            t += r["step_time_s"]
-            wall.append(t)
-        values = [r["reward"] for r in rows]
-        window = 10
-        smooth = [statistics.mean(values[max(0, i - window + 1):i + 1]) for i in range(len(values))]
-        line, = ax.plot(wall, values, linewidth=0.7, alpha=0.3)
-        ax.plot(wall, smooth, color=line.get_color(), linewidth=1.6,
-                label=f"{path.parent.name}: {len(rows)} steps in {t:.0f} s (mean of {window} steps)")
-    ax.set_xlabel("training wall time (s, sum of step times)")
-    ax.set_ylabel("mean reward of the sampled completions")
-    ax.set_title("examples/grpo.yaml: reward against wall time")
-    ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
-    print(f"wrote {out}")
+            "step_bytes": marks["peak"] - marks["before"], "total_bytes": marks["peak"], "threads": torch.get_num_threads()}
 
 
 def main() -> None:
@@ -278,23 +210,13 @@ def main() -> None:
     parser.add_argument("--completion", type=int, default=12)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--repeats", type=int, default=2)
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", default="default", help="intra-op threads: N for both sides, or each side's default")
     parser.add_argument("--sides", default="batched,per-group,trl")
-    parser.add_argument("--example", choices=["before", "after"], help="only run examples/grpo.yaml with that sampler")
-    parser.add_argument("--curves", type=Path, nargs="+", help="only plot these metrics.jsonl against wall time")
-    parser.add_argument("--out", type=Path, default=Path("docs/benchmarks/grpo_reward_time.png"))
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    if args.curves:
-        plot_curves(args.curves, args.out)
-        return
-    if args.example:
-        run_example(args.example, args.out)
-        return
-    os.environ["OMP_NUM_THREADS"] = str(args.threads)
-    torch.set_num_threads(args.threads)
-    from grpo_memory import cpu_report
-
+    if args.threads != "default":
+        os.environ["OMP_NUM_THREADS"] = str(int(args.threads))  # our trainer then keeps it
+        torch.set_num_threads(int(args.threads))
     print(cpu_report(), flush=True)
     sides = args.sides.split(",")
     results = {s: [] for s in sides}
@@ -305,13 +227,12 @@ def main() -> None:
             for side in (sides if r % 2 == 0 else sides[::-1]):
                 out = root / f"{side}{r}"
                 res = trl(model_dir, texts, out, args) if side == "trl" else ours(model_dir, data, out, args, side)
-                torch.set_num_threads(args.threads)  # a trainer may have picked its own
                 results[side].append(res)
                 print(json.dumps({"round": r, "side": side, **res}), flush=True)
     print(f"\n{args.prompts} prompts x group {args.group}, up to {args.completion} new tokens, {args.steps} timed steps, "
-          f"LoRA r=16, fp32, {args.threads} threads")
-    print("| side | completions/s | step peak (MiB) | prefill s | decode s | loss s | optimizer s | completion tokens |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+          f"LoRA r=16, fp32, threads: {args.threads}")
+    print("| side | threads | completions/s (range) | step peak (MiB) | prefill s | decode s | loss s | optimizer s | completion tokens |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|---:|")
     med = {}
     for side, rows in results.items():
         med[side] = {k: statistics.median(x[k] for x in rows if x.get(k) is not None) if any(x.get(k) is not None for x in rows)
@@ -319,7 +240,9 @@ def main() -> None:
                                          "optimizer_s", "completion_length")}
         m = med[side]
         fmt = lambda v, f="{:.2f}": "-" if v is None else f.format(v)  # noqa: E731
-        print(f"| {side} | {fmt(m['completions_per_s'])} | {fmt(m['step_bytes'] and m['step_bytes'] / 2**20, '{:.1f}')} "
+        rates = [x["completions_per_s"] for x in rows]
+        print(f"| {side} | {'/'.join(str(x['threads']) for x in rows)} | {fmt(m['completions_per_s'])} "
+              f"({min(rates):.2f}-{max(rates):.2f}) | {fmt(m['step_bytes'] and m['step_bytes'] / 2**20, '{:.1f}')} "
               f"| {fmt(m['prefill_s'])} | {fmt(m['decode_s'])} | {fmt(m['loss_s'])} | {fmt(m['optimizer_s'])} "
               f"| {fmt(m['completion_length'], '{:.1f}')} |")
     if "trl" in results:
@@ -329,7 +252,7 @@ def main() -> None:
                 print(f"{side} / TRL {label}: median {statistics.median(ratios):.2f}x "
                       f"(range {min(ratios):.2f}-{max(ratios):.2f})")
     if args.json:
-        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json), "out": str(args.out)},
+        args.json.write_text(json.dumps({"args": vars(args) | {"json": str(args.json)},
                                          "results": results}, indent=1, default=str))
 
 

@@ -69,7 +69,7 @@ def test_sampled_tokens_carry_the_log_probs_of_the_distribution_they_were_drawn_
             torch.testing.assert_close(lp, ref, rtol=0, atol=1e-5)
 
 
-def test_the_exponential_race_draws_each_token_with_its_probability_and_top_p_keeps_transformers_set():
+def test_the_inverse_cdf_draw_picks_each_token_with_its_probability_and_top_p_keeps_transformers_set():
     from transformers.generation.logits_process import TopPLogitsWarper
 
     probs = torch.tensor([0.5, 0.25, 0.15, 0.07, 0.03])

@@ -1,0 +1,110 @@
+"""What the GRPO benchmarks share: the machine report, the storage meter around a step, the small
+Llama they train, and TRL's GRPOTrainer set up like our side (`grpo_memory.py`, `grpo_speed.py`,
+`grpo_reward_time.py`).
+
+    from _grpo_sides import cpu_report, measure, small_llama_dir, trl_grpo_trainer
+    trainer = trl_grpo_trainer(model_dir, rows, out, prompts=4, group=8, completion=12, max_steps=5,
+                               reward_funcs=[length_reward])
+    trainer.train()
+"""
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+
+def length_reward(prompts, completions, **columns):
+    """Any reward that varies within a group: a step's memory and time do not depend on its values."""
+    return [float(len(c) % 7) for c in completions]
+
+
+def cpu_report() -> str:
+    """The CPU's bf16 flags and its fp32 / bf16 matmul rate right now (the load shows in it)."""
+    flags = ""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags"))
+    except (OSError, StopIteration):
+        pass
+    have = [f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f" {f}" in flags]
+    rates = []
+    for dtype in (torch.float32, torch.bfloat16):
+        n = 1024
+        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
+        a @ b
+        best = min(_timed(lambda: a @ b) for _ in range(3))
+        rates.append(f"{str(dtype).replace('torch.', '')} {2 * n ** 3 / best / 1e9:.0f} GFLOP/s")
+    try:
+        load = open("/proc/loadavg").read().split()[0]
+    except OSError:
+        load = "?"
+    return (f"cpu: bf16 flags {', '.join(have) or 'none (bf16 is emulated)'}; matmul {'; '.join(rates)} "
+            f"({torch.get_num_threads()} threads); load average {load}")
+
+
+def _timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def measure(run, *adopt) -> dict:
+    """Peak live tensor bytes and wall time of `run()`, the `adopt`-ed objects counted as live:
+    step_bytes = what `run` adds, total_bytes = the peak with them."""
+    from maximus.memory.meter import MemoryMeter
+
+    meter = MemoryMeter("cpu")
+    with meter.track(*adopt):
+        before = meter.current_bytes()
+        meter.reset_peak()
+        t = time.perf_counter()
+        extra = run() or {}
+        seconds = time.perf_counter() - t
+    return {"step_bytes": meter.peak_bytes() - before, "total_bytes": meter.peak_bytes(), "step_seconds": seconds, **extra}
+
+
+def small_llama_dir(root: Path) -> Path:
+    """A random 4-layer Llama (vocab 32,000, hidden 256) with the tiny tokenizer, saved under `root`."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer()
+    config = LlamaConfig(vocab_size=32000, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                         num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None)
+    torch.manual_seed(0)
+    model_dir = root / "model"
+    LlamaForCausalLM(config).save_pretrained(str(model_dir), safe_serialization=True)
+    tok.save_pretrained(str(model_dir))
+    return model_dir
+
+
+def trl_grpo_trainer(model_dir, rows: list[dict], out: Path, *, prompts: int, group: int, completion: int,
+                     max_steps: int, reward_funcs: list, callbacks=(), gradient_checkpointing: bool = True,
+                     adapter: str | Path | None = None, lora_r: int = 16, lora_alpha: int = 32, **config):
+    """TRL's GRPOTrainer (no vLLM, fp32 on the CPU) as our side runs: `prompts` x `group`
+    completions per optimizer step in one batch (`per_device_train_batch_size`), up to
+    `completion` new tokens, beta 0, loss_type dapo, one update per generation; a fresh LoRA
+    (r=`lora_r` on all linear layers) or the trainable PEFT `adapter` saved at that path. `rows`:
+    dataset rows with a `prompt` column (other columns reach the rewards); `config`: more
+    GRPOConfig fields (learning_rate, temperature, lr_scheduler_type, ...)."""
+    from datasets import Dataset
+    from peft import LoraConfig, PeftModel
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from trl import GRPOConfig, GRPOTrainer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    peft_config = None
+    if adapter is not None:
+        model = PeftModel.from_pretrained(model, str(adapter), is_trainable=True)
+    else:
+        peft_config = LoraConfig(r=lora_r, lora_alpha=lora_alpha, target_modules="all-linear", task_type="CAUSAL_LM")
+    args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=prompts * group, num_generations=group,
+                      max_completion_length=completion, beta=0.0, loss_type="dapo", max_steps=max_steps,
+                      gradient_checkpointing=gradient_checkpointing, use_cpu=True, report_to=[], bf16=False,
+                      save_strategy="no", logging_steps=1, seed=0, **config)
+    return GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(rows),
+                       processing_class=tok, callbacks=list(callbacks), peft_config=peft_config)
