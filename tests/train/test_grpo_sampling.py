@@ -124,3 +124,25 @@ def test_the_objectives_share_one_per_token_log_prob():
         source = inspect.getsource(module)
         assert "label_log_probs(" in source
         assert "token_log_probs(" not in source and "naive_cross_entropy(" not in source
+
+
+@pytest.mark.parametrize("top_p", [1.0, 0.9])
+def test_the_untracked_decode_loop_reports_the_peak_the_tracker_sees(lm, top_p):
+    """Under a step's CPU meter the decode loop runs paused and reports what it holds
+    (`decode_bytes`): the same completions, and the step peak the fully tracked loop measures."""
+    from maximus.memory.meter import MemoryMeter
+
+    model, tok, prompts = lm
+    runs = []
+    for paused in (False, True):
+        meter = MemoryMeter("cpu")
+        with meter.track(model):
+            before = meter.current_bytes()
+            meter.reset_peak()
+            out = sample_groups(model, prompts, group_size=4, max_new_tokens=12, eos_token_id=tok.eos_token_id,
+                                pad_token_id=tok.pad_token_id, temperature=0.7, top_p=top_p,
+                                generator=torch.Generator().manual_seed(5), meter=meter if paused else None)
+        runs.append((out.completions, meter.peak_bytes() - before))
+    (tracked, tracked_peak), (untracked, untracked_peak) = runs
+    assert untracked == tracked
+    assert abs(untracked_peak / tracked_peak - 1) < 0.1, (untracked_peak, tracked_peak)

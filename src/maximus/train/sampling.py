@@ -16,6 +16,11 @@
    batch (its cache rows are dropped, `batch_select_indices`), so finished completions cost
    nothing further. The attention mask of all the positions the loop can reach is made once.
 
+With a `meter` (`maximus.memory.meter.MemoryMeter`, tracking the step), the prefill runs
+tracked and the decode loop `meter.paused()`: its thousands of small ops skip the CPU tracker's
+Python call each, and the loop reports what it holds at each token instead (`decode_bytes`: the
+KV cache tensors, the logits and the sampler's copies of them, the mask), with `meter.hold`.
+
 Sampling is seeded by a `torch.Generator` the caller passes (GRPO seeds it with (seed, generation)),
 so the same prompts give the same completions again (a redone or resumed step).
 
@@ -25,6 +30,7 @@ many rows is what generation holds (`maximus.memory.generation`); the planner pi
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -88,6 +94,17 @@ def next_tokens(logits: torch.Tensor, *, temperature: float = 1.0, top_p: float 
     return tokens, logps
 
 
+def decode_bytes(cache, logits: torch.Tensor, mask: torch.Tensor, *, top_p: float, want_logps: bool) -> int:
+    """Bytes a decode step holds beyond the tracked state: the KV cache's tensors, the last
+    logits, `next_tokens`' [N, V] copies (for `want_logps`: the kept logits and logsumexp's
+    scratch; for top-p: the sorted values, their order, cumulative sums and masks) and the mask."""
+    kv = sum(t.nbytes for layer in cache.layers for t in (getattr(layer, "keys", None), getattr(layer, "values", None))
+             if isinstance(t, torch.Tensor))
+    rows, vocab = logits.shape
+    scratch = rows * vocab * ((8 if want_logps else 0) + (4 + 8 + 4 + 1 + 1 if top_p < 1.0 else 0))
+    return kv + logits.nbytes + scratch + mask.nbytes
+
+
 def _cache_keyword(model) -> str:
     """The forward's name for the KV cache: `cache` (Transformers >= 5.2x), else `past_key_values`."""
     import inspect
@@ -105,7 +122,7 @@ def _sync(device) -> None:
 def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_id: int,
                   pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
                   generator: torch.Generator | None = None, record_logps: bool = False,
-                  prompts_at_once: int | None = None) -> Sampled:
+                  prompts_at_once: int | None = None, meter=None) -> Sampled:
     """`group_size` completions of each prompt (token id lists), batched as the module doc says."""
     from transformers import DynamicCache
 
@@ -134,33 +151,14 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
         rows, width = len(chunk) * group_size, mask.shape[1]
         tokens: list[list[int]] = [[] for _ in range(rows)]
         logps: list[list[torch.Tensor]] = [[] for _ in range(rows)]
-        alive = torch.arange(rows, device=device)
-        last = positions[:, -1]
         # The mask of every position the loop can reach, filled once: each step passes a prefix
         # of it (a view), instead of growing a copy by one column per token.
         full_mask = torch.cat([mask, mask.new_ones(rows, max_new_tokens)], dim=1)
-        for t in range(max_new_tokens):
-            new, new_logps = next_tokens(logits, temperature=temperature, top_p=top_p, greedy=greedy,
-                                         generator=generator, want_logps=record_logps)
-            values = new.tolist()
-            for row, token in zip(alive.tolist(), values):
-                tokens[row].append(token)
-            if record_logps:
-                for row, lp in zip(alive.tolist(), new_logps.float().cpu()):
-                    logps[row].append(lp)
-            if t == max_new_tokens - 1:
-                break
-            keep = new != eos_token_id
-            if not bool(keep.all()):
-                if not bool(keep.any()):
-                    break
-                index = keep.nonzero().squeeze(1)
-                cache.batch_select_indices(index)
-                alive, new, full_mask, last = alive[index], new[index], full_mask[index], last[index]
-            last = last + 1
-            logits = model(input_ids=new[:, None], attention_mask=full_mask[:, :width + t + 1], position_ids=last[:, None],
-                           use_cache=True, **{cache_kw: cache}).logits[:, -1].float()
-            out.forwards += 1
+        paused = meter.paused() if meter is not None else nullcontext()
+        with paused:
+            _decode(model, cache, cache_kw, logits, full_mask, positions[:, -1], tokens, logps, width=width,
+                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, temperature=temperature, top_p=top_p,
+                    greedy=greedy, generator=generator, record_logps=record_logps, out=out, meter=meter)
         del cache
         _sync(device)
         out.decode_s += time.perf_counter() - t1
@@ -170,3 +168,33 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
             if record_logps:
                 out.logps.append([torch.stack(logps[r]) for r in range(p * group_size, (p + 1) * group_size)])
     return out
+
+
+def _decode(model, cache, cache_kw, logits, full_mask, last, tokens, logps, *, width, max_new_tokens, eos_token_id,
+            temperature, top_p, greedy, generator, record_logps, out: Sampled, meter) -> None:
+    """The decode loop of `sample_groups` over one chunk's rows: appends to `tokens` / `logps`."""
+    alive = torch.arange(len(tokens), device=logits.device)
+    for t in range(max_new_tokens):
+        new, new_logps = next_tokens(logits, temperature=temperature, top_p=top_p, greedy=greedy,
+                                     generator=generator, want_logps=record_logps)
+        values = new.tolist()
+        for row, token in zip(alive.tolist(), values):
+            tokens[row].append(token)
+        if record_logps:
+            for row, lp in zip(alive.tolist(), new_logps.float().cpu()):
+                logps[row].append(lp)
+        if t == max_new_tokens - 1:
+            break
+        keep = new != eos_token_id
+        if not bool(keep.all()):
+            if not bool(keep.any()):
+                break
+            index = keep.nonzero().squeeze(1)
+            cache.batch_select_indices(index)
+            alive, new, full_mask, last = alive[index], new[index], full_mask[index], last[index]
+        last = last + 1
+        logits = model(input_ids=new[:, None], attention_mask=full_mask[:, :width + t + 1], position_ids=last[:, None],
+                       use_cache=True, **{cache_kw: cache}).logits[:, -1].float()
+        out.forwards += 1
+        if meter is not None:  # the cache is this loop's now (the tracked one was freed by the first update)
+            meter.hold(decode_bytes(cache, logits, full_mask, top_p=top_p, want_logps=record_logps))

@@ -272,6 +272,7 @@ class GRPOObjective(Objective):
                 self._vllm = VllmSampler(self.cfg, trainer)
             return self._vllm.sample(trainer.model, prompt_ids, seed=seed % 2**31, eos_token_id=tok.eos_token_id)
         generator = torch.Generator(device=device).manual_seed(seed)
+        extra.setdefault("meter", getattr(trainer, "meter", None))  # the decode loop runs untracked (sampling.py)
         return sample_groups(trainer.model, prompt_ids, group_size=g.group_size, max_new_tokens=g.max_completion_tokens,
                              eos_token_id=tok.eos_token_id, pad_token_id=self.pad_token_id,
                              temperature=g.temperature, top_p=g.top_p, generator=generator,
