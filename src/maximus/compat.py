@@ -100,6 +100,16 @@ def _peft_lora_layer() -> None:
     importlib.import_module("peft.tuners.lora.bnb").Linear4bit  # noqa: B018 - the 4-bit class the kernels route
 
 
+def _processor_attributes() -> None:
+    from transformers import Qwen2VLProcessor
+
+    from maximus.vision import image_only_processor
+
+    got = image_only_processor(Qwen2VLProcessor).get_attributes()
+    if got != ["image_processor", "tokenizer"]:
+        raise LookupError(f"ProcessorMixin.get_attributes() of a subclass without video_processor gives {got}")
+
+
 HOOKS = (
     Hook("trl.trainer.utils.add_fused_lm_head: _fused_forward and its closure names", "maximus.hf_patch", _trl_fused_head),
     Hook("PretrainedConfig._attn_implementation", "maximus.hf_patch (patch / unpatch)", _attn_implementation),
@@ -109,6 +119,9 @@ HOOKS = (
     Hook("torch._C._current_graph_task_id", "maximus.kernels.tiled_mlp", _graph_task_id),
     Hook("PEFT LoRA layer internals (peft.tuners.lora.layer.Linear, bnb.Linear4bit)",
          "maximus.kernels.lean_lora, maximus.kernels.triton.install", _peft_lora_layer),
+    Hook("ProcessorMixin takes its sub-processors from the __init__ signature (a processor without its video "
+         "processor)", "maximus.vision.image_only_processor (Qwen2-VL / Qwen2.5-VL without torchvision)",
+         _processor_attributes),
 )
 
 
