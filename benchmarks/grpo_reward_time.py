@@ -154,6 +154,7 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each side")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "grpo_reward_time.png")
     parser.add_argument("--json", type=Path, help="also write both sides' points here")
+    parser.add_argument("--replot", type=Path, help="only redraw (and tabulate) the points of an earlier --json")
     parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)  # one side, in its own process
     parser.add_argument("--points", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -164,6 +165,9 @@ def main() -> None:
         with tempfile.TemporaryDirectory() as tmp:
             points = (run_ours if args.side == "ours" else run_trl)(args.steps, Path(tmp) / args.side)
         args.points.write_text(json.dumps(points))
+        return
+    if args.replot:
+        report(json.loads(args.replot.read_text()), args)
         return
     ensure_quickstart_adapter()
     from _grpo_sides import cpu_report
@@ -183,6 +187,11 @@ def main() -> None:
                   "TRL GRPOTrainer": json.loads(files["trl"].read_text())}
     if args.json:
         args.json.write_text(json.dumps(curves, indent=1))
+    report(curves, args)
+
+
+def report(curves: dict[str, list[dict]], args) -> None:
+    """The table at equal wall times and the plot."""
     ours, trl = curves.values()
     horizon = min(ours[-1]["wall_s"], trl[-1]["wall_s"])
     print(f"\n{args.steps} steps each, {args.threads} thread(s) per side, both at once")
@@ -198,8 +207,8 @@ def main() -> None:
     for name, points in curves.items():
         print(f"{name}: {len(points)} steps in {points[-1]['wall_s']:.1f} s, {points[-1]['wall_s'] / len(points):.2f} s/step, "
               f"final mean of last {WINDOW}: {trailing_mean([p['reward'] for p in points])[-1]:.3f}")
-    plot(curves, args.out, f"examples/grpo.yaml, ours vs TRL GRPOTrainer (no vLLM), run side by side, "
-                           f"{args.threads} thread each; 2-core AMD EPYC (loaded), 2026-12-02")
+    plot(curves, args.out, f"examples/grpo.yaml, ours vs TRL GRPOTrainer (no vLLM), run side by side, {args.threads} thread "
+                           f"each\n2-core AMD EPYC (AVX2, loaded), 2026-12-02, benchmarks/grpo_reward_time.py --steps {args.steps}")
 
 
 if __name__ == "__main__":
