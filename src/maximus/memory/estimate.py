@@ -31,6 +31,7 @@ from typing import Any, Literal, Sequence
 
 from maximus.errors import ConfigError, ModelError
 from maximus.gguf_base import gguf_config, is_gguf
+from maximus.memory.adapter_terms import AdapterTerms, adapter_terms
 from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_settings,
                                               optimizer_state_bytes, optimizer_step_bytes)
 
@@ -473,8 +474,8 @@ def default_loss_chunk(num_tokens: int, vocab_size: int, dtype_bytes: int, train
 def technique_kwargs(cfg: Any) -> dict[str, Any]:
     """The `estimate_peak` keywords that a `maximus.Config` switches on, read in one place (the
     planner forwards them to every estimate): ghost candidates, Kronecker Sketching, the
-    objective and its rows, the DPO reference, the Matryoshka pass, parameter offload and the lean
-    RMSNorm."""
+    objective and its rows, the DPO reference, the Matryoshka pass, parameter offload, the lean
+    RMSNorm, and LoRA's modules_to_save, DoRA and dropout."""
     opt = cfg.optimization
     kron = opt.kronecker
     dpo_reference = "none"
@@ -491,6 +492,9 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
                 matryoshka_dims=None if mat is None else list(mat.dims),
                 matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
                 offload_params=opt.offload.params == "on",
+                # adapters only: estimate_peak ignores them for full fine-tuning
+                modules_to_save=list(cfg.lora.modules_to_save), use_dora=cfg.lora.use_dora,
+                lora_dropout=cfg.lora.dropout,
                 lean_norm=opt.lean_norm and opt.kernels != "compile", lora_experts=lora_reaches_experts(cfg),
                 grouped_experts=opt.grouped_experts and opt.kernels != "compile",
                 **optimizer_kwargs(cfg))
@@ -736,7 +740,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   matryoshka_token_fraction: float = 0.0625, offload_params: bool = False,
                   tile_tokens: int | None = None, lean_lora: bool = False, lean_norm: bool = True,
                   optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
-                  master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True) -> Estimate:
+                  master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
+                  modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -795,6 +800,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             kernel), else Transformers' float32 path with its float32 temporaries in backward.
         lean_lora: the adapters' projections are Maximus' lean ones (the input kept once, in the
             compute dtype); False: PEFT's own layers (what a plain Transformers + PEFT step keeps).
+        modules_to_save, use_dora, lora_dropout: `lora.modules_to_save` (full trained copies, e.g.
+            embed_tokens, lm_head), DoRA and LoRA dropout (`maximus.memory.adapter_terms`); adapters only.
 
     Returns:
         An `Estimate` whose breakdown (weights, adapters, gradients, optimizer, activations,
@@ -862,6 +869,14 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         if adapter:
             n_adapter += n_sketch
             trainable += n_sketch
+    # lora.modules_to_save copies, DoRA magnitudes (float32, trainable), and what they and dropout save.
+    extras = (adapter_terms(shape, targets, b, modules_to_save=modules_to_save, use_dora=use_dora,
+                            lora_dropout=lora_dropout) if adapter else AdapterTerms())
+    notes.extend(extras.notes)
+    adapters += 4 * extras.trainable_params // shard
+    n_adapter += extras.trainable_params
+    trainable += extras.trainable_params
+    trainable_head = not adapter or extras.trains_head
     p_bytes = 4 if adapter else wb
     # Per trainable parameter, on average (maximus.memory.optimizer_state: one row per optimizer).
     state_bytes = optimizer_state_bytes(shape, optimizer, full=not adapter, trainable=trainable, p_bytes=p_bytes,
@@ -890,8 +905,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     per_sel = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "selective")
     expert_adapters = adapter and lora_experts and n_mlp_t > 0
     extra_layer = shape_extra_bytes_per_token(shape, b, seq_len, expert_adapters)
-    per_off += extra_layer
-    per_sel += extra_layer
+    per_off += extra_layer + extras.layer_bytes_per_token
+    per_sel += extra_layer + extras.layer_bytes_per_token
     if expert_adapters and not (grouped_experts and device_type == "cpu"):
         # PEFT's merged expert weights, kept per layer until its backward (a per-layer constant)
         per_off += shape.merged_expert_bytes(b) / T
@@ -985,21 +1000,21 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         bwd_layers = max(bwd_layers, below + here + grad_work,
                          below + norm_moment if policy[l] == "full" else 0.0)
     # Embedding output, final norm (float32 copy) and the head's input.
-    head_acts = (2 * wb + 4) * h  # a float32 master model keeps a float32 residual stream
+    head_acts = (2 * wb + 4) * h + extras.stream_bytes_per_token  # float32 master model: float32 residual stream
     if lean_norm:
         head_acts -= norm_copy  # the lean final norm keeps its input, not a float32 copy
     acts = int(T * (stored + head_acts))
 
     # -- loss working set -----------------------------------------------------------------------
     # The chunk the loss uses when none is given (a trainable head has a larger floor).
-    default_chunk = default_loss_chunk(T, V, b, trainable_head=not adapter)
+    default_chunk = default_loss_chunk(T, V, b, trainable_head=trainable_head)
     if objective == "contrastive":
         loss = contrastive_loss_bytes(shape, T, b)
     else:
-        loss = head_loss_bytes(shape, loss_mode, T, b, trainable_head=not adapter, chunk_tokens=loss_chunk_tokens,
+        loss = head_loss_bytes(shape, loss_mode, T, b, trainable_head=trainable_head, chunk_tokens=loss_chunk_tokens,
                                default_chunk=default_chunk, ghost_candidates=ghost_candidates)
         if matryoshka_dims and objective == "sft":
-            loss = matryoshka_loss_bytes(shape, loss, loss_mode, T, b, trainable_head=not adapter,
+            loss = matryoshka_loss_bytes(shape, loss, loss_mode, T, b, trainable_head=trainable_head,
                                          dims=matryoshka_dims, token_fraction=matryoshka_token_fraction,
                                          chunk_tokens=loss_chunk_tokens)
         if master:  # the loss casts the float32 head to the 16-bit matmul dtype once per call
@@ -1020,7 +1035,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
     phases = {
         "loss": {"gradients": grads_before, "activations": acts, "loss": loss},
         # In backward, each weight's step runs there: its temporaries join the backward's peak.
-        "backward": {"gradients": grads, "activations": int(T * bwd_layers), "loss": 0,
+        "backward": {"gradients": grads, "activations": int(T * (bwd_layers + extras.stream_bytes_per_token)), "loss": 0,
                      "workspace_extra": step_temporaries if optimizer_in_backward else 0},
         "optimizer": {"gradients": grads, "activations": 0, "loss": 0, "workspace_extra": step_temporaries},
     }
@@ -1069,6 +1084,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         settings.update(matryoshka_dims=list(matryoshka_dims), matryoshka_token_fraction=matryoshka_token_fraction)
     if offload_params:
         settings["offload_params"] = True
+    if extras.trainable_params or extras.layer_bytes_per_token:
+        settings["adapter_terms"] = extras.to_dict()
     settings.update(optimizer_settings(optimizer, optimizer_rank, optimizer_in_backward, master_weights))
     return Estimate(peak_bytes=int(peak), breakdown={k: int(v) for k, v in breakdown.items()},
                     flops_per_token=flops, tokens_per_s_guess=tps, phase=phase, settings=settings, notes=notes,

@@ -25,6 +25,7 @@ from typing import Any, Iterable, Sequence
 
 from maximus.config import format_bytes, parse_bytes
 from maximus.errors import BudgetError, ConfigError
+from maximus.memory.adapter_terms import HEAD_NAMES
 from maximus.memory.estimate import Estimate, default_loss_chunk, estimate_peak, model_shape, DTYPE_BYTES
 from maximus.memory.lengths import RowLengths
 from maximus.memory.plan import BREAKDOWN_ROWS, Plan
@@ -200,6 +201,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     off_opt = _switch(offload_optimizer, "offload_optimizer" in allow and not host_is_device)
     optimizers = [optimizer] + (["adamw_8bit"] if "adamw_8bit" in allow and optimizer == "adamw" else [])
     b = DTYPE_BYTES[dtype]
+    trains_head = bool({str(n).rsplit(".", 1)[-1] for n in techniques.get("modules_to_save") or ()} & HEAD_NAMES)
 
     def seq_for(mb: int) -> int:
         """Tokens per row the estimate of micro-batch key `mb` (rows, or a token budget) assumes."""
@@ -226,7 +228,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
             return [loss_chunk_size]
         tokens = rows_for(mb) * seq_for(mb)
         # Full fine-tuning trains the head: its chunks have a larger floor (the loss's own default).
-        default = default_loss_chunk(tokens, shape.vocab_size, b, trainable_head=method == "full")
+        default = default_loss_chunk(tokens, shape.vocab_size, b, trainable_head=method == "full" or trains_head)
         if "loss_chunk" not in allow:
             return [default]
         smaller = [c for c in (1024, 512, 256, 128, 64, 32) if c < default]
