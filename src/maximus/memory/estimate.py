@@ -32,6 +32,8 @@ from typing import Any, Literal, Sequence
 from maximus.errors import ConfigError, ModelError
 from maximus.gguf_base import gguf_config, is_gguf
 from maximus.memory.adapter_terms import AdapterTerms, adapter_terms
+from maximus.memory.coefficients import (ATTENTION_PROBS, DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF,  # noqa: F401
+                                         LAYER_COEF)
 from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_settings,
                                               optimizer_state_bytes, optimizer_step_bytes)
 
@@ -45,11 +47,7 @@ Checkpointing = Literal["off", "full", "selective"]
 __all__ = ["Estimate", "ModelShape", "KNOWN_SHAPES", "estimate_peak", "model_shape", "load_model_config",
            "DTYPE_BYTES", "DEVICE_FLOPS", "KroneckerLayout", "kronecker_layout", "technique_kwargs"]
 
-DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
 
-#: Sustained matmul rate assumed when ranking plans, in FLOP/s (bf16). Only ratios matter:
-#: the planner compares plans on one device. CPU: measured on the 2-core reference machine.
-DEVICE_FLOPS = {"cuda": 300e12, "cpu": 0.83e12, "mps": 10e12}
 
 #: Public shapes (config.json fields) of popular hub models, so that `maximus plan` works
 #: without network access. Sources: the models' config.json on the Hugging Face hub.
@@ -112,9 +110,6 @@ for _alias, _name in {
 }.items():
     KNOWN_SHAPES[_alias] = KNOWN_SHAPES[_name]
 
-#: Attention tensors per layer of the classes without SDPA (maximus.families.attention_implementation)
-#: or kept on SDPA by a sliding window (attention.varlen.sliding_window); measured, family matrix.
-ATTENTION_PROBS = {"gemma2": 3, "gpt_oss": 5, "gemma3": 1, "gemma3_text": 1}
 ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -328,26 +323,8 @@ def model_shape(model_config: Any) -> ModelShape:
 
 
 # ------------------------------------------------------------------------------------------------
-# Saved activations of one decoder layer, bytes per token.
-#
-# Measured with saved_tensors_hooks on Transformers 5 LlamaDecoderLayer (SDPA), varying one
-# dimension at a time (docs/planner.md "Where the coefficients come from"):
-#   bytes/token = ch*h + ci*i + cq*q_dim + ckv*kv_dim + 4*heads (float32 log-sum-exp)
-#                 + 4*r per LoRA-targeted linear (its float32 down-projection output).
-# "adapter" = LoRA/QLoRA (frozen base, float32 adapters); "full" = every weight trainable.
-# 16-bit rows are measured under `torch.autocast`, as the trainer runs them (issue 16: 20 random
-# shapes each, hidden 128-512, intermediate 256-1536; worst error 2 %); full fine-tuning keeps
-# float32 master weights (`models.load_base_model`), so its 16-bit row is a float32 model under
-# 16-bit autocast: the residual stream stays float32 (26 bytes per hidden unit), plus a 16-bit
-# copy of every linear weight per layer (a per-layer constant; a pure bf16 model keeps (16, 8, 4, 4)). Without autocast PEFT
-# casts each adapter input to float32 and a LoRA layer keeps (28, 10, 8, 4): bare Transformers
-# steps outside autocast keep ~20 % more than the trainer's.
-_LAYER_COEF = {  # (trainable, dtype bytes) -> (ch, ci, cq, ckv)
-    ("full", 2): (26, 8, 4, 4),
-    ("full", 4): (24, 16, 8, 8),
-    ("adapter", 2): (18, 8, 6, 4),
-    ("adapter", 4): (16, 16, 8, 8),
-}
+# Saved activations of one decoder layer, bytes per token (coefficients: maximus.memory.coefficients).
+
 
 
 def lean_layer_bytes_per_token(shape: ModelShape, dtype_bytes: int, lora_r: int, n_targets: int,
@@ -399,7 +376,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, dtype_bytes
         kept = h + shape.q_dim + 2 * shape.kv_dim + shape.q_dim + h + 2 * i + h
         return kept * b + 4 * shape.num_heads + (4 * lora_r * n_targets if method != "full" else 0)
     kind = "full" if method == "full" else "adapter"
-    ch, ci, cq, ckv = _LAYER_COEF[(kind, 4 if b >= 4 else 2)]
+    ch, ci, cq, ckv = LAYER_COEF[(kind, 4 if b >= 4 else 2)]
     per = (ch * shape.hidden_size + ci * shape.intermediate_size + cq * shape.q_dim + ckv * shape.kv_dim
            + 4 * shape.num_heads)
     if method != "full":
@@ -574,23 +551,6 @@ def kronecker_layout(kronecker: Any = None) -> KroneckerLayout:
                            sub_slots=sub, buckets=max(1, slots // sub))
 
 
-# Bytes per query token that one decoder layer saves for backward with Kronecker Sketching on top
-# of what it saves with SDPA. Measured with saved_tensors_hooks on Transformers 5 Llama layers
-# (2 layers minus 1) with the sketch installed as the trainer installs it (trainable sketch; LoRA
-# on all linear layers, bf16 under autocast as the trainer runs), 30-36 random shapes per row
-# (hidden 256-512, 1-16 heads, head_dim 32-128, block 32-128, 2-6 detail blocks, 16-256 slots),
-# fitted by least squares on the terms the code allocates (docs/benchmarks/planner.md):
-#   probabilities H*C (float32 softmax output + its 16-bit copy for the value matmul),
-#   gathered keys / values kv*C*D/L, the mask kv*C, block keys kv*D, queries H*D,
-#   sketch slot sums kv*K*D/L, selected blocks' slot sums kv*n_sel*S*D/L;
-#   with C = detail tokens + slots, K = slots, L = block, S = sub-slots.
-# Worst error on the fitted layers: 7 % of the layer's total (mean 1.5 %).
-_KRONECKER_COEF = {  # (trainable, dtype bytes) -> coefficients of the terms above
-    ("full", 2): (6.0, 3.5, 1.0, 3.0, -0.1, 1.3, 13.8),  # float32 master weights, 16-bit autocast
-    ("adapter", 2): (5.9, 2.9, 1.4, 3.4, -1.1, 4.6, 4.4),
-    ("full", 4): (4.0, 8.0, 1.1, 0.3, 0.0, 8.1, 2.0),
-    ("adapter", 4): (4.0, 8.0, 1.1, 0.3, 0.0, 8.1, 2.0),
-}
 
 
 def policy_names(checkpointing: Any) -> set[str]:
@@ -614,7 +574,7 @@ def kronecker_saved_bytes_per_token(shape: ModelShape, method: str, dtype_bytes:
     C, K = layout.columns, layout.slots
     terms = (H * C, kv * C * D / Lb, kv * C, kv * D, H * D, kv * K * D / Lb,
              kv * layout.select_blocks * layout.sub_slots * D / Lb)
-    coef = _KRONECKER_COEF[("full" if method == "full" else "adapter", 4 if dtype_bytes >= 4 else 2)]
+    coef = KRONECKER_COEF[("full" if method == "full" else "adapter", 4 if dtype_bytes >= 4 else 2)]
     return max(0.0, sum(c * t for c, t in zip(coef, terms))) * _block_padding(seq_len, Lb)
 
 
@@ -729,6 +689,440 @@ def _streamed_weight_bytes(shape: ModelShape, method: str, b: int, device_type: 
     return max(0, shape.num_layers - 3) * per_layer
 
 
+# ------------------------------------------------------------------------------------------------
+# One step, described once
+
+
+@dataclass(frozen=True)
+class StepSpec:
+    """One training step as the estimate reads it: `estimate_peak`'s arguments, validated, with the
+    model's shape read once and the per-layer recompute policy spelled out (`step_spec`)."""
+
+    shape: ModelShape
+    method: str
+    dtype: str
+    micro_batch: int
+    seq_len: int
+    #: The checkpointing argument as given (recorded in the settings), and one mode per layer.
+    checkpointing: Any
+    policy: tuple[str, ...]
+    offload_activations: bool
+    offload_optimizer: bool
+    loss_mode: str
+    optimizer: str
+    lora_r: int
+    targets: tuple[str, ...]
+    world_size: int
+    #: Ranks the weights are split over (1: unsharded, DDP or one device).
+    shard: int
+    loss_chunk_tokens: int | None
+    grad_accum: int
+    ghost_candidates: int
+    device_type: str
+    attention: str
+    layout: KroneckerLayout | None
+    objective: str
+    dpo_reference: str
+    matryoshka_dims: tuple[int, ...] | None
+    matryoshka_token_fraction: float
+    offload_params: bool
+    tile_tokens: int | None
+    #: Lean LoRA projections in use (an adapter and `lean_lora`).
+    lean: bool
+    lean_norm: bool
+    optimizer_rank: int | None
+    optimizer_in_backward: bool
+    master_weights: str
+    #: A mixture of experts' MLP adapters reach the experts; the grouped expert forward runs them.
+    lora_experts: bool = True
+    grouped_experts: bool = True
+    modules_to_save: tuple[str, ...] = ()
+    use_dora: bool = False
+    lora_dropout: float = 0.0
+
+    @property
+    def b(self) -> int:
+        """Bytes per element of the compute dtype."""
+        return DTYPE_BYTES[self.dtype]
+
+    @property
+    def adapter(self) -> bool:
+        return self.method != "full"
+
+    @property
+    def T(self) -> int:
+        """Tokens of one micro-batch (DPO and contrastive run 2 rows per example)."""
+        return self.micro_batch * self.seq_len * _rows_per_example(self.objective)
+
+    @property
+    def master(self) -> bool:
+        """16-bit full fine-tuning keeps float32 master weights and computes under autocast."""
+        return self.method == "full" and self.b < 4 and self.master_weights != "bf16"
+
+    @property
+    def weight_bytes(self) -> int:
+        return 4 if self.master else self.b
+
+
+def _policy(checkpointing: Any, num_layers: int) -> tuple[str, ...]:
+    """One recompute mode (off | full | selective) per layer from `estimate_peak`'s argument."""
+    L = num_layers
+    if isinstance(checkpointing, str):
+        if checkpointing not in ("off", "full", "selective"):
+            raise ConfigError(f"unknown checkpointing {checkpointing!r}", "use off, full or selective")
+        return (checkpointing,) * L
+    if isinstance(checkpointing, int):
+        k = max(0, min(L, checkpointing))
+        return ("full",) * k + ("off",) * (L - k)
+    flags = list(checkpointing)
+    if len(flags) != L:
+        raise ConfigError(f"per-layer checkpointing needs {L} entries, got {len(flags)}",
+                          "one recompute mode (none, selective, full) per layer")
+    # Per layer: a recompute mode (`Plan.recompute`: none | selective | full) or a boolean (True = full).
+    modes = {True: "full", False: "off", "full": "full", "none": "off", "off": "off", "selective": "selective"}
+    if any(f not in modes for f in flags):
+        raise ConfigError(f"unknown per-layer recompute mode in {flags}", "use none, selective or full")
+    return tuple(modes[f] for f in flags)
+
+
+def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16", micro_batch: int = 1,
+              seq_len: int = 2048, checkpointing: Any = "off", offload_activations: bool = False,
+              offload_optimizer: bool = False, loss_mode: LossMode = "exact", optimizer: str = "adamw",
+              lora_r: int = 16, lora_targets: str | Sequence[str] = "all-linear", world_size: int = 1,
+              loss_chunk_tokens: int | None = None, grad_accum: int = 1, ghost_candidates: int = 1024,
+              device: str = "cuda", sharded: bool | None = None, attention: Attention = "sdpa", kronecker: Any = None,
+              objective: Objective = "sft", dpo_reference: DpoReference = "adapter_off",
+              matryoshka_dims: Sequence[int] | None = None, matryoshka_token_fraction: float = 0.0625,
+              offload_params: bool = False, tile_tokens: int | None = None, lean_lora: bool = False,
+              lean_norm: bool = True, optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
+              master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
+              modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0) -> StepSpec:
+    """The `StepSpec` of `estimate_peak`'s arguments (documented there); raises its ConfigErrors."""
+    shape = model_shape(model_config)
+    if method not in ("full", "lora", "qlora"):
+        raise ConfigError(f"method must be full, lora or qlora for an estimate, got {method!r}",
+                          "the planner resolves method: auto")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r}", "use bf16, fp16 or fp32")
+    if loss_mode not in ("naive", "exact", "ghost"):
+        raise ConfigError(f"unknown loss mode {loss_mode!r}", "use exact, naive or ghost")
+    if micro_batch < 1 or seq_len < 1 or world_size < 1:
+        raise ConfigError("micro_batch, seq_len and world_size must be positive", "check training.* keys")
+    _check_techniques(loss_mode, attention, objective, dpo_reference, matryoshka_token_fraction)
+    layout = kronecker_layout(kronecker) if attention == "kronecker" else None
+    adapter = method != "full"
+    targets = tuple(_targets(shape, lora_targets)) if adapter else ()
+    if sharded is None:
+        sharded = world_size > 1
+    return StepSpec(
+        shape=shape, method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,
+        checkpointing=checkpointing if isinstance(checkpointing, (str, int)) else list(checkpointing),
+        policy=_policy(checkpointing, shape.num_layers), offload_activations=offload_activations,
+        offload_optimizer=offload_optimizer, loss_mode=loss_mode, optimizer=optimizer, lora_r=lora_r, targets=targets,
+        world_size=world_size, shard=world_size if (sharded and world_size > 1 and method != "qlora") else 1,
+        loss_chunk_tokens=loss_chunk_tokens, grad_accum=grad_accum, ghost_candidates=ghost_candidates,
+        device_type=str(device).split(":")[0], attention=attention, layout=layout, objective=objective,
+        dpo_reference=dpo_reference, matryoshka_dims=None if matryoshka_dims is None else tuple(matryoshka_dims),
+        matryoshka_token_fraction=matryoshka_token_fraction, offload_params=offload_params, tile_tokens=tile_tokens,
+        lean=bool(lean_lora and adapter), lean_norm=lean_norm, optimizer_rank=optimizer_rank,
+        optimizer_in_backward=optimizer_in_backward, master_weights=master_weights, lora_experts=lora_experts,
+        grouped_experts=grouped_experts, modules_to_save=tuple(modules_to_save or ()), use_dora=use_dora, lora_dropout=lora_dropout)
+
+
+# ------------------------------------------------------------------------------------------------
+# The estimate's parts: static + activations + backward walk + loss + workspace
+
+
+@dataclass(frozen=True)
+class StaticTerms:
+    """Bytes that live through the whole step (per rank), and what the phases need of them."""
+
+    weights_dev: int
+    adapters: int
+    opt_dev: int
+    grads: int
+    step_temporaries: int
+    host_opt: int
+    streamed: int
+    trainable: int
+    trainable_head: bool
+    extras: AdapterTerms
+    notes: list[str]
+
+
+def _weight_bytes(spec: StepSpec, notes: list[str]) -> tuple[int, int, int]:
+    """(device bytes of the weights, bytes streamed from the host, tied-embedding parameters kept whole)."""
+    shape, b, wb, shard = spec.shape, spec.b, spec.weight_bytes, spec.shard
+    L = shape.num_layers
+    non_linear = L * shape.layer_other_params + shape.embedding_params + shape.head_params + shape.hidden_size
+    linear = L * shape.layer_linear_params
+    if spec.method == "qlora":
+        # NF4: 4 bits per weight; blocks of 64 with a uint8 absmax, itself quantised in blocks of
+        # 256 with a float32 absmax (double quantisation): 0.127 extra bits per weight.
+        weights = int(linear * (0.5 + 1 / 64 + 4 / (64 * 256))) + non_linear * b
+    else:
+        weights = (linear + non_linear) * wb
+    # A head tied to the embedding stays whole on every rank (maximus.train.distributed).
+    whole = shape.embedding_params if (shard > 1 and shape.tied_embeddings) else 0
+    weights_dev = (weights - whole * wb) // shard + whole * wb
+    if shard > 1:
+        # Gathered at once: two decoder layers (the running one, the prefetched one), the root
+        # unit (embedding, final norm) for the whole step, the head while the loss runs.
+        weights_dev += (2 * (shape.layer_linear_params + shape.layer_other_params)
+                        + (shape.embedding_params + shape.head_params if not whole else 0)) * wb
+    streamed = _streamed_weight_bytes(shape, spec.method, b, spec.device_type, notes) if spec.offload_params else 0
+    return weights_dev - streamed, streamed, whole
+
+
+def _static_terms(spec: StepSpec) -> StaticTerms:
+    """Weights, adapters (with the sketch and `adapter_terms`), gradients and optimizer state."""
+    shape, shard, adapter = spec.shape, spec.shard, spec.adapter
+    L, lin, r, notes = shape.num_layers, shape.linear_shapes(), spec.lora_r, []
+    weights_dev, streamed, whole = _weight_bytes(spec, notes)
+    n_adapter = L * sum(r * (lin[t][0] + lin[t][1]) for t in spec.targets)
+    if any(t in ("gate_proj", "up_proj", "down_proj") for t in spec.targets):  # lora.experts: every expert's adapter
+        n_adapter += L * shape.expert_lora_params(r, experts=spec.lora_experts)
+    adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
+    trainable = n_adapter if adapter else shape.num_params
+    if spec.layout is not None:
+        # The sketch's own parameters: float32, trainable; PEFT (modules_to_save) keeps a frozen
+        # original beside the trained copy.
+        n_sketch = L * spec.layout.params(shape.head_dim)
+        adapters += 4 * n_sketch * (2 if adapter else 1)
+        trainable += n_sketch if adapter else 0
+    # lora.modules_to_save copies, DoRA magnitudes (float32, trainable), and what they and dropout save.
+    extras = (adapter_terms(shape, spec.targets, spec.b, modules_to_save=spec.modules_to_save, use_dora=spec.use_dora,
+                            lora_dropout=spec.lora_dropout) if adapter else AdapterTerms())
+    notes.extend(extras.notes)
+    adapters += 4 * extras.trainable_params // shard
+    trainable += extras.trainable_params
+    p_bytes = 4 if adapter else spec.weight_bytes
+    opt = dict(full=not adapter, trainable=trainable, p_bytes=p_bytes)
+    # Per trainable parameter, on average (maximus.memory.optimizer_state: one row per optimizer).
+    state_bytes = optimizer_state_bytes(shape, spec.optimizer, rank=spec.optimizer_rank, **opt) / max(1, trainable)
+    replicated = 0 if adapter else whole  # a trainable tied embedding: whole gradient and moments
+    per_rank_trainable = (trainable - replicated) / shard + replicated
+    grads = int(per_rank_trainable * p_bytes)
+    if spec.optimizer_in_backward:
+        grads = in_backward_gradient_bytes(shape, **opt)
+    step_temporaries = (optimizer_step_bytes(shape, spec.optimizer, device=spec.device_type, rank=spec.optimizer_rank,
+                                             **opt) // shard if not spec.offload_optimizer else 0)
+    states = int(per_rank_trainable * state_bytes)
+    # `OffloadedAdamW` keeps, per trainable parameter, a float32 master, a float32 gradient buffer
+    # and the moments in host memory.
+    host_opt = int(per_rank_trainable * 8) + states if spec.offload_optimizer else 0
+    return StaticTerms(weights_dev=weights_dev, adapters=adapters, opt_dev=0 if spec.offload_optimizer else states,
+                       grads=grads, step_temporaries=step_temporaries, host_opt=host_opt, streamed=streamed,
+                       trainable=trainable, trainable_head=not adapter or extras.trains_head, extras=extras,
+                       notes=notes)
+
+
+@dataclass(frozen=True)
+class LayerTerms:
+    """Bytes per token the decoder layers keep for backward (`_layer_terms`)."""
+
+    per_layer: tuple[float, ...]  # what each layer keeps under its policy (0: offloaded)
+    stored: float  # all layers, plus an offloaded layer in flight
+    acts: int  # bytes at the start of backward: every layer, the head's input, the extras
+    host_acts: int
+    per_off: float
+    per_recomputed: float  # a fully recomputed layer during its backward
+    grad_work: float  # the gradients flowing through a layer in backward
+    norm_moment: float  # a recomputed layer at its post-attention norm's backward
+    tile_fraction: float
+    notes: list[str]
+
+
+def _layer_saved_bytes(spec: StepSpec, extras: AdapterTerms) -> tuple[float, float, float, float]:
+    """(off, full, selective, attention work): bytes per token one layer keeps per recompute mode."""
+    shape, method, b, r, T = spec.shape, spec.method, spec.b, spec.lora_r, spec.T
+    lin, h, targets = shape.linear_shapes(), shape.hidden_size, spec.targets
+    n_t, n_mlp_t = len(targets), sum(1 for t in targets if t in ("gate_proj", "up_proj", "down_proj"))
+    act = shape.active_shape()  # mixture of experts: each token's activations go through top-k experts
+    per_off = layer_activation_bytes_per_token(act, method, b, r, n_t, "off", spec.lean, n_mlp_t)
+    per_full = layer_activation_bytes_per_token(act, method, b, r, n_t, "full")
+    per_sel = layer_activation_bytes_per_token(act, method, b, r, n_t, "selective")
+    expert_adapters = spec.adapter and spec.lora_experts and n_mlp_t > 0
+    extra_layer = shape_extra_bytes_per_token(shape, b, spec.seq_len, expert_adapters) + extras.layer_bytes_per_token
+    per_off += extra_layer
+    per_sel += extra_layer
+    if expert_adapters and not (spec.grouped_experts and spec.device_type == "cpu"):
+        # PEFT's merged expert weights, kept per layer until its backward (a per-layer constant)
+        per_off += shape.merged_expert_bytes(b) / T
+    if spec.lean_norm:  # the lean norm keeps its input, not Transformers' float32 copy (16-bit steps)
+        per_off -= 4 * h if b < 4 else 0
+    if spec.adapter and b < 4 and not spec.lean:
+        # Autocast caches a 16-bit copy of each float32 adapter weight per forward, saved for
+        # backward: a per-layer constant (measured; it dominates short sequences).
+        cast_copies = 2 * sum(r * (lin[t][0] + lin[t][1]) for t in targets) / T
+        per_off += cast_copies
+        per_sel += cast_copies
+    if spec.master:  # autocast's 16-bit copies of the float32 linear weights, saved for backward
+        per_off += 2 * shape.layer_linear_params / T
+        per_sel += 2 * shape.layer_linear_params / T
+    attn_work = 0.0
+    if spec.layout is not None:
+        extra = kronecker_saved_bytes_per_token(shape, method, b, spec.layout, spec.seq_len)
+        # Selective recompute keeps the attention's outputs; for the sketch that is bounded by
+        # everything it saves (its probabilities are the attention's output here).
+        per_off += extra
+        per_sel += extra
+        # In backward each gradient of the sketch (probabilities, logits, gathered keys) mostly
+        # replaces a saved tensor that its node frees as it runs: nothing extra in float32; in
+        # 16-bit the casts' gradients add ~3 bytes per head and softmax column (measured with
+        # the meter on real trainer steps, full recompute, 2 x 1,024 tokens).
+        attn_work = (3.0 * shape.num_heads * spec.layout.columns * _block_padding(spec.seq_len, spec.layout.block)
+                     if b < 4 else 0.0)
+    return per_off, per_full, per_sel, attn_work
+
+
+def _layer_terms(spec: StepSpec, extras: AdapterTerms) -> LayerTerms:
+    """What the layers keep for backward under the policy (offloaded, tiled), and a layer's backward."""
+    shape, b, T, policy = spec.shape, spec.b, spec.T, spec.policy
+    h, wb, notes = shape.hidden_size, spec.weight_bytes, []
+    per_off, per_full, per_sel, attn_work = _layer_saved_bytes(spec, extras)
+    if spec.layout is not None and "selective" in policy_names(spec.checkpointing):
+        notes.append("selective recompute with Kronecker Sketching: bounded by everything the sketch saves")
+    kept = {"off": per_off, "full": per_full, "selective": per_sel}
+    offload = spec.offload_activations
+    per_layer = tuple(0.0 if (p == "full" and offload) else kept[p] for p in policy)  # offloaded: on host
+    host_acts = int(T * per_full * sum(1 for p in policy if p == "full")) if offload else 0
+    in_flight = 2 * per_full if (offload and any(p != "off" for p in policy)) else 0.0  # prefetch one layer ahead
+    stored = sum(per_layer) + in_flight
+    # Tiling: a fully recomputed layer's MLP holds one tile of its intermediate tensors.
+    tile_fraction = 1.0
+    if spec.tile_tokens is not None and "full" in policy:
+        tile_fraction = min(1.0, max(1, int(spec.tile_tokens)) / T)
+    act = shape.active_shape()
+    if spec.lean:
+        n_t, n_mlp_t = len(spec.targets), sum(1 for t in spec.targets if t in ("gate_proj", "up_proj", "down_proj"))
+        mlp_part = lean_layer_bytes_per_token(shape, b, spec.lora_r, n_t, n_mlp_t)[1]
+    else:  # PEFT: gate and up each keep a float32 copy of the input (adapters) or share it (full)
+        n_mlp_t = sum(1 for t in spec.targets if t in ("gate_proj", "up_proj", "down_proj"))
+        mlp_part = 4 * b * act.intermediate_size + (8 * h + 12 * spec.lora_r * n_mlp_t if spec.adapter else b * h)
+    # Backward of one layer also holds the gradients flowing through it (hidden and MLP
+    # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
+    # incoming hidden-state gradient; tiled, the intermediate part exists for one tile.
+    grad_work = (2 * b * (h + act.intermediate_size * tile_fraction) + 2 * h * b + attn_work
+                 + eager_attention_bytes_per_token(shape, spec.seq_len))
+    # A later moment of the same layer's backward: its post-attention RMSNorm, after the MLP's
+    # tensors are gone. Transformers' norm computes in float32: five float32 hidden-size
+    # temporaries in its backward, plus its float32 copy of the input (16-bit steps) and the
+    # incoming and residual gradients (measured at the peak with the CPU meter, reference shape,
+    # bf16, 16k-32k tokens). Untiled, the MLP moment is larger; tiled, this one sets the peak
+    # unless the norm is lean (`maximus.kernels.lean_norm`, or the Triton one): float32 work for
+    # one block of rows, the input kept once.
+    norm_copy = 4 * h if b < 4 else 0
+    norm_work = 2 * b * h if spec.lean_norm else 5 * 4 * h + norm_copy + 2 * b * h
+    # Embedding output, final norm (float32 copy) and the head's input; a float32 master model
+    # keeps a float32 residual stream; the lean final norm keeps its input, not a float32 copy.
+    head_acts = (2 * wb + 4) * h + extras.stream_bytes_per_token - (norm_copy if spec.lean_norm else 0)
+    return LayerTerms(per_layer=per_layer, stored=stored, acts=int(T * (stored + head_acts)), host_acts=host_acts,
+                      per_off=per_off, per_recomputed=tiled_layer_bytes_per_token(per_off, mlp_part, b, h, tile_fraction),
+                      grad_work=grad_work, norm_moment=per_off - mlp_part + norm_work, tile_fraction=tile_fraction,
+                      notes=notes)
+
+
+def _backward_walk(spec: StepSpec, layers: LayerTerms) -> float:
+    """The largest bytes per token of backward's walk from the last layer: at layer l, the layers
+    below still hold what they kept, and a recomputed layer holds its full set of saved tensors
+    again (one MLP tile of it when tiled) plus the gradients through it."""
+    below, worst = layers.stored, 0.0
+    for l in range(len(spec.policy) - 1, -1, -1):
+        mode = spec.policy[l]
+        below -= layers.per_layer[l]
+        here = layers.per_recomputed if mode == "full" else layers.per_off if mode != "off" else layers.per_layer[l]
+        worst = max(worst, below + here + layers.grad_work, below + layers.norm_moment if mode == "full" else 0.0)
+    return worst
+
+
+def _loss_terms(spec: StepSpec, trainable_head: bool) -> tuple[int, int]:
+    """(working set of the loss, the chunk the loss uses when none is given)."""
+    shape, T, b, V, h = spec.shape, spec.T, spec.b, spec.shape.vocab_size, spec.shape.hidden_size
+    # A trainable head (full fine-tuning, a saved lm_head) has a larger chunk floor.
+    default_chunk = default_loss_chunk(T, V, b, trainable_head=trainable_head)
+    if spec.objective == "contrastive":
+        return contrastive_loss_bytes(shape, T, b), default_chunk
+    loss = head_loss_bytes(shape, spec.loss_mode, T, b, trainable_head=trainable_head,
+                           chunk_tokens=spec.loss_chunk_tokens, default_chunk=default_chunk,
+                           ghost_candidates=spec.ghost_candidates)
+    if spec.matryoshka_dims and spec.objective == "sft":
+        loss = matryoshka_loss_bytes(shape, loss, spec.loss_mode, T, b, trainable_head=trainable_head,
+                                     dims=spec.matryoshka_dims, token_fraction=spec.matryoshka_token_fraction,
+                                     chunk_tokens=spec.loss_chunk_tokens)
+    if spec.master:  # the loss casts the float32 head to the 16-bit matmul dtype once per call
+        loss += V * h * 2
+    return loss, default_chunk
+
+
+def _workspace_terms(spec: StepSpec) -> int:
+    """Scratch the step needs whatever the phase: dequantised 4-bit weights, CUDA's workspaces."""
+    workspace = 0
+    if spec.method == "qlora":
+        # bitsandbytes dequantises a whole 4-bit weight to the compute dtype for each matmul.
+        workspace += max(a * c for a, c in spec.shape.linear_shapes().values()) * spec.b
+    if spec.device_type == "cuda":
+        workspace += 64 * 2**20  # cuBLAS / attention workspaces and allocator slack
+    return workspace
+
+
+def _phases(spec: StepSpec, static: StaticTerms, layers: LayerTerms, bwd_layers: float, loss: int,
+            workspace: int) -> dict[str, dict[str, int]]:
+    """Each phase's gradients, activations, loss and workspace (the static part aside)."""
+    T, grads = spec.T, static.grads
+    # The head's weight gradient appears only after the loss's large buffers are gone, so the
+    # loss phase holds gradients only when they accumulate over micro-steps.
+    grads_before = grads if spec.grad_accum > 1 else 0
+    step = static.step_temporaries
+    phases = {
+        "loss": {"gradients": grads_before, "activations": layers.acts, "loss": loss, "workspace": workspace},
+        # In backward, each weight's step runs there: its temporaries join the backward's peak.
+        "backward": {"gradients": grads, "activations": int(T * (bwd_layers + static.extras.stream_bytes_per_token)),
+                     "loss": 0, "workspace": workspace, "workspace_extra": step if spec.optimizer_in_backward else 0},
+        "optimizer": {"gradients": grads, "activations": 0, "loss": 0, "workspace": workspace, "workspace_extra": step},
+    }
+    if spec.objective == "dpo" and spec.dpo_reference != "none":
+        # The reference log-probs: a no-grad forward of the same rows (before each policy forward,
+        # or once before training when precomputed): one layer's transients and one loss chunk.
+        phases["reference"] = {
+            "gradients": grads_before if spec.dpo_reference == "adapter_off" else 0,
+            "activations": int(T * reference_forward_bytes_per_token(spec.shape, spec.b, spec.layout, spec.seq_len)),
+            "loss": head_loss_bytes(spec.shape, spec.loss_mode, T, spec.b, trainable_head=False,
+                                    chunk_tokens=spec.loss_chunk_tokens,
+                                    default_chunk=default_loss_chunk(T, spec.shape.vocab_size, spec.b),
+                                    ghost_candidates=spec.ghost_candidates, with_grad=False),
+            "workspace": workspace}
+    return phases
+
+
+def _settings(spec: StepSpec, static: StaticTerms, tile_fraction: float) -> dict[str, Any]:
+    """`Estimate.settings`: what the estimate assumed."""
+    settings = dict(method=spec.method, dtype=spec.dtype, micro_batch=spec.micro_batch, seq_len=spec.seq_len,
+                    checkpointing=spec.checkpointing, offload_activations=spec.offload_activations,
+                    offload_optimizer=spec.offload_optimizer, loss_mode=spec.loss_mode,
+                    loss_chunk_tokens=spec.loss_chunk_tokens if spec.loss_mode != "naive" else None,
+                    optimizer=spec.optimizer, lora_r=spec.lora_r if spec.adapter else None,
+                    world_size=spec.world_size, sharded=spec.shard > 1, device=spec.device_type,
+                    tile_tokens=spec.tile_tokens if tile_fraction < 1.0 else None, lean_lora=spec.lean,
+                    lean_norm=spec.lean_norm, attention=spec.attention, objective=spec.objective)
+    if spec.layout is not None:
+        settings["kronecker"] = spec.layout.to_dict()
+    if spec.objective == "dpo":
+        settings["dpo_reference"] = spec.dpo_reference
+    if spec.loss_mode == "ghost":
+        settings["ghost_candidates"] = spec.ghost_candidates
+    if spec.matryoshka_dims and spec.objective == "sft":
+        settings.update(matryoshka_dims=list(spec.matryoshka_dims),
+                        matryoshka_token_fraction=spec.matryoshka_token_fraction)
+    if spec.offload_params:
+        settings["offload_params"] = True
+    if static.extras.trainable_params or static.extras.layer_bytes_per_token:
+        settings["adapter_terms"] = static.extras.to_dict()
+    settings.update(optimizer_settings(spec.optimizer, spec.optimizer_rank, spec.optimizer_in_backward,
+                                       spec.master_weights))
+    return settings
+
+
 def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "bf16", micro_batch: int = 1,
                   seq_len: int = 2048, checkpointing: Checkpointing | Sequence[bool] | int = "off",
                   offload_activations: bool = False, offload_optimizer: bool = False, loss_mode: LossMode = "exact",
@@ -807,289 +1201,42 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         An `Estimate` whose breakdown (weights, adapters, gradients, optimizer, activations,
         loss, workspace) sums to `peak_bytes`.
     """
-    shape = model_shape(model_config)
-    if method not in ("full", "lora", "qlora"):
-        raise ConfigError(f"method must be full, lora or qlora for an estimate, got {method!r}",
-                          "the planner resolves method: auto")
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"unknown dtype {dtype!r}", "use bf16, fp16 or fp32")
-    if loss_mode not in ("naive", "exact", "ghost"):
-        raise ConfigError(f"unknown loss mode {loss_mode!r}", "use exact, naive or ghost")
-    if micro_batch < 1 or seq_len < 1 or world_size < 1:
-        raise ConfigError("micro_batch, seq_len and world_size must be positive", "check training.* keys")
-    b = DTYPE_BYTES[dtype]
-    device_type = str(device).split(":")[0]
-    L, h, V = shape.num_layers, shape.hidden_size, shape.vocab_size
-    adapter = method != "full"
-    notes: list[str] = []
-    _check_techniques(loss_mode, attention, objective, dpo_reference, matryoshka_token_fraction)
-    # DPO and contrastive run 2 rows per example (chosen + rejected, query + positive).
-    T = micro_batch * seq_len * _rows_per_example(objective)
-    layout = kronecker_layout(kronecker) if attention == "kronecker" else None
-    targets = _targets(shape, lora_targets) if adapter else []
-    lin = shape.linear_shapes()
+    return estimate_step(step_spec(
+        model_config, method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,
+        checkpointing=checkpointing, offload_activations=offload_activations, offload_optimizer=offload_optimizer,
+        loss_mode=loss_mode, optimizer=optimizer, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
+        loss_chunk_tokens=loss_chunk_tokens, grad_accum=grad_accum, ghost_candidates=ghost_candidates, device=device,
+        sharded=sharded, attention=attention, kronecker=kronecker, objective=objective, dpo_reference=dpo_reference,
+        matryoshka_dims=matryoshka_dims, matryoshka_token_fraction=matryoshka_token_fraction,
+        offload_params=offload_params, tile_tokens=tile_tokens, lean_lora=lean_lora, lean_norm=lean_norm,
+        optimizer_rank=optimizer_rank, optimizer_in_backward=optimizer_in_backward, master_weights=master_weights,
+        lora_experts=lora_experts, grouped_experts=grouped_experts,
+        modules_to_save=modules_to_save, use_dora=use_dora, lora_dropout=lora_dropout))
 
-    # -- static: weights, adapters, optimizer state ---------------------------------------------
-    # Full fine-tuning in 16-bit keeps float32 master weights (models.load_base_model) and
-    # computes under autocast; LoRA / QLoRA keep the frozen base in the compute dtype.
-    master = method == "full" and b < 4 and master_weights != "bf16"
-    wb = 4 if master else b
-    non_linear = L * shape.layer_other_params + shape.embedding_params + shape.head_params + h
-    linear = L * shape.layer_linear_params
-    if method == "qlora":
-        # NF4: 4 bits per weight; blocks of 64 with a uint8 absmax, itself quantised in blocks of
-        # 256 with a float32 absmax (double quantisation): 0.127 extra bits per weight.
-        weights = int(linear * (0.5 + 1 / 64 + 4 / (64 * 256))) + non_linear * b
-    else:
-        weights = (linear + non_linear) * wb
-    if sharded is None:
-        sharded = world_size > 1
-    shard = world_size if (sharded and world_size > 1 and method != "qlora") else 1
-    # A head tied to the embedding stays whole on every rank (maximus.train.distributed).
-    whole = shape.embedding_params if (shard > 1 and shape.tied_embeddings) else 0
-    weights_dev = (weights - whole * wb) // shard + whole * wb
-    if shard > 1:
-        # Gathered at once: two decoder layers (the running one, the prefetched one), the root
-        # unit (embedding, final norm) for the whole step, the head while the loss runs.
-        weights_dev += (2 * (shape.layer_linear_params + shape.layer_other_params)
-                        + (shape.embedding_params + shape.head_params if not whole else 0)) * wb
 
-    streamed = _streamed_weight_bytes(shape, method, b, device_type, notes) if offload_params else 0
-    weights_dev -= streamed
-    n_adapter = L * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets)
-    if any(t in ("gate_proj", "up_proj", "down_proj") for t in targets):  # lora.experts: every expert's adapter
-        n_adapter += L * shape.expert_lora_params(lora_r, experts=lora_experts)
-    adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
-    trainable = n_adapter if adapter else shape.num_params
-    if layout is not None:
-        # The sketch's own parameters: float32, trainable; PEFT (modules_to_save) keeps a frozen
-        # original beside the trained copy.
-        n_sketch = L * layout.params(shape.head_dim)
-        adapters += 4 * n_sketch * (2 if adapter else 1)
-        if adapter:
-            n_adapter += n_sketch
-            trainable += n_sketch
-    # lora.modules_to_save copies, DoRA magnitudes (float32, trainable), and what they and dropout save.
-    extras = (adapter_terms(shape, targets, b, modules_to_save=modules_to_save, use_dora=use_dora,
-                            lora_dropout=lora_dropout) if adapter else AdapterTerms())
-    notes.extend(extras.notes)
-    adapters += 4 * extras.trainable_params // shard
-    n_adapter += extras.trainable_params
-    trainable += extras.trainable_params
-    trainable_head = not adapter or extras.trains_head
-    p_bytes = 4 if adapter else wb
-    # Per trainable parameter, on average (maximus.memory.optimizer_state: one row per optimizer).
-    state_bytes = optimizer_state_bytes(shape, optimizer, full=not adapter, trainable=trainable, p_bytes=p_bytes,
-                                        rank=optimizer_rank) / max(1, trainable)
-    replicated = 0 if adapter else whole  # a trainable tied embedding: whole gradient and moments
-    per_rank_trainable = (trainable - replicated) / shard + replicated
-    grads = int(per_rank_trainable * p_bytes)
-    if optimizer_in_backward:
-        grads = in_backward_gradient_bytes(shape, full=not adapter, trainable=trainable, p_bytes=p_bytes)
-    step_temporaries = (optimizer_step_bytes(shape, optimizer, full=not adapter, trainable=trainable, p_bytes=p_bytes,
-                                             device=device_type, rank=optimizer_rank) // shard
-                        if not offload_optimizer else 0)
-    states = int(per_rank_trainable * state_bytes)
-    opt_dev = 0 if offload_optimizer else states
-    # `OffloadedAdamW` keeps, per trainable parameter, a float32 master, a float32 gradient buffer
-    # and the moments in host memory.
-    host_opt = int(per_rank_trainable * 8) + states if offload_optimizer else 0
-
-    # -- activations ----------------------------------------------------------------------------
-    n_t = len(targets)
-    n_mlp_t = sum(1 for t in targets if t in ("gate_proj", "up_proj", "down_proj"))
-    lean = lean_lora and adapter
-    act = shape.active_shape()  # mixture of experts: each token's activations go through top-k experts
-    per_off = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "off", lean, n_mlp_t)
-    per_full = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "full")
-    per_sel = layer_activation_bytes_per_token(act, method, b, lora_r, n_t, "selective")
-    expert_adapters = adapter and lora_experts and n_mlp_t > 0
-    extra_layer = shape_extra_bytes_per_token(shape, b, seq_len, expert_adapters)
-    per_off += extra_layer + extras.layer_bytes_per_token
-    per_sel += extra_layer + extras.layer_bytes_per_token
-    if expert_adapters and not (grouped_experts and device_type == "cpu"):
-        # PEFT's merged expert weights, kept per layer until its backward (a per-layer constant)
-        per_off += shape.merged_expert_bytes(b) / T
-    # Transformers' RMSNorm saves a float32 copy of its input in 16-bit steps (4 bytes x hidden per
-    # token, measured); the lean norm keeps the input itself, a tensor the layer holds anyway.
-    norm_copy = 4 * h if b < 4 else 0
-    if lean_norm:
-        per_off -= norm_copy
-    attn_work = 0.0
-    if adapter and b < 4 and not lean:
-        # Autocast caches a 16-bit copy of each float32 adapter weight per forward, saved for
-        # backward: a per-layer constant (measured; it dominates short sequences).
-        cast_copies = 2 * sum(lora_r * (lin[t][0] + lin[t][1]) for t in targets) / T
-        per_off += cast_copies
-        per_sel += cast_copies
-    if master:  # autocast's 16-bit copies of the float32 linear weights, saved for backward
-        per_off += 2 * shape.layer_linear_params / T
-        per_sel += 2 * shape.layer_linear_params / T
-    if layout is not None:
-        extra = kronecker_saved_bytes_per_token(shape, method, b, layout, seq_len)
-        per_off += extra
-        # Selective recompute keeps the attention's outputs; for the sketch that is bounded by
-        # everything it saves (its probabilities are the attention's output here).
-        per_sel += extra
-        if "selective" in policy_names(checkpointing):
-            notes.append("selective recompute with Kronecker Sketching: bounded by everything the sketch saves")
-        # In backward each gradient of the sketch (probabilities, logits, gathered keys) mostly
-        # replaces a saved tensor that its node frees as it runs: nothing extra in float32; in
-        # 16-bit the casts' gradients add ~3 bytes per head and softmax column (measured with
-        # the meter on real trainer steps, full recompute, 2 x 1,024 tokens).
-        attn_work = (3.0 * shape.num_heads * layout.columns * _block_padding(seq_len, layout.block)) if b < 4 else 0.0
-    if isinstance(checkpointing, str):
-        if checkpointing not in ("off", "full", "selective"):
-            raise ConfigError(f"unknown checkpointing {checkpointing!r}", "use off, full or selective")
-        policy = [checkpointing] * L
-    elif isinstance(checkpointing, int):
-        k = max(0, min(L, checkpointing))
-        policy = ["full"] * k + ["off"] * (L - k)
-    else:
-        flags = list(checkpointing)
-        if len(flags) != L:
-            raise ConfigError(f"per-layer checkpointing needs {L} entries, got {len(flags)}",
-                              "one recompute mode (none, selective, full) per layer")
-        # Per layer: a recompute mode (`Plan.recompute`: none | selective | full) or a boolean (True = full).
-        modes = {True: "full", False: "off", "full": "full", "none": "off", "off": "off", "selective": "selective"}
-        if any(f not in modes for f in flags):
-            raise ConfigError(f"unknown per-layer recompute mode in {flags}", "use none, selective or full")
-        policy = [modes[f] for f in flags]
-    kept = {"off": per_off, "full": per_full, "selective": per_sel}
-    per_layer = [0.0 if (p == "full" and offload_activations) else kept[p] for p in policy]  # offloaded: on host
-    host_acts = int(T * per_full * sum(1 for p in policy if p == "full")) if offload_activations else 0
-    recomputing = any(p != "off" for p in policy)
-    in_flight = 2 * per_full if (offload_activations and recomputing) else 0.0  # prefetch one layer ahead
-    stored = sum(per_layer) + in_flight
-    # Tiling: a fully recomputed layer's MLP holds one tile of its intermediate tensors.
-    tile_fraction = 1.0
-    if tile_tokens is not None and "full" in policy:
-        tile_fraction = min(1.0, max(1, int(tile_tokens)) / T)
-    if lean:
-        mlp_part = lean_layer_bytes_per_token(shape, b, lora_r, n_t, n_mlp_t)[1]
-    else:  # PEFT: gate and up each keep a float32 copy of the input (adapters) or share it (full)
-        mlp_part = 4 * b * act.intermediate_size + (8 * h + 12 * lora_r * n_mlp_t if adapter else b * h)
-    per_recomputed = tiled_layer_bytes_per_token(per_off, mlp_part, b, h, tile_fraction)
-    # Backward of one layer also holds the gradients flowing through it (hidden and MLP
-    # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
-    # incoming hidden-state gradient; tiled, the intermediate part exists for one tile.
-    grad_work = (2 * b * (h + act.intermediate_size * tile_fraction) + 2 * h * b + attn_work
-                 + eager_attention_bytes_per_token(shape, seq_len))
-    # A later moment of the same layer's backward: its post-attention RMSNorm, after the MLP's
-    # tensors are gone. Transformers' norm computes in float32: five float32 hidden-size
-    # temporaries in its backward, plus its float32 copy of the input (16-bit steps) and the
-    # incoming and residual gradients (measured at the peak with the CPU meter, reference shape,
-    # bf16, 16k-32k tokens). Untiled, the MLP moment is larger; tiled, this one sets the peak
-    # unless the norm is lean (`maximus.kernels.lean_norm`, or the Triton one): float32 work for
-    # one block of rows, the input kept once.
-    norm_work = 2 * b * h if lean_norm else 5 * 4 * h + norm_copy + 2 * b * h
-    norm_moment = per_off - mlp_part + norm_work
-    # Backward walks the layers from the last: at layer l, the layers below still hold what they
-    # kept, and a recomputed layer holds its full set of saved tensors again (one MLP tile of it
-    # when tiled).
-    below = stored
-    bwd_layers = 0.0
-    for l in range(L - 1, -1, -1):
-        below -= per_layer[l]
-        if policy[l] == "full":
-            here = per_recomputed
-        elif policy[l] != "off":
-            here = per_off
-        else:
-            here = per_layer[l]
-        bwd_layers = max(bwd_layers, below + here + grad_work,
-                         below + norm_moment if policy[l] == "full" else 0.0)
-    # Embedding output, final norm (float32 copy) and the head's input.
-    head_acts = (2 * wb + 4) * h + extras.stream_bytes_per_token  # float32 master model: float32 residual stream
-    if lean_norm:
-        head_acts -= norm_copy  # the lean final norm keeps its input, not a float32 copy
-    acts = int(T * (stored + head_acts))
-
-    # -- loss working set -----------------------------------------------------------------------
-    # The chunk the loss uses when none is given (a trainable head has a larger floor).
-    default_chunk = default_loss_chunk(T, V, b, trainable_head=trainable_head)
-    if objective == "contrastive":
-        loss = contrastive_loss_bytes(shape, T, b)
-    else:
-        loss = head_loss_bytes(shape, loss_mode, T, b, trainable_head=trainable_head, chunk_tokens=loss_chunk_tokens,
-                               default_chunk=default_chunk, ghost_candidates=ghost_candidates)
-        if matryoshka_dims and objective == "sft":
-            loss = matryoshka_loss_bytes(shape, loss, loss_mode, T, b, trainable_head=trainable_head,
-                                         dims=matryoshka_dims, token_fraction=matryoshka_token_fraction,
-                                         chunk_tokens=loss_chunk_tokens)
-        if master:  # the loss casts the float32 head to the 16-bit matmul dtype once per call
-            loss += V * h * 2
-
-    # -- workspace ------------------------------------------------------------------------------
-    workspace = 0
-    if method == "qlora":
-        # bitsandbytes dequantises a whole 4-bit weight to the compute dtype for each matmul.
-        workspace += max(a * c for a, c in lin.values()) * b
-    if device_type == "cuda":
-        workspace += 64 * 2**20  # cuBLAS / attention workspaces and allocator slack
-
-    # -- phases ---------------------------------------------------------------------------------
-    # The head's weight gradient appears only after the loss's large buffers are gone, so the
-    # loss phase holds gradients only when they accumulate over micro-steps.
-    grads_before = grads if grad_accum > 1 else 0
-    phases = {
-        "loss": {"gradients": grads_before, "activations": acts, "loss": loss},
-        # In backward, each weight's step runs there: its temporaries join the backward's peak.
-        "backward": {"gradients": grads, "activations": int(T * (bwd_layers + extras.stream_bytes_per_token)), "loss": 0,
-                     "workspace_extra": step_temporaries if optimizer_in_backward else 0},
-        "optimizer": {"gradients": grads, "activations": 0, "loss": 0, "workspace_extra": step_temporaries},
-    }
-    if objective == "dpo" and dpo_reference != "none":
-        # The reference log-probs: a no-grad forward of the same rows (before each policy forward,
-        # or once before training when precomputed): one layer's transients and one loss chunk.
-        phases["reference"] = {"gradients": grads_before if dpo_reference == "adapter_off" else 0,
-                               "activations": int(T * reference_forward_bytes_per_token(shape, b, layout, seq_len)),
-                               "loss": head_loss_bytes(shape, loss_mode, T, b, trainable_head=False,
-                                                       chunk_tokens=loss_chunk_tokens,
-                                                       default_chunk=default_loss_chunk(T, V, b),
-                                                       ghost_candidates=ghost_candidates, with_grad=False)}
+def estimate_step(spec: StepSpec) -> Estimate:
+    """The `Estimate` of one step: static part + the largest of its phases (`estimate_peak`)."""
+    static = _static_terms(spec)
+    layers = _layer_terms(spec, static.extras)
+    bwd_layers = _backward_walk(spec, layers)
+    loss, default_chunk = _loss_terms(spec, static.trainable_head)
+    phases = _phases(spec, static, layers, bwd_layers, loss, _workspace_terms(spec))
     totals = {k: sum(v.values()) for k, v in phases.items()}
     phase = max(totals, key=totals.get)
     chosen = phases[phase]
-    breakdown = {
-        "weights": weights_dev,
-        "adapters": adapters,
-        "gradients": chosen["gradients"],
-        "optimizer": opt_dev,
-        "activations": chosen["activations"],
-        "loss": chosen["loss"],
-        "workspace": workspace + chosen.get("workspace_extra", 0),
-    }
+    breakdown = {"weights": static.weights_dev, "adapters": static.adapters, "gradients": chosen["gradients"],
+                 "optimizer": static.opt_dev, "activations": chosen["activations"], "loss": chosen["loss"],
+                 "workspace": chosen["workspace"] + chosen.get("workspace_extra", 0)}
     peak = sum(breakdown.values())
-
-    chunk_used = None if loss_mode == "naive" else max(1, min(loss_chunk_tokens or default_chunk, T))
-    flops, tps = _throughput(shape, method, T, seq_len, policy, offload_activations, offload_optimizer,
-                             loss_mode, trainable, grad_accum, device_type, b, chunk_used, lora_r, len(targets),
-                             tile_fraction)
-    settings = dict(method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,
-                    checkpointing=checkpointing if isinstance(checkpointing, (str, int)) else list(checkpointing),
-                    offload_activations=offload_activations, offload_optimizer=offload_optimizer,
-                    loss_mode=loss_mode, loss_chunk_tokens=loss_chunk_tokens if loss_mode != "naive" else None,
-                    optimizer=optimizer, lora_r=lora_r if adapter else None, world_size=world_size, sharded=shard > 1,
-                    device=device_type, tile_tokens=tile_tokens if tile_fraction < 1.0 else None, lean_lora=lean,
-                    lean_norm=lean_norm)
-    settings.update(attention=attention, objective=objective)
-    if layout is not None:
-        settings["kronecker"] = layout.to_dict()
-    if objective == "dpo":
-        settings["dpo_reference"] = dpo_reference
-    if loss_mode == "ghost":
-        settings["ghost_candidates"] = ghost_candidates
-    if matryoshka_dims and objective == "sft":
-        settings.update(matryoshka_dims=list(matryoshka_dims), matryoshka_token_fraction=matryoshka_token_fraction)
-    if offload_params:
-        settings["offload_params"] = True
-    if extras.trainable_params or extras.layer_bytes_per_token:
-        settings["adapter_terms"] = extras.to_dict()
-    settings.update(optimizer_settings(optimizer, optimizer_rank, optimizer_in_backward, master_weights))
+    chunk_used = None if spec.loss_mode == "naive" else max(1, min(spec.loss_chunk_tokens or default_chunk, spec.T))
+    flops, tps = _throughput(spec.shape, spec.method, spec.T, spec.seq_len, list(spec.policy), spec.offload_activations,
+                             spec.offload_optimizer, spec.loss_mode, static.trainable, spec.grad_accum, spec.device_type,
+                             spec.b, chunk_used, spec.lora_r, len(spec.targets), layers.tile_fraction)
+    L = spec.shape.num_layers
     return Estimate(peak_bytes=int(peak), breakdown={k: int(v) for k, v in breakdown.items()},
-                    flops_per_token=flops, tokens_per_s_guess=tps, phase=phase, settings=settings, notes=notes,
-                    host_bytes=int(host_acts + host_opt + streamed * L / max(1, L - 3)))
+                    flops_per_token=flops, tokens_per_s_guess=tps, phase=phase,
+                    settings=_settings(spec, static, layers.tile_fraction), notes=static.notes + layers.notes,
+                    host_bytes=int(layers.host_acts + static.host_opt + static.streamed * L / max(1, L - 3)))
 
 
 def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: list[str], offload_act: bool,
