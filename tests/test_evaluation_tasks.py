@@ -281,3 +281,27 @@ def test_batched_greedy_completions_equal_one_at_a_time(tiny_llama):
     one = greedy_texts(model, tok, prompts, device=torch.device("cpu"), max_new_tokens=6)
     assert greedy_texts(model, tok, prompts, device=torch.device("cpu"), max_new_tokens=6, batch_size=3) == one
     assert len(set(one)) > 1
+
+
+def test_eval_max_examples_generates_exactly_that_many_completions(tiny_llama, tmp_path, monkeypatch):
+    """`eval.max_examples: N` with more held-out examples: exactly N greedy completions, scored."""
+    from transformers import AutoModelForCausalLM
+
+    import maximus.evaluate as evaluate
+
+    train, held = _pc(tmp_path / "train.jsonl", 20), _pc(tmp_path / "eval.jsonl", 6, start=100)
+    cfg = tiny_config(tiny_llama, train, tmp_path / "run", eval={"dataset": str(held), "max_new_tokens": 2})
+    tasks, _, _ = _tasks({**cfg, "eval": {**cfg["eval"], "metrics": ["exact_match"], "max_examples": 4}})
+    assert len(tasks.held_out) == 6
+    generated = []
+    real = evaluate.greedy_texts
+
+    def counting(model, tokenizer, prompts, **kw):
+        out = real(model, tokenizer, prompts, **kw)
+        generated.append(len(out))
+        return out
+
+    monkeypatch.setattr(evaluate, "greedy_texts", counting)
+    result = tasks.score(AutoModelForCausalLM.from_pretrained(str(tiny_llama)).eval(), device="cpu")
+    assert generated == [4] and result["scored"] == 4
+    assert [x.columns["n"] for x in tasks.examples] == [x.columns["n"] for x in tasks.held_out[:4]]
