@@ -168,9 +168,10 @@ FAMILY_FIELDS: dict[str, dict] = {
 
 
 def build_family_model_dir(path: Path, model_type: str, *, hidden: int = 64, layers: int = 2, seed: int = 0,
-                           tie: bool = False, **fields_over) -> Path:
+                           tie: bool = False, prepare=None, **fields_over) -> Path:
     """A random causal LM of any family in `FAMILY_FIELDS` (2 layers, hidden 64, 4/2 GQA heads) with
-    the byte-level BPE test tokenizer, saved like a hub checkpoint; `fields_over` replace config fields."""
+    the byte-level BPE test tokenizer, saved like a hub checkpoint. `fields_over` override config
+    fields; `prepare(model)` may change the weights before saving."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from maximus.data.tiny_tokenizer import build_tiny_tokenizer
@@ -180,5 +181,12 @@ def build_family_model_dir(path: Path, model_type: str, *, hidden: int = 64, lay
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
                   tie_word_embeddings=tie, **{**FAMILY_FIELDS[model_type], **fields_over})
-    return save_random_model(path, AutoModelForCausalLM.from_config, AutoConfig.for_model(model_type, **fields), tok,
-                             seed=seed)
+
+    def build(config):
+        model = AutoModelForCausalLM.from_config(config)
+        if prepare is not None:
+            with torch.no_grad():
+                prepare(model)
+        return model
+
+    return save_random_model(path, build, AutoConfig.for_model(model_type, **fields), tok, seed=seed)

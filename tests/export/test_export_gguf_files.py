@@ -67,7 +67,8 @@ def test_unsupported_architecture_names_the_supported_ones():
 
     with pytest.raises(ExportError) as info:
         check_architecture(GPT2Config())
-    assert str(info.value) == ("model type 'gpt2' has no GGUF export (hint: supported: llama, mistral, qwen2; "
+    assert str(info.value) == ("model type 'gpt2' has no GGUF export (hint: supported: llama, mistral, mixtral, "
+                               "granite, qwen2, qwen3, qwen3_moe, gemma2, gemma3_text, phi3, olmo2, gpt_oss; "
                                "--format merged works for any model)")
 
 
@@ -195,7 +196,7 @@ def test_unsupported_rope_scaling_is_refused(tmp_path):
                                                                   "factor": 2.0})
     with pytest.raises(ExportError) as info:
         write_gguf(model, build_tiny_tokenizer(vocab_size=300), tmp_path / "m.gguf", quant="f16")
-    assert str(info.value) == "RoPE scaling 'dynamic' has no GGUF export yet (hint: supported: default, linear, llama3)"
+    assert str(info.value) == "RoPE scaling 'dynamic' has no GGUF export yet (hint: supported: default, linear, llama3, yarn)"
 
 
 _GO_RENDER = """package main

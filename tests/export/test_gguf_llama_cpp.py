@@ -31,20 +31,11 @@ except ImportError:
         raise  # CI installs llama-cpp-python (.ci/run); a missing one is a failure, never a skip
     pytest.skip("llama-cpp-python is not installed (pip install -e '.[llamacpp]' builds it)", allow_module_level=True)
 
-from conftest import train_tiny_run  # noqa: E402
+from conftest import HELD_OUT, PROMPTS, train_tiny_run  # noqa: E402
 from tiny import _WORDS, one_thread  # noqa: E402,F401
 
 pytestmark = [pytest.mark.llama_cpp, pytest.mark.usefixtures("one_thread")]
 
-HELD_OUT = [
-    "Hello world", "The quick brown fox jumps over the lazy dog.", "  leading spaces and trailing  ",
-    "numbers 1234567 and 3.14159, 42!", "tabs\tand\nnew\nlines\n\n", "CamelCaseWord snake_case_word kebab-case",
-    "What's the answer? It's 'four', isn't it?", "émigré café naïve façade", "日本語のテキスト", "emoji 🙂👍 mix",
-    "a", "", "Reverse: red gold stone\nAnswer: stone gold red", "x = [1, 2, 3]; y = {'k': None}",
-    "https://example.com/path?q=1&r=2", "ALL CAPS SENTENCE HERE", "don't won't can't shouldn't",
-    "<|im_start|>user\nHi there<|im_end|>\n", "multiple     spaces     inside", "end with punctuation...",
-]
-PROMPTS = ["Reverse: red gold stone\nAnswer:", "The capital of France is", "Once upon a time"]
 HELD_OUT_TEXT = ("Reverse: blue tiger maple\nAnswer: maple tiger blue\n"
                  "Once upon a time there was a little cat who lived in a house near the river. "
                  "She liked to read books and watch the birds fly over the trees every morning. "

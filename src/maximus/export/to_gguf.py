@@ -1,38 +1,32 @@
-"""A merged Llama / Mistral / Qwen2 model as one GGUF file for llama.cpp, Ollama and LM Studio.
+"""A merged model as one GGUF file for llama.cpp, Ollama and LM Studio.
 
 The file format and the quantisers are the `gguf` package's (llama.cpp's own Python writer); this
-module decides only what goes in, as llama.cpp's loader expects it per family:
+module decides only what goes in:
 
-- tensor names from the package's HF -> GGUF map (`gguf.get_tensor_name_map`);
-- Llama and Mistral load as llama.cpp's `llama` architecture, whose RoPE rotates adjacent pairs
-  (GPT-J style) where Hugging Face rotates halves: their Q and K rows are permuted per head so
-  both compute the same attention (`permute_for_llama_rope`). Qwen2 (`qwen2`, NeoX RoPE) is not;
+- the architecture, its hyperparameters and its tensors per family (`maximus.export.gguf_arch`:
+  Llama, Mistral, Mixtral, Granite, Qwen2, Qwen3, Qwen3-MoE, Gemma 2, Gemma 3, Phi-3, OLMo 2,
+  gpt-oss), tensor names from the package's HF -> GGUF map (`gguf.get_tensor_name_map`);
+- the tokenizer (`maximus.export.gguf_vocab`);
 - a tied head is written once (token_embd); llama.cpp reuses it as the output layer;
-- hyperparameters: context length, widths, GQA heads, head size, RMSNorm eps, RoPE theta and
-  scaling (linear, or Llama-3's per-frequency factors as the `rope_freqs` tensor);
-- quantisation (`--quant`): norms and biases stay f32 (llama.cpp's rule); a matrix whose rows do
+- quantisation (`--quant`): norms, biases and routers stay f32 (llama.cpp's rule); a matrix whose rows do
   not divide into the quant's blocks falls back to f16; under a 4- or 5-bit quant the output
   layer is q8_0, as llama.cpp's own quantiser keeps it at higher precision (6-bit there).
   K-quants (q4_k_m ...) are not in the package: with llama-cpp-python installed they are made by
   llama.cpp's own quantiser from an f16 file written first; without it they are refused by name.
-
-A Mistral `sliding_window` shorter than the context is not representable in the `llama` architecture:
-the export notes it, and llama.cpp attends over the whole context.
 """
 from __future__ import annotations
 
 import json
-import math
 from pathlib import Path
 
 import numpy as np
-import torch
 
 from maximus.errors import ExportError
+from maximus.export.gguf_arch import GGUF_ARCHS, gguf_arch, gguf_tensors, write_hparams
 from maximus.export.gguf_vocab import write_vocab
 from maximus.export.target import GGUF_MARKER_KEY
 
-SUPPORTED_ARCHS = ("llama", "mistral", "qwen2")
+SUPPORTED_ARCHS = tuple(GGUF_ARCHS)
 # --quant name -> (tensor type, file type) in the gguf package; these are the types it can quantise to.
 QUANTS = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"),
           "q8_0": ("Q8_0", "MOSTLY_Q8_0"), "q5_1": ("Q5_1", "MOSTLY_Q5_1"), "q5_0": ("Q5_0", "MOSTLY_Q5_0"),
@@ -81,83 +75,18 @@ def quantize_with_llama_cpp(f16_path: Path, out: Path, quant: str, threads: int 
 
 
 def check_architecture(config) -> str:
-    """The llama.cpp architecture name for a HF config; ExportError for anything else."""
-    model_type = getattr(config, "model_type", None)
-    if getattr(config, "vision_config", None) is not None:
-        raise ExportError(f"model type {model_type!r} is a vision-language model: its GGUF needs llama.cpp's separate "
-                          "mmproj file for the vision tower, which the gguf package does not write",
-                          "export --format merged (or the adapter) and convert with llama.cpp's own tools")
-    if model_type not in SUPPORTED_ARCHS:
-        raise ExportError(f"model type {model_type!r} has no GGUF export",
-                          f"supported: {', '.join(SUPPORTED_ARCHS)}; --format merged works for any model")
-    return "qwen2" if model_type == "qwen2" else "llama"
-
-
-def permute_for_llama_rope(weight: torch.Tensor, n_heads: int) -> torch.Tensor:
-    """HF's half-split RoPE layout -> llama.cpp's interleaved pairs, per head, along the output rows."""
-    rows = weight.shape[0]
-    return weight.reshape(n_heads, 2, rows // n_heads // 2, *weight.shape[1:]).transpose(1, 2).reshape(weight.shape)
-
-
-def _rope(config) -> tuple[float, dict]:
-    params = dict(getattr(config, "rope_parameters", None) or getattr(config, "rope_scaling", None) or {})
-    theta = float(params.get("rope_theta", getattr(config, "rope_theta", 10000.0)))
-    return theta, params
-
-
-def llama3_rope_factors(config, head_dim: int) -> np.ndarray:
-    """Per-frequency divisors of Llama-3 RoPE scaling (what llama.cpp reads from `rope_freqs`)."""
-    theta, p = _rope(config)
-    factor, low, high = float(p["factor"]), float(p.get("low_freq_factor", 1.0)), float(p.get("high_freq_factor", 4.0))
-    old_ctx = float(p["original_max_position_embeddings"])
-    inv_freq = 1.0 / theta ** (np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    wavelen = 2 * math.pi / inv_freq
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    out = np.where(wavelen < old_ctx / high, 1.0,
-                   np.where(wavelen > old_ctx / low, factor, 1.0 / ((1 - smooth) / factor + smooth)))
-    return out.astype(np.float32)
-
-
-def _write_hparams(writer, config, arch: str, head_dim: int, notices: list[str]) -> np.ndarray | None:
+    """The llama.cpp architecture name for a HF config; ExportError naming the family for anything
+    llama.cpp or the installed gguf package cannot take (`maximus.export.gguf_arch`)."""
     import gguf
 
-    heads, kv_heads = config.num_attention_heads, getattr(config, "num_key_value_heads", None) or config.num_attention_heads
-    context = int(config.max_position_embeddings)
-    writer.add_context_length(context)
-    writer.add_embedding_length(config.hidden_size)
-    writer.add_block_count(config.num_hidden_layers)
-    writer.add_feed_forward_length(config.intermediate_size)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_layer_norm_rms_eps(float(config.rms_norm_eps))
-    writer.add_rope_dimension_count(head_dim)
-    if head_dim * heads != config.hidden_size:
-        writer.add_key_length(head_dim)
-        writer.add_value_length(head_dim)
-    theta, rope = _rope(config)
-    writer.add_rope_freq_base(theta)
-    kind = rope.get("rope_type", rope.get("type", "default")) or "default"
-    factors = None
-    if kind == "linear":
-        writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        writer.add_rope_scaling_factor(float(rope["factor"]))
-    elif kind == "llama3":
-        factors = llama3_rope_factors(config, head_dim)
-    elif kind != "default":
-        raise ExportError(f"RoPE scaling {kind!r} has no GGUF export yet", "supported: default, linear, llama3")
-    window = getattr(config, "sliding_window", None)
-    if getattr(config, "model_type", "") == "qwen2" and not getattr(config, "use_sliding_window", False):
-        window = None
-    if window is not None and window < context:
-        notices.append(f"sliding_window={window} is not representable in llama.cpp's {arch} architecture: "
-                       f"it attends over all {context} positions (identical up to {window} tokens)")
-    return factors
+    return gguf.MODEL_ARCH_NAMES[gguf_arch(config)[1]]
 
 
 def _tensor_type(name: str, array: np.ndarray, quant: str):
     import gguf
 
-    if array.ndim == 1 or quant == "f32":
+    # llama.cpp's own rule: biases (experts' are 2-D), norms and the router stay f32
+    if array.ndim == 1 or quant == "f32" or not name.endswith(".weight") or "ffn_gate_inp" in name:
         return gguf.GGMLQuantizationType.F32
     qname = "Q8_0" if quant in _LOW_BIT and name in ("output.weight",) else QUANTS[quant][0]
     qtype = gguf.GGMLQuantizationType[qname]
@@ -169,8 +98,8 @@ def _tensor_type(name: str, array: np.ndarray, quant: str):
 
 def write_gguf(model, tokenizer, path: str | Path, *, quant: str = "f16", name: str | None = None,
                source: dict | None = None, progress=None) -> list[str]:
-    """Write `model` (a merged Hugging Face Llama / Mistral / Qwen2 causal LM) and `tokenizer` to
-    the GGUF file `path`, then read it back (`check_written`). Returns notices (what the file
+    """Write `model` (a merged Hugging Face causal LM of a family in `GGUF_ARCHS`) and `tokenizer`
+    to the GGUF file `path`, then read it back (`check_written`). Returns notices (what the file
     cannot express) for the user to read. `progress` hears "tensors" (n of N), "writing",
     "quantizing" and "checking" (`maximus.export.progress.ExportProgress`).
 
@@ -192,45 +121,25 @@ def write_gguf(model, tokenizer, path: str | Path, *, quant: str = "f16", name: 
             f16.unlink(missing_ok=True)
         return notices
     config = model.config
-    arch = check_architecture(config)
-    heads = config.num_attention_heads
-    kv_heads = getattr(config, "num_key_value_heads", None) or heads
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
+    spec, arch = gguf_arch(config)
     notices: list[str] = []
-    state = {k: v for k, v in model.state_dict().items() if not k.endswith("rotary_emb.inv_freq")}
-    vocab_rows = state["model.embed_tokens.weight"].shape[0]
-    tied = bool(getattr(config, "tie_word_embeddings", False)) or (
-        "lm_head.weight" in state and state["lm_head.weight"].data_ptr() == state["model.embed_tokens.weight"].data_ptr())
+    vocab_rows = model.get_input_embeddings().weight.shape[0]
 
-    writer = gguf.GGUFWriter(str(path), arch)
+    writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])
     writer.add_name(name or Path(getattr(config, "_name_or_path", "") or "model").name)
     writer.add_string(GGUF_MARKER_KEY, json.dumps({"quant": quant, **(source or {})}))
     writer.add_file_type(int(gguf.LlamaFileType[QUANTS[quant][1]]))
     if quant not in ("f32", "f16", "bf16"):
         writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
-    factors = _write_hparams(writer, config, arch, head_dim, notices)
+    factors = write_hparams(writer, config, spec, notices)
     write_vocab(writer, tokenizer, config, vocab_rows)
     writer.add_vocab_size(vocab_rows)
-
-    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2 if arch == "qwen2" else gguf.MODEL_ARCH.LLAMA,
-                                     config.num_hidden_layers)
-    written = [hf for hf in state if not (hf == "lm_head.weight" and tied)]
-    total = len(written) + (factors is not None)
+    tensors = list(gguf_tensors(model, spec, arch))
+    total = len(tensors) + (factors is not None)
     progress("tensors", 0, total)
     if factors is not None:
         writer.add_tensor(gguf.TENSOR_NAMES[gguf.MODEL_TENSOR.ROPE_FREQS] + ".weight", factors)
-    for done, hf_name in enumerate(written, start=1 + (factors is not None)):
-        tensor = state[hf_name]
-        gguf_name = names.get_name(hf_name, try_suffixes=(".weight", ".bias"))
-        if gguf_name is None:
-            raise ExportError(f"tensor {hf_name!r} has no place in llama.cpp's {arch} architecture",
-                              "was the model changed (e.g. Kronecker sketching)? --format merged keeps it as is")
-        tensor = tensor.detach().to(torch.float32)
-        if arch == "llama" and hf_name.endswith(("q_proj.weight", "q_proj.bias")):
-            tensor = permute_for_llama_rope(tensor, heads)
-        elif arch == "llama" and hf_name.endswith(("k_proj.weight", "k_proj.bias")):
-            tensor = permute_for_llama_rope(tensor, kv_heads)
-        array = tensor.cpu().numpy()
+    for done, (gguf_name, array) in enumerate(tensors, start=1 + (factors is not None)):
         qtype = _tensor_type(gguf_name, array, quant)
         if qtype == gguf.GGMLQuantizationType.F32:
             writer.add_tensor(gguf_name, array)
