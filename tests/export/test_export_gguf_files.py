@@ -72,6 +72,48 @@ def test_unsupported_architecture_names_the_supported_ones():
                                "--format merged works for any model)")
 
 
+@pytest.mark.parametrize("model_type, fields, message", [
+    ("qwen3_moe", {"num_experts": 4, "norm_topk_prob": False},
+     "Qwen3-MoE (qwen3_moe) has no GGUF export for this config: norm_topk_prob is false, but llama.cpp's qwen3moe "
+     "always renormalises the top-k routing weights"),
+    ("qwen3_moe", {"num_experts": 4, "norm_topk_prob": True, "mlp_only_layers": [0]},
+     "Qwen3-MoE (qwen3_moe) has no GGUF export for this config: it has dense MLP layers (mlp_only_layers / "
+     "decoder_sparse_step), and llama.cpp's qwen3moe makes every layer a mixture of experts"),
+    ("gpt_oss", {"swiglu_limit": 10.0},
+     "gpt-oss (gpt_oss) has no GGUF export for this config: swiglu_limit is 10.0, but llama.cpp's gpt-oss computes "
+     "its SwiGLU with swiglu_limit 7.0"),
+    ("gemma2", {"tie_word_embeddings": False},
+     "Gemma 2 (gemma2) has no GGUF export for this config: its output head is untied (tie_word_embeddings: false), "
+     "but llama.cpp's gemma2 uses the embeddings as the head"),
+    ("gemma3_text", {"head_dim": 16, "query_pre_attn_scalar": 64},
+     "Gemma 3 (text) (gemma3_text) has no GGUF export for this config: query_pre_attn_scalar is 64, but llama.cpp "
+     "scales this shape's queries by 1/sqrt(16)"),
+])
+def test_configs_llama_cpp_cannot_run_are_refused_in_one_line(model_type, fields, message):
+    from transformers import AutoConfig
+
+    config = AutoConfig.for_model(model_type, num_hidden_layers=2, hidden_size=64, num_attention_heads=4, **fields)
+    with pytest.raises(ExportError) as info:
+        check_architecture(config)
+    assert str(info.value) == f"{message} (hint: --format merged keeps the model as it is)"
+
+
+def test_a_family_the_installed_gguf_does_not_know_is_refused_by_the_cli(lora_run, tmp_path, capsys, monkeypatch):
+    import dataclasses
+    from importlib.metadata import version
+
+    from maximus.export import gguf_arch
+
+    # as with a gguf package older than the architecture
+    monkeypatch.setitem(gguf_arch.GGUF_ARCHS, "llama", dataclasses.replace(gguf_arch.GGUF_ARCHS["llama"], arch="LLAMA9"))
+    out = tmp_path / "m.gguf"
+    assert main(["export", str(lora_run), "--format", "gguf", "--out", str(out)]) == 2
+    assert _err(capsys) == (f"error: Llama (llama) has no GGUF export with gguf {version('gguf')}: the package does "
+                            "not know llama.cpp's llama9 architecture (hint: pip install -U gguf, or use --format "
+                            "merged)")
+    assert not out.exists()
+
+
 def test_unsupported_tokenizer_names_the_supported_ones():
     from tokenizers import Tokenizer, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
