@@ -2,7 +2,8 @@
 
 - merged: the adapter merged into its base, a standalone Hugging Face directory (the default);
 - adapter: the PEFT adapter as it is, with a README on loading, serving and merging it;
-- gguf: one GGUF file for llama.cpp / LM Studio (Llama, Mistral, Qwen2; f16 ... q4_0), `to_gguf.py`;
+- gguf: one GGUF file for llama.cpp / LM Studio (every family of the model matrix; f16 ... q4_0),
+  `to_gguf.py` and `gguf_arch.py`;
 - ollama: the GGUF plus a Modelfile (template from the chat template, stop tokens), `ollama.py`.
 
 Every format writes through `maximus.export.target`: a new path, an empty directory or, with
