@@ -58,6 +58,7 @@ __all__ = [
     "CheckpointReport",
     "LayerCost",
     "apply_checkpointing",
+    "checkpoint_tower",
     "choose_recompute_modes",
     "measure_layer_costs",
     "remove_checkpointing",
@@ -262,6 +263,16 @@ def _set_modes(layers: Sequence[nn.Module], modes: Sequence[str], offloader=None
         # Transformers' own checkpointing would recompute the layer a second time.
         if getattr(layer, "gradient_checkpointing", False):
             layer.gradient_checkpointing = False
+
+
+def checkpoint_tower(tower: nn.Module) -> int:
+    """Full recompute for every layer of a VLM's vision tower (its longest layer list: CLIP /
+    SigLIP ``encoder.layers``, Qwen2-VL ``blocks``); returns how many. A tower trained with
+    ``lora.vision`` is checkpointed whenever the language model is (`maximus.memory.vision_terms`)."""
+    lists = [m for m in tower.modules() if isinstance(m, nn.ModuleList)]
+    layers = max(lists, key=len) if lists else []
+    _set_modes(layers, ["full"] * len(layers))
+    return len(layers)
 
 
 def remove_checkpointing(model: nn.Module) -> None:

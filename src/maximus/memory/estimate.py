@@ -473,8 +473,18 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
                 modules_to_save=list(cfg.lora.modules_to_save), use_dora=cfg.lora.use_dora,
                 lora_dropout=cfg.lora.dropout,
                 lean_norm=opt.lean_norm and opt.kernels != "compile", lora_experts=lora_reaches_experts(cfg),
-                grouped_experts=opt.grouped_experts and opt.kernels != "compile",
+                grouped_experts=opt.grouped_experts and opt.kernels != "compile", vision=_vision_spec(cfg),
                 **optimizer_kwargs(cfg))
+
+
+def _vision_spec(cfg: Any):
+    from maximus.memory.vision_terms import vision_spec
+
+    try:
+        config = load_model_config(cfg.model)
+    except ModelError:  # the caller reports an unreadable model; no tower to add
+        return None
+    return vision_spec(cfg, config)
 
 
 def lora_reaches_experts(cfg: Any) -> bool:
@@ -739,6 +749,8 @@ class StepSpec:
     modules_to_save: tuple[str, ...] = ()
     use_dora: bool = False
     lora_dropout: float = 0.0
+    #: A vision-language model's tower and projector (`maximus.memory.vision_terms.VisionSpec`).
+    vision: Any = None
 
     @property
     def b(self) -> int:
@@ -796,7 +808,8 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
               offload_params: bool = False, tile_tokens: int | None = None, lean_lora: bool = False,
               lean_norm: bool = True, optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
               master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
-              modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0) -> StepSpec:
+              modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
+              vision: Any = None) -> StepSpec:
     """The `StepSpec` of `estimate_peak`'s arguments (documented there); raises its ConfigErrors."""
     shape = model_shape(model_config)
     if method not in ("full", "lora", "qlora"):
@@ -826,7 +839,8 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
         matryoshka_token_fraction=matryoshka_token_fraction, offload_params=offload_params, tile_tokens=tile_tokens,
         lean=bool(lean_lora and adapter), lean_norm=lean_norm, optimizer_rank=optimizer_rank,
         optimizer_in_backward=optimizer_in_backward, master_weights=master_weights, lora_experts=lora_experts,
-        grouped_experts=grouped_experts, modules_to_save=tuple(modules_to_save or ()), use_dora=use_dora, lora_dropout=lora_dropout)
+        grouped_experts=grouped_experts, modules_to_save=tuple(modules_to_save or ()), use_dora=use_dora, lora_dropout=lora_dropout,
+        vision=vision)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -848,6 +862,7 @@ class StaticTerms:
     trainable_head: bool
     extras: AdapterTerms
     notes: list[str]
+    vision: Any = None  # `maximus.memory.vision_terms.VisionTerms` of a VLM
 
 
 def _weight_bytes(spec: StepSpec, notes: list[str]) -> tuple[int, int, int]:
@@ -896,6 +911,16 @@ def _static_terms(spec: StepSpec) -> StaticTerms:
     notes.extend(extras.notes)
     adapters += 4 * extras.trainable_params // shard
     trainable += extras.trainable_params
+    vision = None
+    if spec.vision is not None:  # the tower and the projector (maximus.memory.vision_terms)
+        from maximus.memory.vision_terms import vision_terms
+
+        vision = vision_terms(spec.vision, rows=spec.T // spec.seq_len, seq_len=spec.seq_len, text=shape,
+                              method=spec.method, dtype_bytes=spec.b, lora_r=r, checkpointing=spec.checkpointing,
+                              grad_accum=spec.grad_accum)
+        weights_dev += vision.weights
+        adapters += vision.adapters if adapter else 0
+        trainable += vision.trainable
     p_bytes = 4 if adapter else spec.weight_bytes
     opt = dict(full=not adapter, trainable=trainable, p_bytes=p_bytes)
     # Per trainable parameter, on average (maximus.memory.optimizer_state: one row per optimizer).
@@ -914,7 +939,7 @@ def _static_terms(spec: StepSpec) -> StaticTerms:
     return StaticTerms(weights_dev=weights_dev, adapters=adapters, opt_dev=0 if spec.offload_optimizer else states,
                        grads=grads, step_temporaries=step_temporaries, host_opt=host_opt, streamed=streamed,
                        trainable=trainable, trainable_head=not adapter or extras.trains_head, extras=extras,
-                       notes=notes)
+                       notes=notes, vision=vision)
 
 
 @dataclass(frozen=True)
@@ -1118,6 +1143,8 @@ def _settings(spec: StepSpec, static: StaticTerms, tile_fraction: float) -> dict
         settings["offload_params"] = True
     if static.extras.trainable_params or static.extras.layer_bytes_per_token:
         settings["adapter_terms"] = static.extras.to_dict()
+    if static.vision is not None:
+        settings["vision"] = static.vision.to_dict()
     settings.update(optimizer_settings(spec.optimizer, spec.optimizer_rank, spec.optimizer_in_backward,
                                        spec.master_weights))
     return settings
@@ -1135,7 +1162,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   tile_tokens: int | None = None, lean_lora: bool = False, lean_norm: bool = True,
                   optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
                   master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
-                  modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0) -> Estimate:
+                  modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
+                  vision: Any = None) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -1194,6 +1222,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             kernel), else Transformers' float32 path with its float32 temporaries in backward.
         lean_lora: the adapters' projections are Maximus' lean ones (the input kept once, in the
             compute dtype); False: PEFT's own layers (what a plain Transformers + PEFT step keeps).
+        vision: a vision-language model's tower and projector (`maximus.memory.vision_terms.VisionSpec`,
+            from `vision_spec(cfg, config)`); None for a text model. The rows' image tokens are in `seq_len`.
         modules_to_save, use_dora, lora_dropout: `lora.modules_to_save` (full trained copies, e.g.
             embed_tokens, lm_head), DoRA and LoRA dropout (`maximus.memory.adapter_terms`); adapters only.
 
@@ -1211,7 +1241,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         offload_params=offload_params, tile_tokens=tile_tokens, lean_lora=lean_lora, lean_norm=lean_norm,
         optimizer_rank=optimizer_rank, optimizer_in_backward=optimizer_in_backward, master_weights=master_weights,
         lora_experts=lora_experts, grouped_experts=grouped_experts,
-        modules_to_save=modules_to_save, use_dora=use_dora, lora_dropout=lora_dropout))
+        modules_to_save=modules_to_save, use_dora=use_dora, lora_dropout=lora_dropout, vision=vision))
 
 
 def estimate_step(spec: StepSpec) -> Estimate:
@@ -1221,6 +1251,8 @@ def estimate_step(spec: StepSpec) -> Estimate:
     bwd_layers = _backward_walk(spec, layers)
     loss, default_chunk = _loss_terms(spec, static.trainable_head)
     phases = _phases(spec, static, layers, bwd_layers, loss, _workspace_terms(spec))
+    if static.vision is not None:
+        static.vision.add_to_phases(phases, static.grads if spec.grad_accum > 1 else 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     phase = max(totals, key=totals.get)
     chosen = phases[phase]

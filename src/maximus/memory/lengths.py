@@ -71,18 +71,25 @@ class RowLengths:
     ``steps``: one tuple of row lengths per (optimizer step, rank), as the loader splits it into
     micro-batches. ``cap``: ``training.seq_len``. ``flatten``: the trainer's rule ``(rows, tokens)
     -> bool`` for a micro-batch going in unpadded (None: always padded). ``notes``: what the plan
-    should say about the data (rows cut to the cap)."""
+    should say about the data (rows cut to the cap). ``images_per_row``: the most images a row has."""
 
     steps: tuple[tuple[int, ...], ...]
     cap: int
     flatten: Callable[[int, int], bool] | None = None
     notes: tuple[str, ...] = ()
+    #: The most images one row holds (vision-language rows; 1 for text): the tower's load per row.
+    images_per_row: int = 1
     _cache: dict = field(default_factory=dict, compare=False, repr=False)
 
     @property
     def longest(self) -> int:
         """The longest row of the run (tokens)."""
         return max((max(s) for s in self.steps if s), default=0)
+
+    @property
+    def uneven(self) -> bool:
+        """Whether rows differ in length (a padded micro-batch then needs an attention mask)."""
+        return len({n for s in self.steps for n in s}) > 1
 
     def micro_batch_of(self, lengths: Sequence[int]) -> MicroBatch:
         """The micro-batch of these rows as the loader forms it (padded, or flattened when the rule says so)."""

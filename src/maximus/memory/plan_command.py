@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from dataclasses import replace
 from typing import Any
 
 from maximus.arguments import ArgumentParser
@@ -30,7 +31,7 @@ from maximus.memory.estimate import DEVICE_FLOPS, load_model_config, model_shape
 from maximus.memory.lengths import RowLengths
 from maximus.memory.optimizer_state import OPTIMIZERS
 from maximus.memory.plan import Plan, plan_summary, recompute_label
-from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
+from maximus.memory.planner import max_seq_len_for_budget, plan_for_budget, resolve_budget
 from maximus.memory.run_plan import lean_lora_applies, plan_run
 
 __all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS"]
@@ -116,6 +117,48 @@ def _planner_picks_method(cfg: Config) -> bool:
     return "method" not in cfg.model_fields_set or cfg.method == "auto"
 
 
+def largest_image(shape, budget_bytes: int, *, vision, seq_len: int, micro_batch: int, **kwargs: Any) -> dict | None:
+    """The largest image (pixels) whose rows still fit `budget_bytes` at `micro_batch`, as the
+    longest context is for text: each row keeps its text tokens (``seq_len`` less its image tokens)
+    and gets the image tokens of that size (`maximus.memory.vision_terms.image_geometry`). A
+    processor that resizes every image to one size has one answer: that size, or None when it
+    does not fit. None when not even the smallest image fits."""
+    from maximus.memory.vision_terms import image_geometry, processor_limits
+
+    text = max(1, seq_len - vision.geometry.tokens * vision.images_per_row)
+
+    def spec_at(pixels: int | None):
+        g = vision.geometry if pixels is None else image_geometry(vision.shape, vision.processor, pixels)
+        return replace(vision, geometry=g)
+
+    def fits(spec) -> bool:
+        rows = text + spec.geometry.tokens * spec.images_per_row
+        try:
+            plan_for_budget(shape, budget_bytes, batch_size=micro_batch, seq_len=rows, micro_batch_size=micro_batch,
+                            vision=spec, name_longest=False, **kwargs)
+            return True
+        except BudgetError:
+            return False
+
+    def found(spec) -> dict:
+        g = spec.geometry
+        return {"width": g.width, "height": g.height, "pixels": g.width * g.height, "image_tokens": g.tokens,
+                "fixed_size": g.fixed}
+
+    if vision.geometry.fixed:
+        return found(vision) if fits(vision) else None
+    lo_px, hi_px = processor_limits(vision.shape, vision.processor)
+    if not fits(spec_at(lo_px)):
+        return None
+    lo, hi = lo_px, hi_px
+    if fits(spec_at(hi)):
+        return found(spec_at(hi))
+    while hi - lo > max(1, lo // 100):  # invariant: lo fits, hi does not; 1 % is finer than the patch grid
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(spec_at(mid)) else (lo, mid)
+    return found(spec_at(lo))
+
+
 def data_lengths(cfg: Config, world_size: int = 1) -> tuple[RowLengths | None, str | None]:
     """The run's row lengths read from its data (`maximus.train.order.read_lengths`), or None and
     the one-line reason when the tokenizer or the data cannot be read here (a hub id with no local
@@ -146,6 +189,10 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
                       dtype=requested.dtype, optimizer=t.optimizer, lora_r=cfg.lora.r,
                       lora_targets=cfg.lora.target_modules, **technique_kwargs(cfg))
 
+    vision = longest_kw.get("vision")
+    if vision is not None and lengths is not None:  # the most images a row of the data has
+        vision = longest_kw["vision"] = vision.for_data(lengths.images_per_row, lengths.uneven)
+
     def plan_or_none(budget: int) -> tuple[Plan | None, str | None]:
         try:
             return plan_run(cfg, device="cuda", world_size=world_size, budget_bytes=budget, lengths=lengths), None
@@ -159,14 +206,21 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
         if plan is not None and name in CARD_TFLOPS:
             speed = plan.tokens_per_s_guess * CARD_TFLOPS[name] * 1e12 / DEVICE_FLOPS["cuda"]
         longest = max_seq_len_for_budget(shape, memory, **longest_kw) if world_size == 1 else None
+        image = largest_image(shape, memory, seq_len=t.seq_len, **longest_kw) if vision and world_size == 1 else None
         cards.append({"card": name, "memory_bytes": memory, "price_per_hour": price, "fits": plan is not None,
                       "plan": plan.to_dict() if plan else None, "why_not": why, "longest_context_tokens": longest,
+                      "largest_image": image,
                       "tokens_per_s_guess": speed,
                       "usd_per_million_tokens": price / (speed * 3600) * 1e6 if speed else None})
     fitting = [c for c in cards if c["fits"]]
     cheapest = min(fitting, key=lambda c: (c["price_per_hour"], c["memory_bytes"]))["card"] if fitting else None
     report: dict[str, Any] = {
         "model": str(cfg.model),
+        "vision": None if vision is None else {
+            "images_per_row": vision.images_per_row, "image_width": vision.geometry.width,
+            "image_height": vision.geometry.height, "image_tokens": vision.geometry.tokens,
+            "tower_tokens": vision.geometry.patches, "fixed_size": vision.geometry.fixed,
+            "tower_trains": vision.lora_vision, "projector_trains": vision.lora_projector},
         "shape": {"params": shape.num_params, "layers": shape.num_layers, "hidden_size": shape.hidden_size,
                   "vocab_size": shape.vocab_size},
         "settings": {"method": "auto" if _planner_picks_method(cfg) and cfg.optimization.target_vram is not None
@@ -290,6 +344,13 @@ def _print_tables(report: dict[str, Any]) -> None:
     s = report["settings"]
     console.print(f"[bold]{report['model']}[/bold]: {report['shape']['params'] / 1e9:.2f}B parameters, "
                   f"{s['method']}, {s['batch_size']} x {s['seq_len']} tokens, {s['dtype']}, loss {s['loss_mode']}")
+    if report.get("vision"):
+        v = report["vision"]
+        trains = [n for n, k in (("tower", "tower_trains"), ("projector", "projector_trains")) if v[k]]
+        console.print(f"images: {v['images_per_row']} per row of {v['image_width']}x{v['image_height']} pixels, "
+                      f"{v['image_tokens']:,} image tokens ({v['tower_tokens']:,} in the tower)"
+                      + (", the processor's fixed size" if v["fixed_size"] else "")
+                      + f"; trained: language model{''.join(', ' + n for n in trains)}")
     if report.get("data_note"):
         console.print(f"note: {report['data_note']}")
     console.print(report["_requested"].table(title=f"requested setting (micro-batch {s['micro_batch']}, "
@@ -300,16 +361,21 @@ def _print_tables(report: dict[str, Any]) -> None:
     for col in ("card", "memory", "$/hour", "plan", "predicted peak", "tokens/s (guess)", "$/M tokens"):
         cards.add_column(col, justify="right" if col not in ("card", "plan") else "left")
     cards.add_column("longest context", justify="right", no_wrap=True)
+    vision = report.get("vision")
+    if vision:
+        cards.add_column("largest image", justify="right", no_wrap=True)
     for c in report["cards"]:
         p = c["plan"]
-        longest = f"{c['longest_context_tokens']:,}" if c.get("longest_context_tokens") is not None else "-"
+        longest = [f"{c['longest_context_tokens']:,}" if c.get("longest_context_tokens") is not None else "-"]
+        if vision:
+            longest.append(_image_label(c.get("largest_image")))
         if p:
             cards.add_row(c["card"], format_bytes(c["memory_bytes"]), f"{c['price_per_hour']:.2f}", plan_summary(p),
                           format_bytes(p["peak_bytes"]), f"{c['tokens_per_s_guess'] or 0:.0f}",
-                          f"{c['usd_per_million_tokens']:.2f}" if c["usd_per_million_tokens"] else "-", longest)
+                          f"{c['usd_per_million_tokens']:.2f}" if c["usd_per_million_tokens"] else "-", *longest)
         else:
             cards.add_row(c["card"], format_bytes(c["memory_bytes"]), f"{c['price_per_hour']:.2f}",
-                          "does not fit", "-", "-", "-", longest)
+                          "does not fit", "-", "-", "-", *longest)
     console.print(cards)
     if report["cheapest_card"]:
         console.print(f"cheapest card that fits: [bold]{report['cheapest_card']}[/bold]")
@@ -323,6 +389,14 @@ def _print_tables(report: dict[str, Any]) -> None:
             console.print(f"budget {format_bytes(b['budget_bytes'])}: {b['why_not']}")
     if "measure" in report:
         _print_measure(console, report["measure"])
+
+
+def _image_label(image: dict | None) -> str:
+    """`largest_image` in a few words: ``1288x1288 (2,116 tokens)``, ``fixed`` for a processor's one size."""
+    if image is None:
+        return "none fits"
+    label = f"{image['width']}x{image['height']} ({image['image_tokens']:,} tokens)"
+    return label + (", fixed" if image["fixed_size"] else "")
 
 
 def plan_json(argv: list[str]) -> dict[str, Any]:

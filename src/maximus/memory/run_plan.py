@@ -67,6 +67,7 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
     dtype = "bf16" if uses_bf16_weights(cfg) else _dtype_name(t.dtype, device_type)
     try:
         shape = model_shape(load_model_config(cfg.model))
+        technique_kwargs(cfg)  # a vision-language model's tower must be one the estimator knows
     except ModelError:
         if not free_memory:
             raise
@@ -78,6 +79,10 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
         method = "lora"
     kwargs = _search_kwargs(cfg, method=method, dtype=dtype, device_type=device_type, world_size=world_size,
                             gradient_checkpointing=opt.gradient_checkpointing, lengths=lengths)
+    if kwargs.get("vision") is not None and lengths is None:  # rows at seq_len must hold their images
+        from maximus.memory.vision_terms import check_row_fits
+
+        check_row_fits(kwargs["vision"], kwargs["seq_len"])
     if budget_bytes is None:
         # No memory to fit: the run as configured (the planner only fills in what is auto).
         kwargs.update(allow=DEFAULT_ALLOW - {"micro_batch", "offload_activations", "offload_optimizer"})
@@ -201,7 +206,7 @@ def replan(cfg: Config, plan: Plan, lengths: RowLengths | None = None, **changes
                       lora_targets=cfg.lora.target_modules, world_size=new.world_size,
                       loss_chunk_tokens=new.loss_chunk_size, grad_accum=new.grad_accum, device=new.device,
                       sharded=new.strategy == "fsdp", tile_tokens=new.tile_tokens,
-                      lean_lora=lean_lora_applies(cfg), **_technique_kwargs(cfg))
+                      lean_lora=lean_lora_applies(cfg), **_technique_kwargs(cfg, lengths))
     return replace(new, peak_bytes=e.peak_bytes, breakdown=dict(e.breakdown), peak_phase=e.phase,
                    tokens_per_s_guess=e.tokens_per_s_guess)
 
@@ -234,7 +239,7 @@ def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, wo
                 offload_activations=opt.offload.activations, offload_optimizer=offload_opt,
                 device=device_type, tile_tokens=opt.tile_tokens, lean_lora=lean_lora_applies(cfg),
                 host_budget_bytes=_host_for_offload(device_type), lengths=lengths,
-                micro_batch_tokens=t.micro_batch_tokens, **_technique_kwargs(cfg))
+                micro_batch_tokens=t.micro_batch_tokens, **_technique_kwargs(cfg, lengths))
 
 
 #: Share of the available host RAM that offloaded state may fill (the rest: the process itself,
@@ -257,11 +262,15 @@ def _host_for_offload(device_type: str) -> int | None:
 
 
 # ---------------------------------------------------------------------------------- techniques
-def _technique_kwargs(cfg: Config) -> dict[str, Any]:
+def _technique_kwargs(cfg: Config, lengths: RowLengths | None = None) -> dict[str, Any]:
     """THE place where the run's techniques (Kronecker attention, ghost candidates, DPO /
-    contrastive rows, Matryoshka, parameter offload) reach the estimator: every `estimate_peak`
-    call of `plan_run`, `replan` and `plan_below_measured`."""
-    return technique_kwargs(cfg)
+    contrastive rows, Matryoshka, parameter offload, a VLM's tower) reach the estimator: every
+    `estimate_peak` call of `plan_run`, `replan` and `plan_below_measured`. With the data's
+    `lengths`, a VLM's tower is planned for the most images a row has."""
+    kwargs = technique_kwargs(cfg)
+    if kwargs.get("vision") is not None and lengths is not None:
+        kwargs["vision"] = kwargs["vision"].for_data(lengths.images_per_row, lengths.uneven)
+    return kwargs
 
 
 def _attention(cfg: Config) -> Attention:

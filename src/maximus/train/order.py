@@ -88,6 +88,7 @@ def run_lengths(cfg, rows: list[dict], *, steps: int, world_size: int = 1) -> Ro
     t = cfg.training
     order = RowOrder(len(rows), t.batch_size, t.seed)
     lengths = [row_length(r) for r in rows]
+    images = max((len(r["images"].paths) for r in rows if "images" in r), default=1)  # vision-language rows
     extra, repeat, every, shares = 0, 1, 1, 1
     if cfg.objective == "grpo":
         g = cfg.grpo
@@ -111,4 +112,4 @@ def run_lengths(cfg, rows: list[dict], *, steps: int, world_size: int = 1) -> Ro
     if lengths and min(lengths) >= cap:
         notes = (f"every training row reached training.seq_len ({cap:,} tokens) and was cut to it: the plan "
                  f"assumes rows of {cap:,} tokens",)
-    return RowLengths(steps=tuple(out), cap=cap, flatten=flatten, notes=notes)
+    return RowLengths(steps=tuple(out), cap=cap, flatten=flatten, notes=notes, images_per_row=max(1, images))

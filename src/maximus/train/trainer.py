@@ -168,6 +168,14 @@ class Trainer:
                                      offload_activations=plan.offload_activations, tile_tokens=plan.tile_tokens)
         if not plan.recompute:
             self.plan = replan(self.cfg, plan, recompute=tuple(report.modes), lengths=self.lengths)
+        from maximus.vision import is_vision_config, vision_parts
+
+        if self.cfg.lora.vision and any(m != "none" for m in report.modes) and is_vision_config(self.model.config):
+            # A trained tower is recomputed whenever the language model is (as planned: vision_terms).
+            from maximus.memory.checkpointing import checkpoint_tower
+            from maximus.structure import causal_lm_of
+
+            checkpoint_tower(causal_lm_of(self.model).get_submodule(vision_parts(self.model).tower))
         if plan.tile_tokens and report.tile_tokens is None:
             self.dist.say(f"notice: optimization.tile_tokens={plan.tile_tokens} has no effect: no layer is "
                           f"fully recomputed (gradient_checkpointing: {self.cfg.optimization.gradient_checkpointing})")
