@@ -329,16 +329,10 @@ def tower_targets(lora_targets: Any) -> tuple[str, ...]:
     return tuple(n for n in TOWER_LORA_LINEARS if n in names)
 
 
-def vision_spec(cfg: Any, model_config: Any = None) -> VisionSpec | None:
-    """The `VisionSpec` of the run `cfg` (a `maximus.Config`), None for a text model. Reads the
-    model's config.json (`model_config` when given) and its processor's settings."""
-    from maximus.memory.estimate import load_model_config
-
-    if model_config is None:
-        try:
-            model_config = load_model_config(cfg.model)
-        except ModelError:  # the caller reports an unreadable model; no tower to add
-            return None
+def vision_spec(cfg: Any, model_config: Any) -> VisionSpec | None:
+    """The `VisionSpec` of the run `cfg` (a `maximus.Config`) whose config.json is `model_config`
+    (`maximus.memory.estimate.technique_kwargs` reads it), None for a text model. Reads the
+    processor's settings beside the model. Raises ModelError for a tower the estimator does not know."""
     config = model_config
     if "vision_config" not in _as_dict(config):
         return None
