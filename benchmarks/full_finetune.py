@@ -25,7 +25,13 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-#: name -> training.* settings of the variant (all full fine-tuning).
+_IN_BACKWARD = {"optimizer_in_backward": True, "max_grad_norm": None}
+#: The lowest-memory setting: APOLLO-Mini, 4-bit moments for embedding and head, the step inside
+#: the backward, every layer recomputed and 64-token loss chunks.
+BEST = "apollo_mini, 4-bit embedding, in backward, recompute"
+
+#: name -> training.* settings of the variant (all full fine-tuning); an "optimization" entry
+#: holds optimization.* settings.
 VARIANTS = {
     "adamw": {"optimizer": "adamw"},
     "adamw_8bit": {"optimizer": "adamw_8bit"},
@@ -35,8 +41,12 @@ VARIANTS = {
     "galore": {"optimizer": "galore"},
     "apollo": {"optimizer": "apollo"},
     "apollo_mini": {"optimizer": "apollo_mini"},
-    "apollo_mini + in backward": {"optimizer": "apollo_mini", "optimizer_in_backward": True, "max_grad_norm": None},
-    "adamw + in backward": {"optimizer": "adamw", "optimizer_in_backward": True, "max_grad_norm": None},
+    "apollo_mini + in backward": {"optimizer": "apollo_mini", **_IN_BACKWARD},
+    "adamw + in backward": {"optimizer": "adamw", **_IN_BACKWARD},
+    "apollo_mini, 4-bit embedding + in backward": {"optimizer": "apollo_mini", "embedding_optimizer": "adamw_4bit",
+                                                   **_IN_BACKWARD},
+    BEST: {"optimizer": "apollo_mini", "embedding_optimizer": "adamw_4bit", **_IN_BACKWARD,
+           "optimization": {"gradient_checkpointing": "full", "loss_chunk_size": 64}},
     "adamw, bf16 weights (SR)": {"optimizer": "adamw", "master_weights": "bf16"},
     "adamw, fp32 master, bf16 compute": {"optimizer": "adamw", "dtype": "bf16"},
 }
@@ -65,12 +75,14 @@ def run_variant(name: str, model: Path, work: Path, args) -> dict:
 
     out = work / name.replace(" ", "_").replace(",", "").replace("(", "").replace(")", "")
     shutil.rmtree(out, ignore_errors=True)
+    variant = dict(VARIANTS[name])
+    optimization = {"gradient_checkpointing": "off", **variant.pop("optimization", {})}
     training = {"batch_size": args.batch, "micro_batch_size": args.batch, "max_steps": args.steps,
                 "learning_rate": args.lr, "warmup_steps": 0, "scheduler": "constant", "seq_len": args.seq,
-                "dtype": "fp32", "seed": 0, "optimizer_rank": args.rank, **VARIANTS[name]}
+                "dtype": "fp32", "seed": 0, "optimizer_rank": args.rank, **variant}
     cfg = Config.from_dict({
         "model": str(model), "dataset": "builtin:reverse-words", "method": "full", "output_dir": str(out),
-        "device": "cpu", "optimization": {"gradient_checkpointing": "off"}, "training": training,
+        "device": "cpu", "optimization": optimization, "training": training,
         "eval": {"split": 0.05, "before": False, "every": max(1, args.steps // 4), "max_batches": args.eval_batches},
         "logging": {"progress": "none"}})
     t0 = time.perf_counter()
@@ -84,7 +96,8 @@ def run_variant(name: str, model: Path, work: Path, args) -> dict:
     tps = statistics.median(r["tokens_per_s"] for r in timed)
     peak = summary["memory"]["peak_bytes"]
     predicted = summary["plan"]["peak_bytes"]
-    shutil.rmtree(out, ignore_errors=True)
+    if not args.keep:
+        shutil.rmtree(out, ignore_errors=True)
     return {"variant": name, "peak_bytes": peak, "predicted_bytes": predicted, "tokens_per_s": tps,
             "eval": {str(k): v for k, v in sorted(evals.items())}, "wall_s": wall,
             "final_train_loss": steps[-1]["loss"] if steps else None}
@@ -119,14 +132,17 @@ def main(argv=None) -> int:
     p.add_argument("--eval-batches", type=int, default=4)
     p.add_argument("--repeats", type=int, default=1)
     p.add_argument("--only", nargs="*", help="variants to run (default all)")
-    p.add_argument("--out", type=Path)
+    p.add_argument("--out", type=Path, help="JSON of all results at the end")
+    p.add_argument("--keep", type=Path, help="keep each variant's run directory under this folder")
+    p.add_argument("--rows", type=Path, help="JSON lines: each variant's result appended as it finishes")
     args = p.parse_args(argv)
     import torch
 
     names = args.only or list(VARIANTS)
     if "adamw" not in names:
         names = ["adamw"] + names
-    work = Path(tempfile.mkdtemp(prefix="full_finetune_"))
+    work = args.keep or Path(tempfile.mkdtemp(prefix="full_finetune_"))
+    work.mkdir(parents=True, exist_ok=True)
     try:
         model = model_dir(args.layers, work)
         runs: dict[str, list[dict]] = {n: [] for n in names}
@@ -134,8 +150,13 @@ def main(argv=None) -> int:
             for name in names:  # round-robin: a loaded machine slows every variant alike
                 runs[name].append(run_variant(name, model, work, args))
                 print(json.dumps(runs[name][-1]), flush=True)
+                if args.rows:
+                    with args.rows.open("a") as f:
+                        f.write(json.dumps({**runs[name][-1], "steps": args.steps, "seq": args.seq,
+                                            "layers": args.layers}) + "\n")
     finally:
-        shutil.rmtree(work, ignore_errors=True)
+        if not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     results = {}
     for name, rs in runs.items():
         r = dict(rs[len(rs) // 2])

@@ -7,7 +7,7 @@ import torch
 
 from maximus import Config
 from maximus.memory.estimate import estimate_peak, load_model_config, model_shape
-from maximus.memory.optimizer_state import OPTIMIZERS, optimizer_state_bytes
+from maximus.memory.optimizer_state import EMBEDDING_ON_ADAMW, OPTIMIZERS, optimizer_state_bytes
 from maximus.train.optimizers import build_optimizer
 
 from tiny import one_thread  # noqa: F401
@@ -29,14 +29,16 @@ def _held_bytes(optimizer) -> int:
 
 # bitsandbytes keeps tensors below 4,096 values in 32 bits and two code books per tensor: on a
 # tiny model that is 10 % more than its row's 2 bytes per value, on a real one < 2 %.
-@pytest.mark.parametrize("name", [n for n in OPTIMIZERS if n not in ("adamw_8bit", "paged_adamw_8bit")])
-def test_state_bytes_match_the_real_optimizer(name, tiny_llama):
+@pytest.mark.parametrize("name, embedding", [(n, "adamw") for n in OPTIMIZERS if n not in ("adamw_8bit", "paged_adamw_8bit")]
+                         + [(n, "adamw_4bit") for n in EMBEDDING_ON_ADAMW])
+def test_state_bytes_match_the_real_optimizer(name, embedding, tiny_llama):
     from unittest import mock
 
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=torch.float32)
-    training = Config.from_dict({"model": "x", "dataset": "y", "training": {"optimizer": name, "optimizer_rank": 8}}).training
+    training = Config.from_dict({"model": "x", "dataset": "y", "training": {
+        "optimizer": name, "optimizer_rank": 8, "embedding_optimizer": embedding}}).training
     # torchao's compiled step runs eagerly here (the same function, see tests/train/test_optimizers.py).
     with mock.patch.object(torch, "compile", lambda fn, **kw: fn):
         opt = build_optimizer(model, training)
@@ -45,7 +47,8 @@ def test_state_bytes_match_the_real_optimizer(name, tiny_llama):
         opt.step()
     shape = model_shape(load_model_config(str(tiny_llama)))
     trainable = sum(p.numel() for p in model.parameters())
-    predicted = optimizer_state_bytes(shape, name, full=True, trainable=trainable, p_bytes=4, rank=8)
+    predicted = optimizer_state_bytes(shape, name, full=True, trainable=trainable, p_bytes=4, rank=8,
+                                      embedding_optimizer=embedding)
     assert predicted == pytest.approx(_held_bytes(opt), rel=0.03)
 
 
@@ -60,6 +63,31 @@ def test_full_finetune_of_an_8b_model_fits_24gb_with_the_low_memory_settings():
     assert lean.breakdown["optimizer"] < 0.1 * adamw.breakdown["optimizer"]
     assert lean.settings["optimizer_rank"] == 1 and lean.settings["optimizer_in_backward"]
     assert lean.peak_bytes < 24 * 2**30
+
+
+def test_8b_full_finetune_fits_a_24gb_card_with_margin_with_4bit_embedding_moments(capsys):
+    """The same run with the embedding's and the head's moments in 4 bits (torchao), as
+    `maximus plan` sizes it per card: within an RTX 4090's budget less the 10 % margin, and the
+    smallest cards that fit are the 22 GiB ones (L4, A10); the plan names the settings."""
+    import json
+
+    from maximus.cli import main
+
+    common = dict(method="full", dtype="bf16", seq_len=2048, checkpointing="full", device="cuda",
+                  optimizer="apollo_mini", master_weights="bf16", optimizer_in_backward=True)
+    adamw_moments = estimate_peak("meta-llama/Llama-3.1-8B", **common)
+    lean = estimate_peak("meta-llama/Llama-3.1-8B", embedding_optimizer="adamw_4bit", **common)
+    assert adamw_moments.breakdown["optimizer"] > 3.5 * 2**30 > 1.1 * 2**30 > lean.breakdown["optimizer"]
+    assert lean.peak_bytes <= 0.9 * 22 * 2**30 < adamw_moments.peak_bytes
+    assert ("optimizer apollo_mini: rank 1, embedding and head on torchao 4-bit AdamW, step inside the backward, "
+            "bf16 weights with stochastic rounding") in lean.notes
+    main(["plan", "--model", "meta-llama/Llama-3.1-8B", "--method", "full", "--optimizer", "apollo_mini",
+          "--seq", "2048", "--batch", "1", "--optimizer-in-backward", "--master-weights", "bf16",
+          "--embedding-optimizer", "adamw_4bit", "--json"])
+    report = json.loads(capsys.readouterr().out)
+    fits = {c["card"] for c in report["cards"] if c.get("fits")}
+    assert {"L4", "A10", "RTX3090", "RTX4090"} <= fits and "T4" not in fits
+    assert report["cheapest_card"] == "RTX3090"
 
 
 def test_auto_chooses_full_when_allowed_and_it_fits(tiny_llama, pc_data, tmp_path):

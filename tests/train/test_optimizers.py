@@ -17,6 +17,8 @@ from tiny import one_thread, tiny_config  # noqa: F401
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 NEW = ("adamw_4bit", "apollo", "apollo_mini", "galore", "adam_mini", "muon")
+#: The optimizers that leave embedding and head to AdamW, with torchao's 4-bit moments there instead.
+FOUR_BIT_EMBEDDING = {"embedding_optimizer": "adamw_4bit"}
 
 
 def _training(optimizer: str, **extra):
@@ -61,7 +63,18 @@ def _eager_torchao(optimizer: str):
 def test_resume_equals_uninterrupted(optimizer, in_backward, tiny_llama, tmp_path):
     """4 steps in one go == 2 steps, a checkpoint written and read back into a fresh model and
     optimizer, 2 more steps (to 1e-5), with a learning-rate schedule in between."""
-    training = _training(optimizer, optimizer_in_backward=in_backward, max_grad_norm=None)
+    _assert_resume_equal(_training(optimizer, optimizer_in_backward=in_backward, max_grad_norm=None), optimizer,
+                         tiny_llama, tmp_path)
+
+
+@pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
+@pytest.mark.parametrize("optimizer", ["apollo_mini", "muon"])
+def test_resume_equals_uninterrupted_with_4bit_embedding(optimizer, in_backward, tiny_llama, tmp_path):
+    _assert_resume_equal(_training(optimizer, optimizer_in_backward=in_backward, max_grad_norm=None,
+                                   **FOUR_BIT_EMBEDDING), "adamw_4bit", tiny_llama, tmp_path)
+
+
+def _assert_resume_equal(training, optimizer: str, tiny_llama, tmp_path):
     with _eager_torchao(optimizer):
         ref = _model(tiny_llama)
         batches = _batches(4, ref.config.vocab_size)
@@ -122,6 +135,39 @@ def test_muon_takes_decoder_matrices_and_adamw_the_rest(tiny_llama):
     assert kinds == {"Muon": layers, "AdamW": sum(p.numel() for p in model.parameters()) - layers}
 
 
+@pytest.mark.parametrize("optimizer, own", [("apollo_mini", ["APOLLO"]), ("galore", ["GaLore"]),
+                                             ("muon", ["AdamW", "Muon"])])
+def test_4bit_embedding_takes_embedding_and_head(optimizer, own, tiny_llama):
+    """embedding_optimizer: adamw_4bit = torchao's 4-bit AdamW over the embedding and the head,
+    the optimizer's own parts over the rest (Muon: AdamW on the norms); every parameter once."""
+    model = _model(tiny_llama)
+    opt = build_optimizer(model, _training(optimizer, **FOUR_BIT_EMBEDDING))
+    held = {type(part).__name__: [id(p) for g in part.param_groups for p in g["params"]] for part in opt.parts}
+    outer = [id(model.get_input_embeddings().weight), id(model.get_output_embeddings().weight)]
+    assert sorted(held.pop("TorchaoAdamW")) == sorted(outer)
+    assert sorted(held) == own
+    rest = sorted(i for ids in held.values() for i in ids)
+    assert rest == sorted(id(p) for p in model.parameters() if id(p) not in outer)
+
+
+def test_torchao_step_in_row_chunks_equals_the_whole_tensor_step(tiny_llama, monkeypatch):
+    """torchao's step over row chunks (4-bit blocks kept whole) == over the whole tensor, bit for
+    bit: the update is elementwise and the quantisation per block of 128."""
+    import maximus.train.optimizers as optimizers
+
+    models = []
+    for chunk in (None, 1024):
+        if chunk:
+            monkeypatch.setattr(optimizers, "TORCHAO_CHUNK_VALUES", chunk)
+        model = _model(tiny_llama)
+        assert chunk is None or any(len(optimizers._row_chunks(p)) > 2 for p in model.parameters())
+        opt = build_optimizer(model, _training("adamw_4bit"))
+        _run(model, opt, _batches(3, model.config.vocab_size))
+        models.append(model)
+    for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
+        torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
+
+
 def _cfg(**training):
     return Config.from_dict({"model": "x", "dataset": "y", "method": training.pop("method", "full"),
                              "training": training})
@@ -150,7 +196,11 @@ def test_rank_larger_than_a_weight_names_the_weight(tiny_llama):
      "accumulate gradients over micro-batches (training.batch_size 4, micro_batch_size 2)"),
     ({"optimizer": "apollo", "method": "lora"}, "training.optimizer: apollo applies to method: full only (method is lora)"),
     ({"master_weights": "bf16", "optimizer": "muon"}, "training.master_weights: bf16 needs training.optimizer adamw or "
-     "adamw_4bit (torchao's stochastic rounding), not muon"),
+     "adamw_4bit (torchao's stochastic rounding), or apollo / apollo_mini / galore with optimizer_in_backward: true and "
+     "embedding_optimizer: adamw_4bit, not muon"),
+    ({"embedding_optimizer": "adamw_4bit", "optimizer": "adam_mini"}, "training.embedding_optimizer: adamw_4bit "
+     "applies to the embedding and head that apollo / apollo_mini / galore / muon leave to AdamW in method: full "
+     "(optimizer is adam_mini, method full)"),
 ])
 def test_refused_combinations(training, message):
     with pytest.raises(ConfigError) as err:
@@ -177,3 +227,33 @@ def test_plan_with_grad_accumulation_is_refused_in_backward(tiny_llama, pc_data,
                                                  "micro_batch_size": "auto", "batch_size": 4}))
     plan = plan_run(cfg, device="cpu")
     assert (plan.micro_batch_size, plan.grad_accum) == (4, 1)
+
+
+def test_bf16_weights_with_apollo_mini_in_backward_round_stochastically(tiny_llama):
+    """master_weights: bf16 with APOLLO-Mini inside the backward: each decoder weight steps on a
+    float32 copy rounded back stochastically, embedding and head on torchao's 4-bit AdamW (its own
+    rounding); the loss falls as with float32 weights, and updates far below bf16's resolution
+    still move the weights."""
+    from transformers import AutoModelForCausalLM
+
+    losses = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        torch.manual_seed(0)
+        model = AutoModelForCausalLM.from_pretrained(str(tiny_llama), dtype=dtype)
+        model.train()
+        opt = build_optimizer(model, _training("apollo_mini", optimizer_in_backward=True, max_grad_norm=None,
+                                               **FOUR_BIT_EMBEDDING), bf16_weights=dtype is torch.bfloat16)
+        ids = _batches(1, model.config.vocab_size)[0]
+        before = model.model.layers[0].mlp.down_proj.weight.detach().clone()
+        curve = []
+        for _ in range(6):
+            opt.begin_step()
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            curve.append(float(loss))
+        assert model.model.layers[0].mlp.down_proj.weight.dtype is dtype
+        assert float((model.model.layers[0].mlp.down_proj.weight.detach() - before).abs().max()) > 0
+        losses[dtype] = curve
+    fp32, bf16 = losses[torch.float32], losses[torch.bfloat16]
+    assert fp32[-1] < fp32[0] - 0.05 and bf16[-1] < bf16[0] - 0.05
+    assert bf16[-1] == pytest.approx(fp32[-1], rel=0.02)

@@ -34,7 +34,8 @@ from maximus.gguf_base import gguf_config, is_gguf
 from maximus.memory.adapter_terms import AdapterTerms, adapter_terms
 from maximus.memory.coefficients import (ATTENTION_PROBS, DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF,  # noqa: F401
                                          LAYER_COEF)
-from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_settings,
+from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_note,
+                                              optimizer_settings,
                                               optimizer_state_bytes, optimizer_step_bytes)
 
 Method = Literal["full", "lora", "qlora"]
@@ -748,6 +749,7 @@ class StepSpec:
     grouped_experts: bool = True
     modules_to_save: tuple[str, ...] = ()
     use_dora: bool = False
+    embedding_optimizer: str = "adamw"
     lora_dropout: float = 0.0
     #: A vision-language model's tower and projector (`maximus.memory.vision_terms.VisionSpec`).
     vision: Any = None
@@ -809,7 +811,7 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
               lean_norm: bool = True, optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
               master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
               modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
-              vision: Any = None) -> StepSpec:
+              vision: Any = None, embedding_optimizer: str = "adamw") -> StepSpec:
     """The `StepSpec` of `estimate_peak`'s arguments (documented there); raises its ConfigErrors."""
     shape = model_shape(model_config)
     if method not in ("full", "lora", "qlora"):
@@ -840,7 +842,7 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
         lean=bool(lean_lora and adapter), lean_norm=lean_norm, optimizer_rank=optimizer_rank,
         optimizer_in_backward=optimizer_in_backward, master_weights=master_weights, lora_experts=lora_experts,
         grouped_experts=grouped_experts, modules_to_save=tuple(modules_to_save or ()), use_dora=use_dora, lora_dropout=lora_dropout,
-        vision=vision)
+        vision=vision, embedding_optimizer=embedding_optimizer)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -924,14 +926,21 @@ def _static_terms(spec: StepSpec) -> StaticTerms:
     p_bytes = 4 if adapter else spec.weight_bytes
     opt = dict(full=not adapter, trainable=trainable, p_bytes=p_bytes)
     # Per trainable parameter, on average (maximus.memory.optimizer_state: one row per optimizer).
-    state_bytes = optimizer_state_bytes(shape, spec.optimizer, rank=spec.optimizer_rank, **opt) / max(1, trainable)
+    state_bytes = optimizer_state_bytes(shape, spec.optimizer, rank=spec.optimizer_rank,
+                                        embedding_optimizer=spec.embedding_optimizer, **opt) / max(1, trainable)
     replicated = 0 if adapter else whole  # a trainable tied embedding: whole gradient and moments
     per_rank_trainable = (trainable - replicated) / shard + replicated
     grads = int(per_rank_trainable * p_bytes)
     if spec.optimizer_in_backward:
         grads = in_backward_gradient_bytes(shape, **opt)
     step_temporaries = (optimizer_step_bytes(shape, spec.optimizer, device=spec.device_type, rank=spec.optimizer_rank,
-                                             **opt) // shard if not spec.offload_optimizer else 0)
+                                             master_weights=spec.master_weights,
+                                             embedding_optimizer=spec.embedding_optimizer, **opt) // shard
+                        if not spec.offload_optimizer else 0)
+    note = optimizer_note(spec.optimizer, spec.optimizer_rank, spec.optimizer_in_backward, spec.master_weights,
+                          spec.embedding_optimizer)
+    if note:
+        notes.append(note)
     states = int(per_rank_trainable * state_bytes)
     # `OffloadedAdamW` keeps, per trainable parameter, a float32 master, a float32 gradient buffer
     # and the moments in host memory.
@@ -1146,7 +1155,7 @@ def _settings(spec: StepSpec, static: StaticTerms, tile_fraction: float) -> dict
     if static.vision is not None:
         settings["vision"] = static.vision.to_dict()
     settings.update(optimizer_settings(spec.optimizer, spec.optimizer_rank, spec.optimizer_in_backward,
-                                       spec.master_weights))
+                                       spec.master_weights, spec.embedding_optimizer))
     return settings
 
 
@@ -1163,7 +1172,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
                   master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
                   modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
-                  vision: Any = None) -> Estimate:
+                  vision: Any = None, embedding_optimizer: str = "adamw") -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -1185,6 +1194,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             (`training.optimizer_in_backward`): gradients of one or two weights at a time.
         master_weights: ``fp32`` (float32 master weights for 16-bit full fine-tuning) or ``bf16``
             (bf16 weights, stochastic rounding: no master copy).
+        embedding_optimizer: ``adamw`` or ``adamw_4bit``: the embedding's and the head's moments
+            under apollo / apollo_mini / galore / muon (`training.embedding_optimizer`).
         lora_r, lora_targets: adapter rank and targeted linear layers.
         lora_experts: a mixture of experts' MLP targets reach every expert (`lora.experts`);
             False: its expert layers carry no MLP adapters (no expert LoRA state).
@@ -1241,7 +1252,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         offload_params=offload_params, tile_tokens=tile_tokens, lean_lora=lean_lora, lean_norm=lean_norm,
         optimizer_rank=optimizer_rank, optimizer_in_backward=optimizer_in_backward, master_weights=master_weights,
         lora_experts=lora_experts, grouped_experts=grouped_experts,
-        modules_to_save=modules_to_save, use_dora=use_dora, lora_dropout=lora_dropout, vision=vision))
+        modules_to_save=modules_to_save, use_dora=use_dora, lora_dropout=lora_dropout, vision=vision,
+        embedding_optimizer=embedding_optimizer))
 
 
 def estimate_step(spec: StepSpec) -> Estimate:

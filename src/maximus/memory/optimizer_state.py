@@ -14,6 +14,11 @@ The figures follow the optimizers' own code (the packages named in `OPTIMIZERS`)
   ~1 parameter-sized state.
 * Muon keeps one momentum buffer per 2-D decoder weight; the embedding, the head and the norms are
   updated by AdamW (two moments), as Muon's authors prescribe.
+* `training.embedding_optimizer: adamw_4bit` gives the embedding and the head of those four
+  (APOLLO, APOLLO-Mini, GaLore, Muon) torchao's 4-bit moments instead of float32 AdamW ones.
+* torchao's step (`adamw_4bit`, and AdamW with bf16 weights) runs on row chunks of at most
+  `TORCHAO_CHUNK_VALUES` values (`maximus.train.optimizers`): its float32 copies of the weight,
+  the gradient and the moments are those of one chunk, not of the whole embedding.
 
 `optimizer_state_bytes` and `optimizer_step_bytes` are what `estimate_peak` adds for the state
 and for the step's temporaries; `in_backward_gradient_bytes` is what the gradients cost when each
@@ -24,8 +29,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OPTIMIZERS", "OptimizerSpec", "PROJECTED", "optimizer_state_bytes", "optimizer_step_bytes",
-           "in_backward_gradient_bytes", "projection_settings", "uses_bf16_weights", "optimizer_kwargs",
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "PROJECTED", "EMBEDDING_ON_ADAMW", "TORCHAO_CHUNK_VALUES", "optimizer_state_bytes", "optimizer_step_bytes",
+           "in_backward_gradient_bytes", "projection_settings", "optimizer_note", "uses_bf16_weights", "optimizer_kwargs",
            "optimizer_settings"]
 
 
@@ -63,6 +68,22 @@ PROJECTED: dict[str, dict[str, Any]] = {
     "apollo_mini": {"rank": 1, "scale": 128.0, "scale_type": "tensor"},
     "galore": {"rank": 128, "scale": 0.25},
 }
+
+#: The optimizers that leave the embedding, the head and the norms to AdamW; for them
+#: `training.embedding_optimizer` may give the embedding and the head 4-bit moments instead.
+EMBEDDING_ON_ADAMW = ("apollo", "apollo_mini", "galore", "muon")
+
+#: torchao's step runs on row chunks of at most this many values (a multiple of its block of 128).
+TORCHAO_CHUNK_VALUES = 1 << 20
+
+#: Chunk-sized float32 tensors alive at once in torchao's eager step (`single_param_adam`, the
+#: 4-bit quantiser's int64 codes included), measured with the CPU meter on a 4 M-value tensor in
+#: 1 M-value chunks: 6.0 with float32 weights, 10.25 with bf16 weights (stochastic rounding).
+_TORCHAO_COPIES = {"fp32": 6, "bf16": 10.25}
+
+#: Bytes per value of an APOLLO / GaLore step on a float32 copy of a bf16 weight rounded back
+#: stochastically (`training.master_weights: bf16` inside the backward), measured with the CPU meter.
+_ROUNDED_STEP_BYTES = 25
 
 #: torchao's 4-bit moments: 4 bits each plus a scale per block of 128 (`torchao.optim.AdamW4bit`),
 #: only for tensors of at least 4,096 values.
@@ -102,65 +123,92 @@ def _other_params(shape: Any) -> int:
     return shape.num_params - shape.num_layers * shape.layer_linear_params
 
 
+def _quantisable(n: int) -> bool:
+    """torchao keeps 4-bit moments for tensors of at least 4,096 values in whole blocks of 128."""
+    return n >= 4096 and n % 128 == 0
+
+
+def _outer_matrices(shape: Any) -> list[int]:
+    """Values of the embedding and an untied head: the 2-D weights outside the decoder layers."""
+    return [shape.embedding_params] + ([shape.head_params] if shape.head_params else [])
+
+
 def optimizer_state_bytes(shape: Any, optimizer: str, *, full: bool, trainable: int, p_bytes: int,
-                          rank: int | None = None) -> int:
+                          rank: int | None = None, embedding_optimizer: str = "adamw") -> int:
     """Bytes of optimizer state for the trainable parameters of one process (before sharding).
 
     `full`: every weight trains (else `trainable` adapter values in float32, each a 2-D matrix);
     `p_bytes`: bytes per trainable value (the state's dtype follows the parameter's); `rank`: the
-    projection rank (`training.optimizer_rank`) for apollo / apollo_mini / galore."""
+    projection rank (`training.optimizer_rank`) for apollo / apollo_mini / galore;
+    `embedding_optimizer`: `adamw_4bit` = 4-bit moments for the embedding and the head of the
+    optimizers in `EMBEDDING_ON_ADAMW` (`training.embedding_optimizer`)."""
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
         return 2 * trainable  # uint8 moments (absmax and code books: < 2 % on a real model)
     if optimizer == "adamw_4bit":
         # torchao quantises only tensors of at least 4,096 values, in whole blocks of 128.
-        quantised = sum(n for n in _matrix_sizes(shape) if n >= 4096 and n % 128 == 0) if full else trainable
+        quantised = sum(n for n in _matrix_sizes(shape) if _quantisable(n)) if full else trainable
         return int(_FOUR_BIT_BYTES * quantised + 2 * p_bytes * (trainable - quantised))
     if optimizer == "adamw":
         return 2 * p_bytes * trainable
     if optimizer == "adam_mini":
         rows = shape.vocab_size * (1 if shape.tied_embeddings else 2)  # a second moment per token row
         return p_bytes * trainable + 4 * rows if full else p_bytes * trainable
-    if optimizer == "muon":
-        if not full:
-            return p_bytes * trainable  # every adapter weight is a 2-D matrix: a momentum buffer
-        return p_bytes * (shape.num_layers * shape.layer_linear_params + 2 * _other_params(shape))
-    if optimizer in PROJECTED:
+    if optimizer == "muon" and not full:
+        return p_bytes * trainable  # every adapter weight is a 2-D matrix: a momentum buffer
+    if optimizer in EMBEDDING_ON_ADAMW:
+        outer = 2 * p_bytes * _other_params(shape)  # AdamW on embedding, head, norms
+        if embedding_optimizer == "adamw_4bit":
+            four = [n for n in _outer_matrices(shape) if _quantisable(n)]
+            outer -= int((2 * p_bytes - _FOUR_BIT_BYTES) * sum(four))
+        if optimizer == "muon":
+            return p_bytes * shape.num_layers * shape.layer_linear_params + outer
         r = projection_settings(optimizer, rank)["rank"]
-        projected = sum(p_bytes * (2 * r * max(o, i) + r * min(o, i)) for o, i in _hidden_matrices(shape))
-        return projected + 2 * p_bytes * _other_params(shape)
+        return sum(p_bytes * (2 * r * max(o, i) + r * min(o, i)) for o, i in _hidden_matrices(shape)) + outer
     from maximus.errors import ConfigError
 
     raise ConfigError(f"unknown optimizer {optimizer!r}", f"use one of {', '.join(OPTIMIZERS)}")
 
 
+def _torchao_step_bytes(largest: int, master_weights: str = "fp32") -> int:
+    """torchao's step on one row chunk of the largest tensor it updates: float32 copies of the
+    weight, the gradient, both moments and their new values (`_TORCHAO_COPIES`, measured)."""
+    return int(_TORCHAO_COPIES[master_weights] * 4 * min(largest, TORCHAO_CHUNK_VALUES))
+
+
 def optimizer_step_bytes(shape: Any, optimizer: str, *, full: bool, trainable: int, p_bytes: int, device: str,
-                         rank: int | None = None) -> int:
+                         rank: int | None = None, master_weights: str = "fp32",
+                         embedding_optimizer: str = "adamw") -> int:
     """Bytes the optimizer step allocates besides its state (its temporaries), on `device`.
 
     AdamW on CUDA runs foreach (one list-sized temporary); every other optimizer (and AdamW on a
-    CPU) updates one tensor at a time, so its temporaries are a few copies of the largest one."""
+    CPU) updates one tensor at a time, so its temporaries are a few copies of the largest one;
+    torchao's (`adamw_4bit`, bf16 weights, a 4-bit `embedding_optimizer`) of one row chunk."""
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
         return 0  # bitsandbytes updates in place, block by block
-    if optimizer == "adamw" and device == "cuda":
+    torchao = optimizer == "adamw_4bit" or (optimizer == "adamw" and master_weights == "bf16" and full)
+    if optimizer == "adamw" and device == "cuda" and not torchao:
         return trainable * p_bytes
     if not full:
         return 0 if optimizer == "adamw" else 2 * p_bytes * max(1, trainable // (7 * 2 * max(1, shape.num_layers)))
     h, i, V = shape.hidden_size, shape.intermediate_size, shape.vocab_size
     largest_hidden = max(o * n for o, n in _hidden_matrices(shape))
     embedding = V * h
+    if torchao:
+        return _torchao_step_bytes(max(embedding, i * h), master_weights if full else "fp32")
     if optimizer == "adamw":
         return 2 * p_bytes * max(embedding, i * h)
-    if optimizer == "adamw_4bit":
-        # Compiled: float32 copies of the moments of the tensor being updated.
-        return 2 * 4 * max(embedding, i * h)
     if optimizer == "adam_mini":
         return 2 * p_bytes * max(embedding, i * h)  # the update and the step size of one tensor
+    # AdamW on the embedding (two temporaries), or torchao's 4-bit step on one chunk of it.
+    outer = _torchao_step_bytes(embedding) if embedding_optimizer == "adamw_4bit" else 2 * p_bytes * embedding
     if optimizer == "muon":
-        # AdamW on the embedding (two temporaries); Newton-Schulz on the largest 2-D weight.
-        return max(2 * p_bytes * embedding, 4 * p_bytes * largest_hidden)
+        return max(outer, 4 * p_bytes * largest_hidden)  # Newton-Schulz on the largest 2-D weight
+    if optimizer in PROJECTED and master_weights == "bf16":
+        # Inside the backward on a float32 copy of one bf16 weight, rounded back stochastically:
+        # 25 bytes per value measured (the copy, the update, torchao's rounding temporaries).
+        return max(outer, _ROUNDED_STEP_BYTES * largest_hidden)
     if optimizer in PROJECTED:
-        # AdamW on the embedding; on a projected weight the scaled (or projected-back) gradient.
-        return max(2 * p_bytes * embedding, 2 * p_bytes * largest_hidden)
+        return max(outer, 2 * p_bytes * largest_hidden)  # the scaled (or projected-back) gradient
     return 0
 
 
@@ -177,12 +225,34 @@ def optimizer_kwargs(cfg: Any) -> dict[str, Any]:
     """The `estimate_peak` keywords a Config's optimizer settings decide (`technique_kwargs`)."""
     t = cfg.training
     return dict(optimizer_rank=t.optimizer_rank, optimizer_in_backward=t.optimizer_in_backward,
-                master_weights="bf16" if uses_bf16_weights(cfg) else "fp32")
+                master_weights="bf16" if uses_bf16_weights(cfg) else "fp32",
+                embedding_optimizer=t.embedding_optimizer)
 
 
-def optimizer_settings(optimizer: str, rank: int | None, in_backward: bool, master_weights: str) -> dict[str, Any]:
+def optimizer_note(optimizer: str, rank: int | None, in_backward: bool, master_weights: str,
+                   embedding_optimizer: str = "adamw") -> str | None:
+    """The plan's line on the optimizer's settings (None for plain AdamW with float32 weights)."""
+    parts = []
+    if optimizer in PROJECTED:
+        parts.append(f"rank {projection_settings(optimizer, rank)['rank']}")
+    if optimizer in EMBEDDING_ON_ADAMW:
+        parts.append("embedding and head on " + ("torchao 4-bit AdamW" if embedding_optimizer == "adamw_4bit"
+                                                 else "float32-moment AdamW" if master_weights == "fp32" else "AdamW"))
+    if in_backward:
+        parts.append("step inside the backward")
+    if master_weights == "bf16":
+        parts.append("bf16 weights with stochastic rounding")
+    if not parts and optimizer == "adamw":
+        return None
+    return f"optimizer {optimizer}" + (f": {', '.join(parts)}" if parts else "")
+
+
+def optimizer_settings(optimizer: str, rank: int | None, in_backward: bool, master_weights: str,
+                       embedding_optimizer: str = "adamw") -> dict[str, Any]:
     """What an estimate records of its optimizer beyond the name (only what is not the default)."""
     out: dict[str, Any] = {}
+    if optimizer in EMBEDDING_ON_ADAMW and embedding_optimizer != "adamw":
+        out["embedding_optimizer"] = embedding_optimizer
     if optimizer in PROJECTED:
         out["optimizer_rank"] = projection_settings(optimizer, rank)["rank"]
     if in_backward:

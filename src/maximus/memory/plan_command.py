@@ -56,6 +56,8 @@ def _parser() -> ArgumentParser:
     p.add_argument("--optimizer", choices=list(OPTIMIZERS), help="default adamw; see docs/optimizers.md")
     p.add_argument("--optimizer-rank", type=int, help="apollo / apollo_mini / galore projection rank")
     p.add_argument("--optimizer-in-backward", action="store_true", help="step each weight inside the backward")
+    p.add_argument("--embedding-optimizer", choices=["adamw", "adamw_4bit"],
+                   help="apollo / apollo_mini / galore / muon: the embedding's and the head's moments (default adamw)")
     p.add_argument("--master-weights", choices=["fp32", "bf16"], help="full fine-tuning: fp32 master weights "
                    "(default) or bf16 weights with stochastic rounding")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
@@ -80,7 +82,8 @@ def _config(args: argparse.Namespace) -> Config:
              "training.batch_size": args.batch, "training.micro_batch_size": args.micro_batch, "lora.r": args.lora_r,
              "training.optimizer": args.optimizer, "training.dtype": args.dtype, "optimization.loss": args.loss,
              "optimization.gradient_checkpointing": args.checkpointing, "optimization.target_vram": args.budget,
-             "training.optimizer_rank": args.optimizer_rank, "training.master_weights": args.master_weights}
+             "training.optimizer_rank": args.optimizer_rank, "training.master_weights": args.master_weights,
+             "training.embedding_optimizer": args.embedding_optimizer}
     if args.optimizer_in_backward:  # the global norm is unknown when each weight steps in the backward
         flags.update({"training.optimizer_in_backward": True, "training.max_grad_norm": "null"})
     if args.loss is not None:  # the flag names the loss outright: the article's spelling gives way

@@ -18,6 +18,13 @@ adapter is already a rank-r matrix, so projecting it saves nothing and they are 
 (torchao's `_AdamW` / `AdamW4bit` with ``bf16_stochastic_round``) instead of keeping float32
 master weights.
 
+`training.embedding_optimizer: adamw_4bit` gives the embedding and the head of apollo /
+apollo_mini / galore / muon torchao's 4-bit AdamW (a part of a `CompositeOptimizer`) instead of
+the float32 AdamW moments their recipes keep there.
+
+torchao's step runs on row chunks of at most `TORCHAO_CHUNK_VALUES` values, whole 4-bit blocks
+each: its float32 copies are those of one chunk (the same elementwise update, block by block).
+
 `training.optimizer_in_backward: true` builds one optimizer per parameter and steps it from the
 parameter's post-accumulate-grad hook, then frees the gradient (`InBackwardOptimizer`): the whole
 set of gradients never exists at once. What that excludes is refused by `check_in_backward`.
@@ -37,7 +44,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from maximus.errors import ConfigError
-from maximus.memory.optimizer_state import OPTIMIZERS, PROJECTED, projection_settings
+from maximus.memory.optimizer_state import (EMBEDDING_ON_ADAMW, OPTIMIZERS, PROJECTED, TORCHAO_CHUNK_VALUES,
+                                            projection_settings)
 
 __all__ = ["build_optimizer", "require_packages", "check_in_backward", "CompositeOptimizer", "InBackwardOptimizer"]
 
@@ -51,6 +59,13 @@ def require_packages(cfg) -> None:
     needed = [(spec.package, spec.pip, f"training.optimizer: {t.optimizer}")]
     if t.master_weights == "bf16":
         needed.append(("torchao", "torchao", "training.master_weights: bf16"))
+    if t.embedding_optimizer == "adamw_4bit":
+        if t.optimizer not in EMBEDDING_ON_ADAMW or cfg.method != "full":
+            raise ConfigError(f"training.embedding_optimizer: adamw_4bit applies to the embedding and head that "
+                              f"{' / '.join(EMBEDDING_ON_ADAMW)} leave to AdamW in method: full "
+                              f"(optimizer is {t.optimizer}, method {cfg.method})",
+                              "remove training.embedding_optimizer, or use one of those optimizers with method: full")
+        needed.append(("torchao", "torchao", "training.embedding_optimizer: adamw_4bit"))
     for package, pip, what in needed:
         if package and importlib.util.find_spec(package) is None:
             raise ConfigError(f"{what} needs the package {pip}, which is not installed",
@@ -63,9 +78,12 @@ def require_packages(cfg) -> None:
         if cfg.method != "full":
             raise ConfigError(f"training.master_weights: bf16 applies to method: full only (method is {cfg.method})",
                               "adapters train in float32 already; remove training.master_weights")
-        if t.optimizer not in ("adamw", "adamw_4bit"):
+        rounded_in_backward = (t.optimizer in PROJECTED and t.optimizer_in_backward
+                               and t.embedding_optimizer == "adamw_4bit")
+        if t.optimizer not in ("adamw", "adamw_4bit") and not rounded_in_backward:
             raise ConfigError(f"training.master_weights: bf16 needs training.optimizer adamw or adamw_4bit "
-                              f"(torchao's stochastic rounding), not {t.optimizer}",
+                              f"(torchao's stochastic rounding), or {' / '.join(PROJECTED)} with "
+                              f"optimizer_in_backward: true and embedding_optimizer: adamw_4bit, not {t.optimizer}",
                               "set training.optimizer: adamw or adamw_4bit, or master_weights: fp32")
     check_in_backward(cfg)
 
@@ -303,33 +321,69 @@ class _QuantizedState:
             live[key] = OptimState4bit(inner["codes"], inner["scale"], inner["qmap"], signed, tuple(shape))
 
 
+def _row_chunks(p: torch.Tensor) -> list[slice]:
+    """Slices of `p`'s first dimension of at most `TORCHAO_CHUNK_VALUES` values each, every one
+    whole 4-bit blocks (128 values); one slice for a small or 1-D tensor."""
+    if p.ndim < 2 or p.numel() <= TORCHAO_CHUNK_VALUES:
+        return [slice(None)]
+    row = p[0].numel()
+    unit = 128 // math.gcd(row, 128)  # rows per whole number of blocks
+    rows = max(unit, TORCHAO_CHUNK_VALUES // row // unit * unit)
+    return [slice(a, min(a + rows, p.shape[0])) for a in range(0, p.shape[0], rows)]
+
+
+def _state_rows(state: torch.Tensor, rows: slice, p: torch.Tensor) -> torch.Tensor:
+    """The rows `rows` of a moment of `p`: a view, plain or torchao's 4-bit tensor (its codes and
+    scales sliced block for block), so the update writes into the whole moment."""
+    if rows == slice(None):
+        return state
+    if type(state) is torch.Tensor:
+        return state[rows]
+    from torchao.optim.subclass_4bit import OptimState4bit
+
+    row = p[0].numel()
+    start, stop, _ = rows.indices(p.shape[0])
+    a, b = start * row, stop * row
+    return OptimState4bit(state.codes[a // 2:b // 2], state.scale[a // state.block_size:b // state.block_size],
+                          state.qmap, state.signed, (stop - start, *p.shape[1:]), dtype=state.dtype)
+
+
 def _torchao_class(four_bit: bool):
     from torchao.optim import AdamW4bit, _AdamW
 
     class TorchaoAdamW(_QuantizedState, AdamW4bit if four_bit else _AdamW):
         @torch.no_grad()
         def step(self, closure=None):
-            """torchao's step; off CUDA its per-tensor function runs eagerly: torch.compile on a
-            CPU costs tens of seconds per tensor shape and cannot trace under the CPU memory
-            meter's dispatch mode. Same function, same 4-bit tensors."""
-            if any(p.is_cuda for g in self.param_groups for p in g["params"]):
+            """torchao's step function, on the row chunks of each tensor (`_row_chunks`). On CUDA
+            it is compiled as torchao does (one graph per chunk shape: at most two per tensor
+            shape); elsewhere it runs eagerly: torch.compile on a CPU costs tens of seconds per
+            shape and cannot trace under the CPU memory meter's dispatch mode. A sharded
+            parameter (FSDP2's DTensor) takes torchao's own step."""
+            params = [p for g in self.param_groups for p in g["params"]]
+            if any(type(p.data) is not torch.Tensor for p in params):
                 return super().step(closure)
             from torchao.optim.adam import single_param_adam
 
             loss = closure() if closure is not None else None
-            for group in self.param_groups:
-                for p in group["params"]:
-                    if p.grad is None:
-                        continue
-                    state = self.state[p]
-                    if len(state) == 0:
-                        state["step"] = torch.tensor(0.0)
-                        state["exp_avg"] = self._new_buffer(p, True)
-                        state["exp_avg_sq"] = self._new_buffer(p, False)
-                    state["step"] += 1
-                    single_param_adam(p.detach(), p.grad, state["step"], state["exp_avg"], state["exp_avg_sq"], None,
-                                      group["lr"], group["betas"][0], group["betas"][1], group["weight_decay"],
-                                      group["eps"], self.is_adamw, self.bf16_stochastic_round and p.dtype is torch.bfloat16)
+            update = single_param_adam
+            if any(p.is_cuda for p in params):
+                update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
+            with torch._dynamo.utils.disable_cache_limit():
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        if p.grad is None:
+                            continue
+                        state = self.state[p]
+                        if len(state) == 0:
+                            state["step"] = torch.tensor(0.0)
+                            state["exp_avg"] = self._new_buffer(p, True)
+                            state["exp_avg_sq"] = self._new_buffer(p, False)
+                        state["step"] += 1
+                        sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+                        for rows in _row_chunks(p):
+                            update(p.detach()[rows], p.grad[rows], state["step"], _state_rows(state["exp_avg"], rows, p),
+                                   _state_rows(state["exp_avg_sq"], rows, p), None, group["lr"], group["betas"][0],
+                                   group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw, sr)
             return loss
 
         def add_param_group(self, param_group: dict) -> None:
@@ -374,10 +428,12 @@ def _factories(model, name: str, t, *, offload: bool, bf16_weights: bool) -> lis
                      "proj_type": "std"}
         if name != "galore":
             projected.update(proj="random", scale_type=settings["scale_type"])
+        outer, outer_parts = _outer_part(model, t, matrices, bf16_weights)
         groups = [dict(g, **projected) for g in _param_groups(model, wd, ids=matrices)]
-        groups += _param_groups(model, wd, exclude=matrices)
+        groups += _param_groups(model, wd, exclude=matrices | outer)
         cls = _galore_class() if name == "galore" else _apollo_class()
-        return [(lambda g: cls(g, lr=lr, betas=betas, eps=eps, weight_decay=wd, no_deprecation_warning=True), groups)]
+        return [(lambda g: cls(g, lr=lr, betas=betas, eps=eps, weight_decay=wd, no_deprecation_warning=True),
+                 groups)] + outer_parts
     if name == "adam_mini":
         from adam_mini import Adam_mini
 
@@ -399,12 +455,27 @@ def _factories(model, name: str, t, *, offload: bool, bf16_weights: bool) -> lis
         # rate serves both parts (Moonlight's recipe).
         muon = [(lambda g: torch.optim.Muon(g, lr=lr, weight_decay=wd, adjust_lr_fn="match_rms_adamw"),
                  _param_groups(model, wd, ids=matrices))]
+        outer, outer_parts = _outer_part(model, t, matrices, bf16_weights)
         rest = [(lambda g: torch.optim.AdamW(g, lr=lr, betas=betas, eps=eps, weight_decay=wd),
-                 _param_groups(model, wd, exclude=matrices))]
-        return [(make, groups) for make, groups in muon + rest if groups]
+                 _param_groups(model, wd, exclude=matrices | outer))]
+        return [(make, groups) for make, groups in muon + rest + outer_parts if groups]
     close = [n for n in OPTIMIZERS if n.startswith(str(name)[:4])]
     raise ConfigError(f"training.optimizer: unknown optimizer {name!r}",
                       f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(OPTIMIZERS)}")
+
+
+def _outer_part(model, t, matrices: set[int], bf16_weights: bool = False
+                ) -> tuple[set[int], list[tuple[Callable, list[dict]]]]:
+    """(ids, parts): the embedding and the head (the trainable 2-D weights outside `matrices`) on
+    torchao's 4-bit AdamW (stochastic rounding for bf16 weights) when
+    `training.embedding_optimizer: adamw_4bit`; else nothing (they stay on the optimizer's own AdamW)."""
+    if t.embedding_optimizer != "adamw_4bit":
+        return set(), []
+    ids = {id(p) for p in model.parameters() if p.requires_grad and p.ndim == 2 and id(p) not in matrices}
+    cls = _torchao_class(four_bit=True)
+    make = lambda g: cls(g, lr=t.learning_rate, betas=tuple(t.betas), eps=1e-8, weight_decay=t.weight_decay,  # noqa: E731
+                         bf16_stochastic_round=bf16_weights)
+    return ids, [(make, _param_groups(model, t.weight_decay, ids=ids))]
 
 
 def build_optimizer(model, training, *, optimizer: str | None = None, offload: bool = False,
@@ -420,6 +491,21 @@ def build_optimizer(model, training, *, optimizer: str | None = None, offload: b
 
 
 # --------------------------------------------------------------------------------------------- in backward
+def _step_rounded(p: torch.Tensor, optimizer: torch.optim.Optimizer) -> None:
+    """One step of `optimizer` (over `p` alone) on a float32 copy of the bf16 weight, rounded back
+    stochastically (torchao's rounding): small updates are kept on average instead of being lost
+    to bf16's round-to-nearest. Only one weight's float32 copy exists at a time."""
+    from torchao.optim.quant_utils import _fp32_to_bf16_sr
+
+    weight = p.data
+    p.data = weight.float()
+    try:
+        optimizer.step()
+        weight.copy_(_fp32_to_bf16_sr(p.data))
+    finally:
+        p.data = weight
+
+
 class InBackwardOptimizer(CompositeOptimizer):
     """One optimizer per parameter, stepped from the parameter's post-accumulate-grad hook; the
     gradient is freed right after, so at most the gradients autograd is producing at the moment
@@ -451,7 +537,11 @@ class InBackwardOptimizer(CompositeOptimizer):
         square = float(grad.detach().float().pow(2).sum())
         self._square_sum += square
         if math.isfinite(square):
-            self._by_param[id(p)].step()
+            opt = self._by_param[id(p)]
+            if p.dtype is torch.bfloat16 and not getattr(opt, "bf16_stochastic_round", False):
+                _step_rounded(p, opt)
+            else:
+                opt.step()
         else:
             self.nonfinite += 1
         p.grad = None
