@@ -14,6 +14,8 @@ import json
 import random
 from pathlib import Path
 
+import pytest
+
 from tiny import merge_sections, save_random_model
 
 COLORS = {"red": (220, 30, 30), "green": (30, 200, 40), "blue": (30, 40, 220), "yellow": (230, 220, 30),
@@ -230,3 +232,9 @@ def vlm_config(model_dir: Path, data: Path, out: Path, **sections) -> dict:
         "logging": {"progress": "none"},
     }
     return merge_sections(cfg, sections)
+
+
+@pytest.fixture(scope="module")
+def llava(tmp_path_factory):
+    """A tiny LLaVA with its processor, built once per test module."""
+    return build_tiny_llava(tmp_path_factory.mktemp("vlm") / "llava")

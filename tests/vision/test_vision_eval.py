@@ -6,7 +6,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tiny_vlm import QUESTION, build_tiny_llava, vlm_config, write_color_chat
+from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)
+from tiny_vlm import llava  # noqa: F401  (a fixture)
+from tiny_vlm import QUESTION, vlm_config, write_color_chat
 
 from maximus.config import Config, ImagePrompt
 from maximus.errors import ConfigError
@@ -15,19 +17,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 
 #: The short learnable run (examples/vision_colors.py runs the full one: 40 steps at 3e-3).
 LEARN = {"rows": 64, "steps": 16, "lr": 6e-3, "colors": ["red", "green", "blue"]}
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return build_tiny_llava(tmp_path_factory.mktemp("vlm") / "llava")
 
 
 def test_image_prompts_are_refused_where_they_cannot_apply(tmp_path):

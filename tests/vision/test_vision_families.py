@@ -12,6 +12,7 @@ import pytest
 import torch
 import yaml
 
+from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)
 from tiny_vlm import COLORS, VLM_BUILDERS, vlm_config, write_color_chat
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -19,14 +20,6 @@ pytestmark = pytest.mark.usefixtures("one_thread")
 FAMILIES = ("idefics3", "gemma3", "qwen2_vl", "qwen2_5_vl")
 END_OF_TURN = {"idefics3": "<end_of_utterance>\n", "gemma3": "<end_of_turn>\n", "qwen2_vl": "<|im_end|>\n",
                "qwen2_5_vl": "<|im_end|>\n"}
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.mark.parametrize("family", FAMILIES)

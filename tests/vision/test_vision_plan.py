@@ -6,21 +6,13 @@ from __future__ import annotations
 import json
 
 import pytest
-import torch
 
+from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)
 from tiny_vlm import build_tiny_llava, draw_image, vlm_config, write_color_chat
 
 from maximus.config import Config
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")

@@ -7,25 +7,14 @@ import json
 import pytest
 import torch
 
-from tiny_vlm import COLORS, build_tiny_llava, draw_image, vlm_config, write_color_chat
+from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)
+from tiny_vlm import llava  # noqa: F401  (a fixture)
+from tiny_vlm import COLORS, draw_image, vlm_config, write_color_chat
 
 from maximus.config import Config
 from maximus.errors import DataError, ModelError
 
 pytestmark = pytest.mark.usefixtures("one_thread")
-
-
-@pytest.fixture(scope="module")
-def one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
-@pytest.fixture(scope="module")
-def llava(tmp_path_factory):
-    return build_tiny_llava(tmp_path_factory.mktemp("vlm") / "llava")
 
 
 def _splits(model, data, out, **sections):
