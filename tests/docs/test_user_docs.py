@@ -16,7 +16,7 @@ PROCESS_WORDS = re.compile(
     r"|\(goal[^)]*: met\)|\bgoal met\b",
     re.IGNORECASE)
 #: Files outside the repository.
-OUTSIDE = re.compile(r"ANCHORS\.md|\bshared/|/work/")
+OUTSIDE = re.compile(r"\bANCHORS\b|\bshared/|/work/")
 
 
 def _hits(pattern: re.Pattern) -> list[str]:
