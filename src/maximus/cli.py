@@ -85,7 +85,7 @@ def _eval(argv: list[str]) -> int:
     from maximus.data import build_run_datasets, trains_on_chat
     from maximus.evaluate import evaluate_sft
     from maximus.evaluate.report import summary_lines, verdict
-    from maximus.evaluate.tasks import task_eval_for_run
+    from maximus.evaluate.tasks import task_eval_for_run, task_metrics
     from maximus.export import load_tuned, run_config
     from maximus.kernels import cpu_threads
 
@@ -111,7 +111,7 @@ def _eval(argv: list[str]) -> int:
             if tasks is not None and tasks.prompted:
                 result["prompted"] = tasks.score_prompted(model, device=torch.device("cpu"), dtype=torch.float32,
                                                           batch_size=4)
-                result["verdict"] = verdict(after, result["prompted"], cfg.eval.task_metrics)
+                result["verdict"] = verdict(after, result["prompted"], task_metrics(cfg.eval))
     summary = json.loads((run_dir / "run.json").read_text())
     memory = summary.get("memory", {})
     result["memory"] = {"peak_bytes": memory.get("peak_bytes"), "budget_bytes": memory.get("budget_bytes"),
@@ -128,7 +128,7 @@ def _eval(argv: list[str]) -> int:
         from maximus.config import format_bytes
 
         for line in summary_lines(result.get("before", {}), after, result.get("prompted"), result.get("verdict"),
-                                  metrics=cfg.eval.task_metrics, prompts=cfg.eval.prompts):
+                                  metrics=task_metrics(cfg.eval), prompts=cfg.eval.prompts):
             print(line)
         m = result["memory"]
         print(f"training memory: peak {format_bytes(m['peak_bytes'])} measured, budget {format_bytes(m['budget_bytes'])}, "

@@ -365,16 +365,6 @@ class EvalConfig(_Section):
         return v
 
     @property
-    def task_metrics(self) -> list[str]:
-        """`metrics`, with `exact_match` added by the `exact_match: N` shorthand."""
-        return self.metrics + (["exact_match"] if self.exact_match and "exact_match" not in self.metrics else [])
-
-    @property
-    def task_examples(self) -> int:
-        """Held-out examples the task metrics generate for: `exact_match: N`, else `max_examples`."""
-        return self.exact_match or self.max_examples
-
-    @property
     def prompted(self) -> bool:
         """Whether the prompting baseline runs (`few_shot` or `system_prompt`)."""
         return bool(self.few_shot or self.system_prompt)

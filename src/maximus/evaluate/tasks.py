@@ -37,6 +37,16 @@ NO_PROMPT_NOTE = ("no held-out example has a prompt and an answer (plain text): 
                   "prompt/completion, alpaca or chat data")
 
 
+def task_metrics(e) -> list[str]:
+    """`eval.metrics`, with `exact_match` added by the `eval.exact_match: N` shorthand."""
+    return e.metrics + (["exact_match"] if e.exact_match and "exact_match" not in e.metrics else [])
+
+
+def task_examples(e) -> int:
+    """Held-out examples the task metrics generate for: `eval.exact_match: N`, else `eval.max_examples`."""
+    return e.exact_match or e.max_examples
+
+
 @dataclass
 class TaskExample:
     """One record with something to answer: `turns` (chat: the conversation before the answer) or
@@ -172,7 +182,7 @@ class TaskEval:
         e = cfg.eval
         self.tokenizer = tokenizer
         self.prompter = Prompter(tokenizer)
-        self.metrics = load_metrics(e.task_metrics)
+        self.metrics = load_metrics(task_metrics(e))
         self.max_new_tokens = e.max_new_tokens
         self.few_shot, self.system_prompt = e.few_shot, e.system_prompt
         self.seq_len = cfg.training.seq_len
@@ -185,7 +195,7 @@ class TaskEval:
         held = read_examples(e.dataset or cfg.datasets, set(data.eval_where), vision=self.vision is not None)
         #: every held-out example with a prompt (the prompted loss), and those the metrics generate for
         self.held_out = [held[w] for w in dict.fromkeys(data.eval_where) if w in held]
-        self.examples = self.held_out[:e.task_examples]
+        self.examples = self.held_out[:task_examples(e)]
         self.shots: list[TaskExample] = []
         if e.prompted:
             self.shots = self._pick_shots(cfg, data)
@@ -282,6 +292,6 @@ def task_eval_for_run(cfg, tokenizer, data) -> TaskEval | None:
     """The run's TaskEval, or None when it has no task metrics and no prompting baseline (or no
     evaluation, or an objective other than sft: the config refuses these keys there)."""
     e = cfg.eval
-    if cfg.objective != "sft" or not e.enabled or not (e.task_metrics or e.prompted):
+    if cfg.objective != "sft" or not e.enabled or not (task_metrics(e) or e.prompted):
         return None
     return TaskEval(cfg, tokenizer, data)

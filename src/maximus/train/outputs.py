@@ -60,11 +60,12 @@ def write_outputs(trainer, state: dict, eval_after: dict, peak: int, skipped: in
 def eval_summary(cfg, state: dict, eval_after: dict) -> dict:
     """run.json's `eval`: before, after, and with a prompting baseline `prompted` and `verdict`."""
     from maximus.evaluate.report import verdict
+    from maximus.evaluate.tasks import task_metrics
 
     summary = {"before": state.get("eval_before", {}), "after": eval_after}
     if state.get("eval_prompted"):
         summary["prompted"] = state["eval_prompted"]
-        summary["verdict"] = verdict(eval_after, state["eval_prompted"], cfg.eval.task_metrics)
+        summary["verdict"] = verdict(eval_after, state["eval_prompted"], task_metrics(cfg.eval))
     return summary
 
 
@@ -112,9 +113,10 @@ def print_header(trainer, out: ProgressDisplay) -> None:
 def print_summary(trainer, before: dict, after: dict) -> None:
     """The before/after (and prompted) table of the held-out metrics, the generations, the run directory."""
     from maximus.evaluate.report import summary_lines
+    from maximus.evaluate.tasks import task_metrics
 
     ev = trainer._summary.get("eval", {})
-    lines = summary_lines(before, after, ev.get("prompted"), ev.get("verdict"), metrics=trainer.cfg.eval.task_metrics,
+    lines = summary_lines(before, after, ev.get("prompted"), ev.get("verdict"), metrics=task_metrics(trainer.cfg.eval),
                           prompts=trainer.cfg.eval.prompts)
     lines.append(f"run directory: {trainer.run_dir} (adapter/, run.json, metrics.jsonl, loss.png)")
     for line in lines:
