@@ -110,9 +110,9 @@ def test_an_unknown_module_to_save_is_a_note():
 
 
 def test_the_quickstart_prediction_holds(tmp_path, monkeypatch):
-    """The embedded default (embed_tokens and lm_head trained, `target_vram: 64MB`) on 200 of its
+    """The embedded default (embed_tokens and lm_head trained, `target_vram: 72MB`) on 200 of its
     rows (packed: every row is seq_len tokens, as with all of them): the planned peak is within
-    10 % of what two of its steps measure."""
+    5 % of what two of its steps measure (its many short documents take the masked attention call)."""
     from maximus.builtin import resolve
 
     monkeypatch.setenv("MAXIMUS_CACHE", str(tmp_path / "cache"))
@@ -126,4 +126,4 @@ def test_the_quickstart_prediction_holds(tmp_path, monkeypatch):
     maximus.Trainer(maximus.Config.from_dict(d)).train()
     run = json.loads((tmp_path / "run" / "run.json").read_text())
     assert (run["plan"]["micro_batch_size"], run["plan"]["grad_accum"]) == (8, 2)
-    assert run["plan"]["peak_bytes"] == pytest.approx(run["memory"]["peak_bytes"], rel=0.10)
+    assert run["plan"]["peak_bytes"] == pytest.approx(run["memory"]["peak_bytes"], rel=0.05)

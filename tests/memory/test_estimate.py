@@ -256,3 +256,44 @@ def test_step_time_model_prices_recompute_above_its_flop_share():
         flop_share = est["full"].flops_per_token / est["off"].flops_per_token - 1
         time_share = seconds["full"] / seconds["off"] - 1
         assert time_share > flop_share
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_the_masked_attention_term_is_what_autograd_saves(dtype):
+    """Many short packed documents: padding-free attention runs one SDPA call per row with a
+    document mask. A decoder layer then saves the mask (in the compute dtype) and keys / values
+    repeated to every head on top of the unmasked call: `masked_attention_bytes_per_token`."""
+    from maximus.attention.varlen import IMPLEMENTATION, MAX_SHORT_DOCUMENTS, register_varlen
+    from maximus.memory.estimate import masked_attention_bytes_per_token
+
+    register_varlen()
+    config = LlamaConfig(**{**TINY, "vocab_size": 64})
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config).to(dtype)
+    model.set_attn_implementation(IMPLEMENTATION)
+    rows, length, doc = 4, 64, 4  # 64 documents of 4 tokens: more than MAX_SHORT_DOCUMENTS, all short
+    assert rows * length // doc > MAX_SHORT_DOCUMENTS
+    ids = torch.randint(0, 64, (rows, length), generator=torch.Generator().manual_seed(0))
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+
+    def saved_by_layer_1(**batch):
+        seen, where = {}, [None]
+        layer = model.model.layers[1]
+        layer.register_forward_pre_hook(lambda *a: where.__setitem__(0, 1))
+        layer.register_forward_hook(lambda *a: where.__setitem__(0, None))
+
+        def pack(t):
+            s = t.untyped_storage()
+            if where[0] and s.data_ptr() not in params:
+                seen.setdefault(s.data_ptr(), s.nbytes())
+            return t
+        with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            model(input_ids=ids, **batch)
+        layer._forward_pre_hooks.clear(), layer._forward_hooks.clear()
+        return sum(seen.values())
+
+    packed = torch.arange(length).remainder(doc).expand(rows, -1)
+    one_document = torch.arange(length).expand(rows, -1)  # the same rotary tables, no mask
+    extra = saved_by_layer_1(position_ids=packed) - saved_by_layer_1(position_ids=one_document)
+    b = 4 if dtype == torch.float32 else 2
+    assert extra == masked_attention_bytes_per_token(model_shape(config), b, length) * rows * length

@@ -140,3 +140,20 @@ def test_an_empty_dataset_names_its_file(tiny, tmp_path):
     with pytest.raises(DataError) as err:
         read_lengths(cfg)
     assert err.value.message.startswith(f"dataset is empty after filtering: {data}")
+
+
+def test_many_short_documents_mark_the_micro_batch_masked():
+    """Padding-free attention's rule, as the planner reads it: a padded micro-batch whose rows hold
+    more than 32 documents averaging under 64 tokens goes through one masked SDPA call (padding is
+    one more document per shorter row); fewer or longer documents are attended one by one."""
+    from maximus.attention.varlen import per_document
+
+    steps = ((128,) * 8,)
+    packed = RowLengths(steps=steps, cap=128, documents=((5,) * 8,), per_document=per_document)
+    assert packed.largest_micro_batch(8).masked and not packed.largest_micro_batch(4).masked  # 40 / 20 documents
+    assert packed.token_split(1024).largest.masked and not packed.token_split(512).largest.masked
+    one_each = RowLengths(steps=steps, cap=128, documents=((1,) * 8,), per_document=per_document)
+    assert not one_each.largest_micro_batch(8).masked  # nothing packed: plain causal SDPA
+    padded = RowLengths(steps=((16, 20) * 20,), cap=128, per_document=per_document)
+    assert padded.largest_micro_batch(40).masked  # 40 rows + 20 padding documents of 20 tokens
+    assert not RowLengths(steps=steps, cap=128, documents=((5,) * 8,)).largest_micro_batch(8).masked  # no rule

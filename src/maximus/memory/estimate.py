@@ -391,6 +391,15 @@ def eager_attention_bytes_per_token(shape: ModelShape, seq_len: int) -> float:
     return 4.0 * shape.num_heads * seq_len if shape.attention_probs else 0.0
 
 
+def masked_attention_bytes_per_token(shape: ModelShape, dtype_bytes: int, seq_len: int) -> float:
+    """What one layer keeps beyond unmasked SDPA when its attention gets a ``[rows, 1, T, T]``
+    document mask (many short packed documents: `maximus.attention.varlen`), per token: the mask,
+    which SDPA turns into the compute dtype and saves, and keys and values repeated to every query
+    head (Transformers passes SDPA no ``enable_gqa`` with a mask). Measured with
+    saved_tensors_hooks on the embedded default's layers, float32 and bf16."""
+    return float(dtype_bytes * (seq_len + 2 * (shape.q_dim - shape.kv_dim)))
+
+
 def shape_extra_bytes_per_token(shape: ModelShape, dtype_bytes: int, seq_len: int, lora_experts: bool = True) -> float:
     """What a layer keeps beyond a Llama layer of the same (active) shape, per token: the router and
     routed copies of a mixture of experts, the attention tensors (`ModelShape.attention_probs`),
@@ -753,6 +762,8 @@ class StepSpec:
     lora_dropout: float = 0.0
     #: A vision-language model's tower and projector (`maximus.memory.vision_terms.VisionSpec`).
     vision: Any = None
+    #: Attention runs as one SDPA call per row with a document mask (`masked_attention_bytes_per_token`).
+    masked_attention: bool = False
 
     @property
     def b(self) -> int:
@@ -811,7 +822,7 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
               lean_norm: bool = True, optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
               master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
               modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
-              vision: Any = None, embedding_optimizer: str = "adamw") -> StepSpec:
+              vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False) -> StepSpec:
     """The `StepSpec` of `estimate_peak`'s arguments (documented there); raises its ConfigErrors."""
     shape = model_shape(model_config)
     if method not in ("full", "lora", "qlora"):
@@ -842,7 +853,7 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
         lean=bool(lean_lora and adapter), lean_norm=lean_norm, optimizer_rank=optimizer_rank,
         optimizer_in_backward=optimizer_in_backward, master_weights=master_weights, lora_experts=lora_experts,
         grouped_experts=grouped_experts, modules_to_save=tuple(modules_to_save or ()), use_dora=use_dora, lora_dropout=lora_dropout,
-        vision=vision, embedding_optimizer=embedding_optimizer)
+        vision=vision, embedding_optimizer=embedding_optimizer, masked_attention=masked_attention and attention == "sdpa")
 
 
 # ------------------------------------------------------------------------------------------------
@@ -980,6 +991,9 @@ def _layer_saved_bytes(spec: StepSpec, extras: AdapterTerms) -> tuple[float, flo
     extra_layer = shape_extra_bytes_per_token(shape, b, spec.seq_len, expert_adapters) + extras.layer_bytes_per_token
     per_off += extra_layer
     per_sel += extra_layer
+    if spec.masked_attention:  # the mask and the repeated keys / values, saved by SDPA
+        per_off += masked_attention_bytes_per_token(shape, b, spec.seq_len)
+        per_sel += masked_attention_bytes_per_token(shape, b, spec.seq_len)
     if expert_adapters and not (spec.grouped_experts and spec.device_type == "cpu"):
         # PEFT's merged expert weights, kept per layer until its backward (a per-layer constant)
         per_off += shape.merged_expert_bytes(b) / T
@@ -1150,6 +1164,8 @@ def _settings(spec: StepSpec, static: StaticTerms, tile_fraction: float) -> dict
                         matryoshka_token_fraction=spec.matryoshka_token_fraction)
     if spec.offload_params:
         settings["offload_params"] = True
+    if spec.masked_attention:
+        settings["masked_attention"] = True
     if static.extras.trainable_params or static.extras.layer_bytes_per_token:
         settings["adapter_terms"] = static.extras.to_dict()
     if static.vision is not None:
@@ -1172,7 +1188,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
                   master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
                   modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
-                  vision: Any = None, embedding_optimizer: str = "adamw") -> Estimate:
+                  vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -1237,6 +1253,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             from `vision_spec(cfg, config)`); None for a text model. The rows' image tokens are in `seq_len`.
         modules_to_save, use_dora, lora_dropout: `lora.modules_to_save` (full trained copies, e.g.
             embed_tokens, lm_head), DoRA and LoRA dropout (`maximus.memory.adapter_terms`); adapters only.
+        masked_attention: SDPA gets a document mask (`MicroBatch.masked`: many short packed
+            documents), which it keeps with keys and values repeated to every head.
 
     Returns:
         An `Estimate` whose breakdown (weights, adapters, gradients, optimizer, activations,
@@ -1253,7 +1271,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         optimizer_rank=optimizer_rank, optimizer_in_backward=optimizer_in_backward, master_weights=master_weights,
         lora_experts=lora_experts, grouped_experts=grouped_experts,
         modules_to_save=modules_to_save, use_dora=use_dora, lora_dropout=lora_dropout, vision=vision,
-        embedding_optimizer=embedding_optimizer))
+        embedding_optimizer=embedding_optimizer, masked_attention=masked_attention))
 
 
 def estimate_step(spec: StepSpec) -> Estimate:

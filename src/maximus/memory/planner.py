@@ -245,9 +245,15 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     common = dict(dtype=dtype, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
                   device=device, sharded=sharded, lean_lora=lean_lora, **techniques)
 
+    def masked_for(mb: int) -> bool:
+        """Whether some micro-batch of key `mb` is attended with a document mask."""
+        if lengths is None:
+            return False
+        return (lengths.token_split(mb).largest if token_budgets else lengths.largest_micro_batch(mb)).masked
+
     def est(kw: dict, mb: int) -> Estimate:
-        return estimate_peak(shape, grad_accum=accum_for(mb), seq_len=seq_for(mb), **common,
-                             **dict(kw, micro_batch=rows_for(mb)))
+        return estimate_peak(shape, grad_accum=accum_for(mb), seq_len=seq_for(mb), masked_attention=masked_for(mb),
+                             **common, **dict(kw, micro_batch=rows_for(mb)))
 
     def as_plan(kw: dict, e: Estimate) -> Plan:
         key = kw["micro_batch"]

@@ -206,9 +206,19 @@ def replan(cfg: Config, plan: Plan, lengths: RowLengths | None = None, **changes
                       lora_targets=cfg.lora.target_modules, world_size=new.world_size,
                       loss_chunk_tokens=new.loss_chunk_size, grad_accum=new.grad_accum, device=new.device,
                       sharded=new.strategy == "fsdp", tile_tokens=new.tile_tokens,
-                      lean_lora=lean_lora_applies(cfg), **_technique_kwargs(cfg, lengths))
+                      lean_lora=lean_lora_applies(cfg), masked_attention=_masked(new, lengths),
+                      **_technique_kwargs(cfg, lengths))
     return replace(new, peak_bytes=e.peak_bytes, breakdown=dict(e.breakdown), peak_phase=e.phase,
                    tokens_per_s_guess=e.tokens_per_s_guess)
+
+
+def _masked(plan: Plan, lengths: RowLengths | None) -> bool:
+    """Whether some micro-batch of `plan` is attended with a document mask (`MicroBatch.masked`)."""
+    if lengths is None:
+        return False
+    if plan.micro_batch_tokens:
+        return lengths.token_split(plan.micro_batch_tokens).largest.masked
+    return lengths.largest_micro_batch(plan.micro_batch_size).masked
 
 
 def lean_lora_applies(cfg: Config) -> bool:

@@ -78,6 +78,14 @@ def row_length(row: dict) -> int:
     raise ValueError(f"not a training row: keys {sorted(row)}")
 
 
+def documents_in(row: dict) -> int:
+    """Documents packed in an SFT row: its positions restart at every document (`maximus.data.packing`)."""
+    positions = row.get("position_ids")
+    if not positions:
+        return 1
+    return 1 + sum(1 for a, b in zip(positions, positions[1:]) if b != a + 1)
+
+
 def run_lengths(cfg, rows: list[dict], *, steps: int, world_size: int = 1) -> RowLengths:
     """The row lengths of every optimizer step of the run `cfg` over the training `rows`, per rank
     (`RowLengths`). GRPO: each prompt of a generation becomes ``group_size`` rollout rows of the
@@ -88,6 +96,7 @@ def run_lengths(cfg, rows: list[dict], *, steps: int, world_size: int = 1) -> Ro
     t = cfg.training
     order = RowOrder(len(rows), t.batch_size, t.seed)
     lengths = [row_length(r) for r in rows]
+    docs = [documents_in(r) for r in rows] if cfg.objective == "sft" else None
     images = max((len(r["images"].paths) for r in rows if "images" in r), default=1)  # vision-language rows
     extra, repeat, every, shares = 0, 1, 1, 1
     if cfg.objective == "grpo":
@@ -102,14 +111,18 @@ def run_lengths(cfg, rows: list[dict], *, steps: int, world_size: int = 1) -> Ro
             rows = tuple(n for n in step_lengths[rank * per:(rank + 1) * per] for _ in range(repeat))
             share = len(rows) // shares  # GRPO's steps_per_generation: each step trains on its share
             out.extend(rows[k * share:(k + 1) * share] for k in range(shares))
-    flatten = None
-    if cfg.objective == "sft" and not t.packing and cfg.optimization.kronecker is None:
+    flatten = by_document = documents = None
+    if cfg.objective == "sft" and cfg.optimization.kronecker is None:
         from maximus.attention.varlen import per_document
 
-        flatten = per_document
+        flatten = None if t.packing else per_document
+        by_document = per_document  # padding-free attention's rule (else one masked call per row)
+        documents = tuple(tuple(docs[i] for i in order.step(step)[rank * per:(rank + 1) * per])
+                          for step in range(1, steps + 1) for rank in range(world_size))
     cap = t.seq_len
     notes = ()
     if lengths and min(lengths) >= cap:
         notes = (f"every training row reached training.seq_len ({cap:,} tokens) and was cut to it: the plan "
                  f"assumes rows of {cap:,} tokens",)
-    return RowLengths(steps=tuple(out), cap=cap, flatten=flatten, notes=notes, images_per_row=max(1, images))
+    return RowLengths(steps=tuple(out), cap=cap, flatten=flatten, notes=notes, images_per_row=max(1, images),
+                      documents=documents, per_document=by_document)
