@@ -309,3 +309,22 @@ def test_user_errors_are_one_line_messages():
     with pytest.raises(ModelError) as info:
         apply_checkpointing(torch.nn.Sequential(torch.nn.Linear(2, 2)), "full")
     assert str(info.value).startswith("gradient checkpointing: no decoder layer list found in Sequential")
+
+
+@pytest.mark.parametrize("options", [dict(use_dora=True), dict(lora_dropout=0.1)], ids=["dora", "dropout"])
+def test_costs_trace_a_bf16_model_with_a_trained_float32_embedding(options):
+    """A bf16 base with float32 adapters and a trained float32 `embed_tokens` copy (as
+    `maximus.models` loads `lora.modules_to_save` for `training.dtype: bf16`, PEFT's forward as with
+    DoRA or dropout): the embedding's float32 output meets the bf16 linears, which the trainer's
+    autocast allows. Tracing the layers' costs runs under the same autocast (it used to raise
+    "expected m1 and m2 to have the same dtype")."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**{**SHAPES, "vocab_size": 8192})).to(torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                             modules_to_save=["embed_tokens"], **options)).train()
+    for p in model.parameters():
+        if p.requires_grad:
+            p.data = p.data.float()
+    costs, step_flops = measure_layer_costs(model, micro_batch=BATCH, seq_len=SEQ)
+    assert len(costs) == 3 and step_flops > 0
+    assert all(c.saved_bytes["none"] > c.saved_bytes["full"] > 0 for c in costs)

@@ -413,7 +413,8 @@ def _trace_once(stack: nn.Module, layers: nn.ModuleList, tokens: int) -> dict[st
         handles.append(layer.register_forward_hook(post_hook, with_kwargs=True))
     trainable = [p for p in stack.parameters() if p.requires_grad]
     try:
-        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trace:
+        with torch.enable_grad(), _step_autocast(layers, embed.weight.device), \
+                torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t), trace:
             out = stack(input_ids=ids, use_cache=False)
             hidden = out[0] if isinstance(out, (tuple, list)) else out.last_hidden_state
             forward_flops = trace.step_flops
@@ -430,6 +431,16 @@ def _trace_once(stack: nn.Module, layers: nn.ModuleList, tokens: int) -> dict[st
         "forward_flops": trace.forward_flops, "selective_flops": trace.selective_flops,
         "step_flops": forward_flops + backward_flops,
     }
+
+
+def _step_autocast(layers: nn.ModuleList, device: torch.device):
+    """The trainer's autocast for a model whose frozen weights are 16-bit (`maximus.forward.autocast_for`):
+    float32 modules beside them (PEFT's adapters, a trained `modules_to_save` embedding copy) feed
+    16-bit linears only under it. A no-op for a float32 model."""
+    from maximus.forward import autocast_for
+
+    frozen = (p.dtype for p in layers.parameters() if not p.requires_grad and p.dtype.is_floating_point)
+    return autocast_for(device, next(frozen, torch.float32))
 
 
 def _fit(q1: float, q2: float, t1: int, target: float) -> float:
