@@ -1,6 +1,6 @@
 """What the GRPO benchmarks share: the machine report, the storage meter around a step, the small
-Llama they train, and TRL's GRPOTrainer set up like our side (`grpo_memory.py`, `grpo_speed.py`,
-`grpo_reward_time.py`).
+Llama they train, TRL's GRPOTrainer set up like our side, and the reward plots' axes, trailing
+mean and file writing (`grpo_memory.py`, `grpo_speed.py`, `grpo_reward_time.py`).
 
     from _grpo_sides import cpu_report, measure, small_llama_dir, trl_grpo_trainer
     trainer = trl_grpo_trainer(model_dir, rows, out, prompts=4, group=8, completion=12, max_steps=5,
@@ -108,3 +108,37 @@ def trl_grpo_trainer(model_dir, rows: list[dict], out: Path, *, prompts: int, gr
                       save_strategy="no", logging_steps=1, seed=0, **config)
     return GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(rows),
                        processing_class=tok, callbacks=list(callbacks), peft_config=peft_config)
+
+
+#: A step's mean reward covers a few prompts only: noisy, so the plots draw a trailing mean beside it.
+WINDOW = 10
+
+
+def trailing_mean(values: list[float], window: int = WINDOW) -> list[float]:
+    """values[i] averaged with the `window` - 1 before it (fewer at the start)."""
+    return [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
+            for i in range(len(values))]
+
+
+def reward_axes(figsize: tuple[float, float]):
+    """(figure, axes) of a reward plot, drawn without a display."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt.subplots(figsize=figsize)
+
+
+def save_plot(fig, ax, out: Path) -> None:
+    """Grid, tight layout, and `out` written whole (a temporary file, then renamed)."""
+    import matplotlib.pyplot as plt
+
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(f".{out.stem}.tmp.png")
+    fig.savefig(tmp, dpi=110)
+    plt.close(fig)
+    tmp.replace(out)
+    print(f"wrote {out}")

@@ -101,35 +101,23 @@ def trl(model_dir: Path, prompt: str, out: Path, args) -> dict:
 
 
 def plot_rewards(metrics: Path, out: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    from _grpo_sides import WINDOW, reward_axes, save_plot, trailing_mean
 
     rows = [json.loads(line) for line in metrics.read_text().splitlines()]
     rows = [r for r in rows if r.get("reward") is not None]
     steps = [r["step"] for r in rows]
-    fig, ax = plt.subplots(figsize=(7, 3.5))
+    fig, ax = reward_axes((7, 3.5))
     names = sorted(k for k in rows[0] if k.startswith("reward/"))
-    window = 10  # a step's mean covers only batch_size prompts: noisy, so a trailing mean beside it
     for key, label in [("reward", "reward (sum)")] + [(n, n) for n in names]:
         values = [r[key] for r in rows]
         line, = ax.plot(steps, values, linewidth=0.7, alpha=0.35)
-        smooth = [sum(values[max(0, i - window + 1):i + 1]) / len(values[max(0, i - window + 1):i + 1])
-                  for i in range(len(values))]
-        ax.plot(steps, smooth, color=line.get_color(), linewidth=1.6, label=f"{label}, mean of {window} steps")
+        ax.plot(steps, trailing_mean(values), color=line.get_color(), linewidth=1.6,
+                label=f"{label}, mean of {WINDOW} steps")
     ax.set_xlabel("optimizer step")
     ax.set_ylabel("mean reward of the sampled completions")
     ax.set_title("examples/grpo.yaml: reward of the sampled completions")
     ax.legend(fontsize=8)
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
-    print(f"wrote {out}")
+    save_plot(fig, ax, out)
 
 
 def main() -> None:

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 import tempfile
@@ -37,7 +36,8 @@ HERE = Path(__file__).resolve().parent
 ROOT = HERE.parent
 sys.path.insert(0, str(HERE))
 EXAMPLE = ROOT / "examples" / "grpo.yaml"
-WINDOW = 10  # a step's mean covers 4 prompts: noisy, so a trailing mean beside it
+
+from _grpo_sides import WINDOW, reward_axes, save_plot, trailing_mean  # noqa: E402  (benchmarks/ is on the path now)
 
 
 def example_config() -> dict:
@@ -111,10 +111,6 @@ def run_trl(steps: int, out: Path) -> list[dict]:
     return points
 
 
-def trailing_mean(values: list[float]) -> list[float]:
-    return [statistics.mean(values[max(0, i - WINDOW + 1):i + 1]) for i in range(len(values))]
-
-
 def reward_at(points: list[dict], wall_s: float) -> float | None:
     """The trailing mean reward of the last step finished by `wall_s` (None before the first)."""
     smooth = trailing_mean([p["reward"] for p in points])
@@ -123,12 +119,7 @@ def reward_at(points: list[dict], wall_s: float) -> float | None:
 
 
 def plot(curves: dict[str, list[dict]], out: Path, title: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7.5, 3.8))
+    fig, ax = reward_axes((7.5, 3.8))
     for (name, points), color in zip(curves.items(), ("tab:blue", "tab:orange")):
         wall, values = [p["wall_s"] for p in points], [p["reward"] for p in points]
         ax.plot(wall, values, color=color, linewidth=0.7, alpha=0.3)
@@ -138,14 +129,7 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> None:
     ax.set_ylabel("mean reward of the sampled completions")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
-    ax.grid(alpha=0.3)
-    fig.tight_layout()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(f".{out.stem}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(out)
-    print(f"wrote {out}")
+    save_plot(fig, ax, out)
 
 
 def main() -> None:

@@ -296,7 +296,7 @@ class TrainingConfig(_Section):
     max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped).")
     distributed: Literal["auto", "ddp", "fsdp"] = Field("auto", description="Under torchrun: FSDP2 when the model does not fit one device, else DDP.")
     log_every: int = Field(1, ge=1, description="Print/log every N optimizer steps (metrics.jsonl always gets every step).")
-    memory_meter: Literal["auto", "every_step", "sampled"] = Field("auto", description="Which steps run under the memory meter. `every_step`: all of them. `sampled`: on the CPU, where the meter sees every op and can nearly double a small model's step, only the steps that can set a new peak (the first two, a step with longer rows or more tokens than every metered one, the first after a re-plan, every 25th and the last; every step of GRPO); the others log no memory. `auto`: every step on CUDA (the allocator's counters cost nothing), `sampled` elsewhere.")
+    memory_meter: Literal["auto", "every_step", "sampled"] = Field("auto", description="Which steps run under the memory meter. `every_step`: all of them. `sampled`: on the CPU, where the meter sees every op and can nearly double a small model's step, only the steps that can set a new peak (the first two, a step with longer rows or more tokens than every metered one, the first after a re-plan, every 25th and the last; GRPO decides on its sampled rows, and its sampling is always metered); the others log no memory. `auto`: every step on CUDA (the allocator's counters cost nothing), `sampled` elsewhere.")
 
     @field_validator("micro_batch_size", "micro_batch_tokens")
     @classmethod

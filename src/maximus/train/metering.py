@@ -8,9 +8,12 @@ model, whose ops are tiny, it nearly doubles the step time (the built-in quickst
 - the first two steps this process runs (the optimizer state appears on the first);
 - a step whose rows are longer, or hold more tokens, than every metered step's so far (with the
   same plan, a step's peak grows with its micro-batches' tokens);
-- the first step after a re-plan, and every `EVERY`-th step and the last, as a check;
-- every step of an objective that forms its own batches (GRPO samples them: their size is known
-  only once sampled).
+- the first step after a re-plan, and every `EVERY`-th step and the last, as a check.
+
+An objective that samples its own rows (GRPO) samples them first, always metered (the decode
+loop reports what it holds instead of being tracked op by op), and the rest of the step (the
+log-prob passes, backward, optimizer) is decided on the sampled rows like any other step's; a
+generation's peak counts toward the run's peak either way.
 
 The other steps run without the meter: their metrics rows carry no `memory_bytes` /
 `peak_memory_bytes`, and the run's peak is the highest metered one. Before each metered step
@@ -45,8 +48,8 @@ class MeterPolicy:
         self.plan = None  # the plan of the last metered step
 
     def decide(self, step: int, plan, lengths: list[int] | None) -> bool:
-        """Whether step `step` (1-based) is metered; `lengths` are its rows' token counts, or None
-        when the objective forms its own batches."""
+        """Whether step `step` (1-based) is metered; `lengths` are its rows' token counts (None:
+        not known, so metered)."""
         self.run += 1
         if self.mode == "every_step" or lengths is None:
             return True

@@ -13,11 +13,12 @@ from maximus.memory.run_plan import plan_below_measured, replan
 from maximus.train.outputs import write_live_plan
 
 
-def guarded_step(trainer, step: int, say) -> dict:
-    """`trainer.train_step(step)`, redone after an out-of-memory error with a smaller plan."""
+def guarded_step(trainer, step: int, say, work=None):
+    """`trainer.train_step(step)` (or `work()`, a part of the step: GRPO's sampling), redone
+    after an out-of-memory error with a smaller plan."""
     while True:
         try:
-            return trainer.train_step(step)
+            return work() if work is not None else trainer.train_step(step)
         except torch.OutOfMemoryError:
             trainer.optimizer.zero_grad(set_to_none=True)
             if trainer.device.type == "cuda":

@@ -386,15 +386,12 @@ class Trainer:
         """One optimizer step, under the memory meter when `training.memory_meter` says so
         (re-planned after an out-of-memory error or a metered peak over the budget): its metrics
         row, and whether its loss and gradient were finite."""
-        from maximus.train.objectives.base import Objective
-
-        own_batches = type(self.objective).step_batches is not Objective.step_batches  # GRPO
-        lengths = None if own_batches else [row_length(r) for r in self.rows_for_step(step)]
-        metered = self.meter_policy.decide(step, self.plan, lengths)
         t0 = time.perf_counter()
+        self.meter.reset_peak()  # each row's peak_memory_bytes is that step's own peak
+        lengths = self._step_lengths(step, run)
+        metered = self.meter_policy.decide(step, self.plan, lengths)
         if metered:
-            self.meter.reset_peak()  # each row's peak_memory_bytes is that step's own peak
-            if self.meter_policy.mode == "sampled":  # what an unmetered step re-allocated
+            if self.meter_policy.mode == "sampled" and not self._samples_own_rows:  # what an unmetered step re-allocated
                 self.meter.adopt(self.model, self.optimizer)
             with self.meter.track(self.model, self.optimizer):
                 result = guarded_step(self, step, run.out.message)
@@ -412,6 +409,27 @@ class Trainer:
             row.update(memory_bytes=self.meter.current_bytes(), peak_memory_bytes=step_peak)
         row.update(result["metrics"])
         return row, result["finite"]
+
+    @property
+    def _samples_own_rows(self) -> bool:
+        """Whether the objective forms its own rows (`Objective.sample_step`: GRPO samples them)."""
+        from maximus.train.objectives.base import Objective
+
+        return type(self.objective).sample_step is not Objective.sample_step
+
+    def _step_lengths(self, step: int, run: _Run) -> list[int]:
+        """The token counts of step `step`'s rows, which the meter policy decides on. An objective
+        that samples its rows (GRPO) samples them here, always under the meter (its decode loop
+        reports what it holds rather than being tracked op by op: `maximus.train.sampling`), so
+        a generation's peak reaches the run's peak whether or not the rest of the step is metered."""
+        if not self._samples_own_rows:
+            return [row_length(r) for r in self.rows_for_step(step)]
+        if self.meter_policy.mode == "sampled":  # what an unmetered step re-allocated
+            self.meter.adopt(self.model, self.optimizer)
+        with self.meter.track(self.model, self.optimizer):
+            lengths = guarded_step(self, step, run.out.message, work=lambda: self.objective.sample_step(self, step))
+        run.peak = max(run.peak, self.meter.peak_bytes())
+        return lengths
 
     def _count_bad_step(self, row: dict, finite: bool, run: _Run) -> None:
         """The bad-step policy: a non-finite step was skipped (no update); `max_bad_steps` of them

@@ -30,6 +30,13 @@ class Objective:
         samples them); None = the trainer collates `rows_for_step(step)`."""
         return None
 
+    def sample_step(self, trainer, step: int) -> list[int] | None:
+        """For an objective that makes its own micro-batches (GRPO samples them): form step
+        `step`'s rows now, before the trainer decides whether the rest of the step runs under the
+        memory meter, and return their token counts (what `maximus.train.metering` decides on).
+        `step_batches` then batches the same rows. None (the default): the trainer's rows."""
+        return None
+
     def after_backward(self, trainer, step: int) -> None:
         """Called once the step's backward is done, before the optimizer step (GRPO waits for its
         asynchronous generation here); nothing by default."""

@@ -153,20 +153,34 @@ class GRPOObjective(Objective):
         `steps_per_generation_batch` consecutive steps (sampled before the first of them); each
         step trains on its share (TRL's order: every share once, then again per update)."""
         per_batch = self.steps_per_generation_batch
-        index, within = divmod(step - 1, per_batch)
+        within = (step - 1) % per_batch
+        gen, rows = self._generation_for(trainer, step)
+        self._sums = {k: 0.0 for k in _TOKEN_SUMS}
+        self._sampled_now = within == 0
+        if self.g.async_generation and within == per_batch - 1 and step < trainer.total_steps:
+            self._start_pending(trainer, gen.index + 1)  # sampled with the weights before this step's update
+        micro = self.micro_batch_size
+        return [self._collate(gen, rows[i:i + micro]) for i in range(0, len(rows), micro)]
+
+    def sample_step(self, trainer, step: int) -> list[int]:
+        """Sample step `step`'s generation batch (if it is the first step it serves) and return
+        the token counts of the step's rows (prompt + completion): the trainer decides from them
+        whether the step's loss pass runs under the memory meter."""
+        gen, rows = self._generation_for(trainer, step)
+        return [len(gen.rows[i]["input_ids"]) for i in rows]
+
+    def _generation_for(self, trainer, step: int) -> tuple[Generation, range]:
+        """(the generation batch serving step `step`, sampled now unless it already is; the
+        indices of the step's share of its rows)."""
+        index, within = divmod(step - 1, self.steps_per_generation_batch)
         if self.generation is None or self.generation.index != index:
             pending = self._take_pending(trainer, index)
             self.generation = None  # free the last one before sampling the next
             self.generation = pending if pending is not None else self._generate(trainer, index)
-        self._sums = {k: 0.0 for k in _TOKEN_SUMS}
-        self._sampled_now = within == 0
-        if self.g.async_generation and within == per_batch - 1 and step < trainer.total_steps:
-            self._start_pending(trainer, index + 1)  # sampled with the weights before this step's update
         gen = self.generation
         share = len(gen.rows) // self.g.steps_per_generation
         first = (within % self.g.steps_per_generation) * share
-        micro = self.micro_batch_size
-        return [self._collate(gen, range(i, min(i + micro, first + share))) for i in range(first, first + share, micro)]
+        return gen, range(first, first + share)
 
     def after_backward(self, trainer, step: int) -> None:
         """Before the optimizer changes the weights: wait for an asynchronous generation."""
