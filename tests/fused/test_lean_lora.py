@@ -73,6 +73,16 @@ def test_qlora_float32_matches_peft_bitsandbytes(tiny_model_dirs, arch):
     _assert_same(_step(model), expected, 1e-5)
 
 
+def test_without_gradients_the_lean_forward_gives_peft_and_the_training_forward_values(tiny_llama):
+    peft = _model(tiny_llama, "lora", torch.float32)
+    model = _model(tiny_llama, "lora", torch.float32)
+    install_lean_lora(model)
+    with torch.no_grad():
+        expected, got = peft(input_ids=IDS).logits, model(input_ids=IDS).logits
+    assert torch.equal(got, expected)
+    assert torch.equal(got, model(input_ids=IDS).logits.detach())  # what the loss pass sees, bit for bit
+
+
 def _rel(a, b):
     return ((a.double() - b.double()).norm() / b.double().norm()).item()
 

@@ -18,7 +18,9 @@ with the base weight used as it is (dense) or dequantised again for the backward
 
 `install_lean_lora(model)` routes the plain case of every PEFT LoRA linear through it (one active
 vanilla adapter, not merged, no dropout, no DoRA, no LoRA bias, frozen base): every other case,
-DoRA included, takes PEFT's own forward (docs/long_context.md). Parity with PEFT in float64 (LoRA)
+DoRA included, takes PEFT's own forward (docs/long_context.md). Without gradients (sampling,
+evaluation) the plain case computes the same values directly: no autograd node, and none of
+PEFT's per-call chain of module calls, which a decode loop would pay once per projection per token. Parity with PEFT in float64 (LoRA)
 and float32 (QLoRA): tests/fused/test_lean_lora.py.
 """
 from __future__ import annotations
@@ -48,6 +50,23 @@ def _base_weight(base: torch.nn.Module, dtype: torch.dtype) -> torch.Tensor:
     return bnb_f.dequantize_4bit(weight.data, quant_state).to(dtype)
 
 
+def _lean_values(x, lora_a, lora_b, base, scaling, quantized):
+    """(output, x @ A.T, the adapters' matmul dtype): PEFT's values, in its dtypes."""
+    device_type = x.device.type
+    autocast = torch.is_autocast_enabled(device_type)
+    # The adapters' matmuls run where PEFT runs them: in the autocast dtype under autocast, else
+    # in the adapters' own dtype (PEFT casts the input to it).
+    lora_dtype = torch.get_autocast_dtype(device_type) if autocast else lora_a.dtype
+    result = base(x)  # the base projection exactly as PEFT calls it (no graph: inside forward)
+    xa = F.linear(x.to(lora_dtype), lora_a.to(lora_dtype))
+    lora = F.linear(xa, lora_b.to(lora_dtype)) * scaling
+    if quantized and not autocast:
+        out = result + lora.to(result.dtype)  # PEFT's Linear4bit: cast, then add
+    else:
+        out = (result + lora).to(result.dtype)  # PEFT's Linear: add (promoted), then cast
+    return out, xa, lora_dtype
+
+
 class _LeanLoRAFunction(torch.autograd.Function):
     """Inputs (x, lora_a, lora_b, base, scaling, quantized); see `lean_lora_linear`."""
 
@@ -55,16 +74,7 @@ class _LeanLoRAFunction(torch.autograd.Function):
     def forward(ctx, x, lora_a, lora_b, base, scaling, quantized):
         device_type = x.device.type
         autocast = torch.is_autocast_enabled(device_type)
-        # The adapters' matmuls run where PEFT runs them: in the autocast dtype under autocast, else
-        # in the adapters' own dtype (PEFT casts the input to it).
-        lora_dtype = torch.get_autocast_dtype(device_type) if autocast else lora_a.dtype
-        result = base(x)  # the base projection exactly as PEFT calls it (no graph: inside forward)
-        xa = F.linear(x.to(lora_dtype), lora_a.to(lora_dtype))
-        lora = F.linear(xa, lora_b.to(lora_dtype)) * scaling
-        if quantized and not autocast:
-            out = result + lora.to(result.dtype)  # PEFT's Linear4bit: cast, then add
-        else:
-            out = (result + lora).to(result.dtype)  # PEFT's Linear: add (promoted), then cast
+        out, xa, lora_dtype = _lean_values(x, lora_a, lora_b, base, scaling, quantized)
         ctx.save_for_backward(x, xa, lora_a, lora_b)
         ctx.base, ctx.scaling, ctx.lora_dtype = base, scaling, lora_dtype
         # The dtype the base matmul ran in: bitsandbytes' compute dtype, autocast's, or the weight's.
@@ -140,11 +150,15 @@ def _plain_adapter(layer, args, kwargs) -> str | None:
 
 
 def _lean_forward(self, x, *args, **kwargs):
-    name = _plain_adapter(self, args, kwargs) if torch.is_grad_enabled() else None
+    name = _plain_adapter(self, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
-    return lean_lora_linear(x, self.get_base_layer(), self.lora_A[name].weight, self.lora_B[name].weight,
-                            self.scaling[name])
+    a, b, base, scaling = self.lora_A[name].weight, self.lora_B[name].weight, self.get_base_layer(), self.scaling[name]
+    if not torch.is_grad_enabled():
+        # Sampling and evaluation: the same values without an autograd node, and without PEFT's
+        # chain of module calls (GRPO's decode loop runs every projection once per token).
+        return _lean_values(x, a, b, base, float(scaling), getattr(base.weight, "quant_state", None) is not None)[0]
+    return lean_lora_linear(x, base, a, b, scaling)
 
 
 setattr(_lean_forward, _MARK, True)
