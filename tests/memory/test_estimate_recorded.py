@@ -29,6 +29,7 @@ TECHNIQUES = [dict(loss_mode="naive"), dict(loss_mode="ghost", ghost_candidates=
               dict(attention="kronecker", kronecker={"detail_tokens": 256, "sketch_slots": 64, "block": 64}),
               dict(attention="kronecker", checkpointing="selective"), dict(objective="dpo"),
               dict(objective="dpo", dpo_reference="precomputed"), dict(objective="contrastive"),
+              dict(objective="grpo", completion_tokens=256),
               dict(matryoshka_dims=[64, 128]), dict(matryoshka_dims=[64], matryoshka_token_fraction=1.0),
               dict(offload_params=True), dict(tile_tokens=512, checkpointing="full"), dict(lean_lora=True),
               dict(lean_norm=False), dict(optimizer="adamw_8bit"), dict(optimizer_in_backward=True),

@@ -2,6 +2,7 @@
 `maximus.train.order`): the largest micro-batch the loader forms, the longer side of a DPO pair,
 a GRPO prompt plus max_completion_tokens; seq_len stays the cap."""
 import json
+from pathlib import Path
 
 import pytest
 
@@ -14,6 +15,7 @@ from maximus.train.order import RowOrder, read_lengths, row_length, run_lengths
 from tiny import build_tiny_model_dir, one_thread, tiny_config, write_prompt_completion  # noqa: F401 - fixture
 
 pytestmark = pytest.mark.usefixtures("one_thread")
+REWARDS = Path(__file__).parents[1] / "train" / "grpo_test_rewards.py"
 
 
 def _pairs(path, n=24):
@@ -116,6 +118,37 @@ def test_grpo_plans_the_longest_prompt_plus_the_completion(tiny, tmp_path):
     # Both prompts of a step sampled at once (the batched sampler): K,V x layers x kv x dim x prompts x group
     assert plan.generation["prompts_at_once"] == 2
     assert plan.generation["kv_cache"] == 2 * 2 * 2 * 16 * 2 * 2 * lengths.longest * 4
+
+
+def test_a_grpo_runs_measured_peak_is_its_prediction_with_the_head_over_the_completions(tmp_path):
+    """A vocabulary large enough for the head to matter (8,192 x hidden 64): GRPO's log-prob pass
+    runs the head over the completion tokens only, and so does the estimate; charging it for
+    every prompt + completion position (the former term) over-predicts by more than 10 %."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+    from maximus.memory.estimate import estimate_peak
+    from tiny import save_random_model
+
+    tok = build_tiny_tokenizer(vocab_size=300)
+    model = save_random_model(tmp_path / "model", LlamaForCausalLM, LlamaConfig(
+        vocab_size=8192, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None), tok)
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("".join(json.dumps({"prompt": "count " + "x " * n}) + "\n" for n in (20, 24, 28, 30)))
+    cfg = Config.from_dict(tiny_config(model, data, tmp_path / "out", objective="grpo",
+                                       dataset={"path": str(data), "format": "prompt"},
+                                       grpo={"group_size": 4, "max_completion_tokens": 8,
+                                             "rewards": [f"{REWARDS}:word_count"]},
+                                       training={"batch_size": 2, "micro_batch_size": 8, "max_steps": 1,
+                                                 "memory_meter": "every_step"}, eval={"enabled": False}))
+    Trainer(cfg).train()
+    summary = json.loads((tmp_path / "out" / "run.json").read_text())
+    measured, plan = summary["memory"]["peak_bytes"], summary["plan"]
+    assert abs(plan["peak_bytes"] / measured - 1) < 0.10, (plan["peak_bytes"], measured)
+    every_position = estimate_peak(model, method="lora", dtype="fp32", micro_batch=8, seq_len=plan["seq_len"],
+                                   lora_r=4, device="cpu", lean_lora=True, objective="grpo", completion_tokens=None)
+    assert every_position.peak_bytes / measured - 1 > 0.10, (every_position.peak_bytes, measured)
 
 
 def test_rows_all_cut_to_seq_len_give_one_note(tiny, tmp_path):

@@ -40,7 +40,7 @@ from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimize
 
 Method = Literal["full", "lora", "qlora"]
 Attention = Literal["sdpa", "kronecker"]
-Objective = Literal["sft", "dpo", "contrastive"]
+Objective = Literal["sft", "dpo", "contrastive", "grpo"]
 DpoReference = Literal["adapter_off", "precomputed", "none"]
 LossMode = Literal["naive", "exact", "ghost"]
 Checkpointing = Literal["off", "full", "selective"]
@@ -474,8 +474,10 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
     return dict(ghost_candidates=opt.ghost_logit.candidates,
                 attention="kronecker" if kron is not None else "sdpa",
                 kronecker=None if kron is None else {k: getattr(kron, k) for k in ("detail_tokens", "sketch_slots", "block")},
-                # GRPO's backward is an SFT-shaped step over completion rows (maximus.memory.generation)
-                objective="sft" if cfg.objective == "grpo" else cfg.objective, dpo_reference=dpo_reference,
+                # GRPO's backward is an SFT-shaped step over completion rows whose head runs over the
+                # completion tokens only (maximus.memory.generation)
+                objective=cfg.objective, dpo_reference=dpo_reference,
+                completion_tokens=cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else None,
                 matryoshka_dims=None if mat is None else list(mat.dims),
                 matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
                 offload_params=opt.offload.params == "on",
@@ -506,8 +508,8 @@ def lora_reaches_experts(cfg: Any) -> bool:
 def _check_techniques(loss_mode: str, attention: str, objective: str, dpo_reference: str, token_fraction: float) -> None:
     if attention not in ("sdpa", "kronecker"):
         raise ConfigError(f"unknown attention {attention!r}", "use sdpa or kronecker")
-    if objective not in ("sft", "dpo", "contrastive"):
-        raise ConfigError(f"unknown objective {objective!r}", "use sft, dpo or contrastive")
+    if objective not in ("sft", "dpo", "contrastive", "grpo"):
+        raise ConfigError(f"unknown objective {objective!r}", "use sft, dpo, contrastive or grpo")
     if dpo_reference not in ("adapter_off", "precomputed", "none"):
         raise ConfigError(f"unknown dpo reference {dpo_reference!r}", "use adapter_off, precomputed or none")
     if loss_mode == "ghost" and objective != "sft":
@@ -764,6 +766,8 @@ class StepSpec:
     vision: Any = None
     #: Attention runs as one SDPA call per row with a document mask (`masked_attention_bytes_per_token`).
     masked_attention: bool = False
+    #: GRPO: the completion tokens of a row (the labelled ones: the head runs over them only).
+    completion_tokens: int | None = None
 
     @property
     def b(self) -> int:
@@ -822,7 +826,8 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
               lean_norm: bool = True, optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
               master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
               modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
-              vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False) -> StepSpec:
+              vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False,
+              completion_tokens: int | None = None) -> StepSpec:
     """The `StepSpec` of `estimate_peak`'s arguments (documented there); raises its ConfigErrors."""
     shape = model_shape(model_config)
     if method not in ("full", "lora", "qlora"):
@@ -853,7 +858,8 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
         lean=bool(lean_lora and adapter), lean_norm=lean_norm, optimizer_rank=optimizer_rank,
         optimizer_in_backward=optimizer_in_backward, master_weights=master_weights, lora_experts=lora_experts,
         grouped_experts=grouped_experts, modules_to_save=tuple(modules_to_save or ()), use_dora=use_dora, lora_dropout=lora_dropout,
-        vision=vision, embedding_optimizer=embedding_optimizer, masked_attention=masked_attention and attention == "sdpa")
+        vision=vision, embedding_optimizer=embedding_optimizer, masked_attention=masked_attention and attention == "sdpa",
+        completion_tokens=completion_tokens if objective == "grpo" else None)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1091,6 +1097,10 @@ def _loss_terms(spec: StepSpec, trainable_head: bool) -> tuple[int, int]:
     default_chunk = default_loss_chunk(T, V, b, trainable_head=trainable_head)
     if spec.objective == "contrastive":
         return contrastive_loss_bytes(shape, T, b), default_chunk
+    if spec.objective == "grpo" and spec.loss_mode == "exact":  # the head over the completion tokens only
+        from maximus.memory.generation import completion_loss_bytes
+
+        return completion_loss_bytes(spec, trainable_head)
     loss = head_loss_bytes(shape, spec.loss_mode, T, b, trainable_head=trainable_head,
                            chunk_tokens=spec.loss_chunk_tokens, default_chunk=default_chunk,
                            ghost_candidates=spec.ghost_candidates)
@@ -1157,6 +1167,8 @@ def _settings(spec: StepSpec, static: StaticTerms, tile_fraction: float) -> dict
         settings["kronecker"] = spec.layout.to_dict()
     if spec.objective == "dpo":
         settings["dpo_reference"] = spec.dpo_reference
+    if spec.objective == "grpo":
+        settings["completion_tokens"] = spec.completion_tokens
     if spec.loss_mode == "ghost":
         settings["ghost_candidates"] = spec.ghost_candidates
     if spec.matryoshka_dims and spec.objective == "sft":
@@ -1188,7 +1200,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
                   master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
                   modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
-                  vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False) -> Estimate:
+                  vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False,
+                  completion_tokens: int | None = None) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -1234,8 +1247,10 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             (`optimization.ghost_logit.candidates`).
         attention: ``sdpa`` or ``kronecker`` (Kronecker Sketching, `kronecker` = its
             `KroneckerConfig` or a dict of detail_tokens / sketch_slots / block; None = defaults).
-        objective: ``sft``, ``dpo`` (a micro-batch of N pairs is 2N rows: chosen and rejected)
-            or ``contrastive`` (2N rows: queries and positives; no vocabulary loss).
+        objective: ``sft``, ``dpo`` (a micro-batch of N pairs is 2N rows: chosen and rejected),
+            ``contrastive`` (2N rows: queries and positives; no vocabulary loss) or ``grpo`` (rows
+            of prompt + completion, `seq_len` tokens each, of which `completion_tokens` carry the
+            loss: the exact head runs over those only, `maximus.memory.generation`).
         dpo_reference: ``adapter_off`` (a no-grad reference forward of the same rows before
             each policy forward), ``precomputed`` (log-probs cached before training) or
             ``none`` (SimPO / ORPO need no reference).
@@ -1271,7 +1286,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         optimizer_rank=optimizer_rank, optimizer_in_backward=optimizer_in_backward, master_weights=master_weights,
         lora_experts=lora_experts, grouped_experts=grouped_experts,
         modules_to_save=modules_to_save, use_dora=use_dora, lora_dropout=lora_dropout, vision=vision,
-        embedding_optimizer=embedding_optimizer, masked_attention=masked_attention))
+        embedding_optimizer=embedding_optimizer, masked_attention=masked_attention,
+        completion_tokens=completion_tokens))
 
 
 def estimate_step(spec: StepSpec) -> Estimate:

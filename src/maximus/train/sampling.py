@@ -154,11 +154,13 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
         # The mask of every position the loop can reach, filled once: each step passes a prefix
         # of it (a view), instead of growing a copy by one column per token.
         full_mask = torch.cat([mask, mask.new_ones(rows, max_new_tokens)], dim=1)
+        sampling = dict(temperature=temperature, top_p=top_p, greedy=greedy, generator=generator, want_logps=record_logps)
+        first = next_tokens(logits, **sampling)
+        del logits  # each [rows, V] is freed once its token is drawn: one exists at a time (SAMPLER_LOGIT_COPIES)
         paused = meter.paused() if meter is not None else nullcontext()
         with paused:
-            _decode(model, cache, cache_kw, logits, full_mask, positions[:, -1], tokens, logps, width=width,
-                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, temperature=temperature, top_p=top_p,
-                    greedy=greedy, generator=generator, record_logps=record_logps, out=out, meter=meter)
+            _decode(model, cache, cache_kw, first, full_mask, positions[:, -1], tokens, logps, width=width,
+                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, sampling=sampling, out=out, meter=meter)
         del cache
         _sync(device)
         out.decode_s += time.perf_counter() - t1
@@ -170,13 +172,15 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
     return out
 
 
-def _decode(model, cache, cache_kw, logits, full_mask, last, tokens, logps, *, width, max_new_tokens, eos_token_id,
-            temperature, top_p, greedy, generator, record_logps, out: Sampled, meter) -> None:
-    """The decode loop of `sample_groups` over one chunk's rows: appends to `tokens` / `logps`."""
-    alive = torch.arange(len(tokens), device=logits.device)
+def _decode(model, cache, cache_kw, first, full_mask, last, tokens, logps, *, width, max_new_tokens, eos_token_id,
+            sampling: dict, out: Sampled, meter) -> None:
+    """The decode loop of `sample_groups` over one chunk's rows, from the `first` (tokens,
+    log-probs) drawn from the prefill: appends to `tokens` / `logps`. A step's logits are dropped
+    as soon as its tokens are drawn, so the next forward runs beside none of them."""
+    new, new_logps = first
+    record_logps = sampling["want_logps"]
+    alive = torch.arange(len(tokens), device=new.device)
     for t in range(max_new_tokens):
-        new, new_logps = next_tokens(logits, temperature=temperature, top_p=top_p, greedy=greedy,
-                                     generator=generator, want_logps=record_logps)
         values = new.tolist()
         for row, token in zip(alive.tolist(), values):
             tokens[row].append(token)
@@ -197,4 +201,6 @@ def _decode(model, cache, cache_kw, logits, full_mask, last, tokens, logps, *, w
                        use_cache=True, **{cache_kw: cache}).logits[:, -1].float()
         out.forwards += 1
         if meter is not None:  # the cache is this loop's now (the tracked one was freed by the first update)
-            meter.hold(decode_bytes(cache, logits, full_mask, top_p=top_p, want_logps=record_logps))
+            meter.hold(decode_bytes(cache, logits, full_mask, top_p=sampling["top_p"], want_logps=record_logps))
+        new, new_logps = next_tokens(logits, **sampling)
+        del logits
