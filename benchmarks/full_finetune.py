@@ -135,11 +135,20 @@ def main(argv=None) -> int:
     p.add_argument("--out", type=Path, help="JSON of all results at the end")
     p.add_argument("--keep", type=Path, help="keep each variant's run directory under this folder")
     p.add_argument("--rows", type=Path, help="JSON lines: each variant's result appended as it finishes")
+    p.add_argument("--alone", action="store_true",
+                   help="run exactly the --only variants (no AdamW baseline): one process per variant, "
+                        "their --rows gathered by --table")
+    p.add_argument("--table", type=Path, help="print the markdown of a --rows file and exit")
     args = p.parse_args(argv)
+    if args.table:
+        rows = [json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]
+        args.steps = rows[0]["steps"]
+        print(markdown({r["variant"]: r for r in rows}, args))
+        return 0
     import torch
 
     names = args.only or list(VARIANTS)
-    if "adamw" not in names:
+    if "adamw" not in names and not args.alone:
         names = ["adamw"] + names
     work = args.keep or Path(tempfile.mkdtemp(prefix="full_finetune_"))
     work.mkdir(parents=True, exist_ok=True)

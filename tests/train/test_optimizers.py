@@ -21,7 +21,7 @@ NEW = ("adamw_4bit", "apollo", "apollo_mini", "galore", "adam_mini", "muon")
 FOUR_BIT_EMBEDDING = {"embedding_optimizer": "adamw_4bit"}
 
 
-def _training(optimizer: str, **extra):
+def _training(optimizer: str = "adamw", **extra):
     cfg = Config.from_dict({"model": "x", "dataset": "y", "method": "full",
                             "training": {"optimizer": optimizer, "learning_rate": 1e-3, "optimizer_rank": 8,
                                          "optimizer_update_gap": 2, **extra}})
@@ -257,3 +257,83 @@ def test_bf16_weights_with_apollo_mini_in_backward_round_stochastically(tiny_lla
     fp32, bf16 = losses[torch.float32], losses[torch.bfloat16]
     assert fp32[-1] < fp32[0] - 0.05 and bf16[-1] < bf16[0] - 0.05
     assert bf16[-1] == pytest.approx(fp32[-1], rel=0.02)
+
+
+@pytest.mark.parametrize("training", [{"optimizer": "adamw_4bit"}, {"optimizer": "apollo_mini", **FOUR_BIT_EMBEDDING}],
+                         ids=["adamw_4bit", "apollo_mini+4bit_embedding"])
+def test_head_and_embedding_stepped_row_by_row_equal_the_whole_gradient_step(training, tiny_llama, monkeypatch):
+    """Inside the backward, the head updated block of vocabulary rows by block inside the chunked
+    loss's backward, and the embedding inside its own, never hold a whole gradient, and equal the
+    same optimizer stepped from the whole gradients, after one step and after three: every value
+    within lr / 20 and all but 0.02 % to 1e-6 (both gradients are float32 sums in different orders,
+    and Adam's first update g / (|g| + eps) amplifies that rounding where |g| is near eps = 1e-8);
+    the step's norms to 1e-5."""
+    import maximus.train.optimizers as optimizers
+    from maximus.losses.linear_cross_entropy import linear_cross_entropy
+
+    monkeypatch.setattr(optimizers, "TORCHAO_CHUNK_VALUES", 1024)  # several row blocks per tiny weight
+    after_one, models, norms = [], [], []
+    for row_steps in (False, True):
+        model = _model(tiny_llama)
+        head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
+        assert len(optimizers._row_chunks(head)) > 2 and len(optimizers._row_chunks(embed)) > 2
+        opt = build_optimizer(model, _training(optimizer_in_backward=True, max_grad_norm=None, **training),
+                              row_steps=row_steps)
+        for ids in _batches(3, model.config.vocab_size):
+            opt.begin_step()
+            hidden = model.model(input_ids=ids).last_hidden_state
+            labels = ids[:, 1:].masked_fill(ids[:, 1:] % 5 == 0, -100)  # some ignored targets
+            loss = linear_cross_entropy(hidden[:, :-1], head, labels, chunk_size=8, reduction="sum")
+            (loss / 17.0).backward()
+            assert head.grad is None and embed.grad is None
+            norms.append(opt.grad_norm())
+            if len(norms) % 3 == 1:
+                after_one.append([p.detach().clone() for p in model.parameters()])
+        opt.remove_hooks()
+        models.append(model)
+    names = [n for n, _ in models[0].named_parameters()]
+    for whole, rows in (after_one, [list(m.parameters()) for m in models]):
+        off = 0
+        for name, a, b in zip(names, whole, rows):
+            diff = (a - b).abs()
+            assert float(diff.max()) < 1e-3 / 20, name
+            off += int((diff > 1e-6).sum())
+        assert off <= sum(p.numel() for p in whole) // 5000
+    moved = max(float((a - c).abs().max()) for a, c in zip(models[0].parameters(), _model(tiny_llama).parameters()))
+    assert moved > 1e-4
+    assert norms[3:] == pytest.approx(norms[:3], rel=1e-5)
+
+
+def test_head_gradient_by_row_blocks_is_as_exact_as_the_whole_one(tiny_llama):
+    """The head's gradient as the loss hands it out block of rows by block (`step_rows_in_loss`)
+    against float64 autograd: as close as the whole float32 gradient is, and complete."""
+    from maximus.losses.linear_cross_entropy import linear_cross_entropy, step_rows_in_loss
+
+    model = _model(tiny_llama)
+    weight = model.get_output_embeddings().weight
+    ids = _batches(1, model.config.vocab_size)[0]
+    labels = ids[:, 1:].masked_fill(ids[:, 1:] % 5 == 0, -100)
+    hidden = model.model(input_ids=ids).last_hidden_state.detach()[:, :-1]
+
+    class Capture:
+        chunks = [slice(a, a + 48) for a in range(0, weight.shape[0], 48)]
+        grad = torch.full_like(weight, float("nan"))
+
+        def __call__(self, rows, grad):
+            self.grad[rows] = grad
+
+    whole = torch.autograd.grad(linear_cross_entropy(hidden, weight, labels, chunk_size=8, reduction="sum") / 7, weight)[0]
+    step_rows_in_loss(weight, capture := Capture())
+    try:
+        h = hidden.clone().requires_grad_(True)
+        (linear_cross_entropy(h, weight, labels, chunk_size=8, reduction="sum") / 7).backward()
+    finally:
+        step_rows_in_loss(weight, None)
+    assert weight.grad is None
+    w64, h64 = (t.detach().double().requires_grad_(True) for t in (weight, hidden))
+    loss64 = torch.nn.functional.cross_entropy((h64 @ w64.t()).flatten(0, 1), labels.flatten(), reduction="sum")
+    oracle, oracle_hidden = torch.autograd.grad(loss64 / 7, (w64, h64))
+    err_whole = float((whole.double() - oracle).abs().max())
+    err_rows = float((capture.grad.double() - oracle).abs().max())
+    assert err_rows <= 2 * err_whole + 1e-7
+    torch.testing.assert_close(h.grad.double(), oracle_hidden, rtol=0, atol=1e-6)

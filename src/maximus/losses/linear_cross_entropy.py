@@ -27,10 +27,11 @@ not NaN, so that a fully masked micro-batch cannot poison a run.
 """
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, Protocol
 
 import torch
 import torch.nn.functional as F
+from torch.utils.weak import WeakIdKeyDictionary
 
 from maximus.errors import ConfigError
 from maximus.structure import IGNORE_INDEX
@@ -243,15 +244,19 @@ def soft_cap_backward_(grad: torch.Tensor, tanh: torch.Tensor | None) -> torch.T
     return grad
 
 
-def _chunk_loss_and_grad(h_c, weight, bias, labels_c, token_weight_c, softcap, z_loss, want_grad, scratch=None):
+def _chunk_loss_and_grad(h_c, weight, bias, labels_c, token_weight_c, softcap, z_loss, want_grad, scratch=None,
+                         lse_out=None):
     """Per-token loss of one chunk over the whole vocabulary and, if ``want_grad``, the gradient of
     the logits (``C x V``, statistics dtype; in ``scratch``'s buffer when given) and the per-row
     factor still to apply: ``(loss, grad, row_scale)``. Without ``z_loss`` the gradient is the
     unweighted ``softmax - onehot`` and ``row_scale`` is ``token_weight_c`` (see
-    :func:`_apply_chunk_grad`); with it the gradient is already weighted and ``row_scale`` is None."""
+    :func:`_apply_chunk_grad`); with it the gradient is already weighted and ``row_scale`` is None.
+    ``lse_out`` [C], when given, receives the chunk's log-sum-exp."""
     logits, tanh = soft_cap_(_chunk_logits(h_c, weight, bias, scratch), softcap, keep_tanh=want_grad)
     scaled = bool(z_loss)
-    loss, _, grad = softmax_cross_entropy_(logits, labels_c, token_weight_c, z_loss, want_grad, scaled=scaled)
+    loss, lse, grad = softmax_cross_entropy_(logits, labels_c, token_weight_c, z_loss, want_grad, scaled=scaled)
+    if lse_out is not None:
+        lse_out.copy_(lse)
     if grad is not None:
         grad = soft_cap_backward_(grad, tanh)
     return loss, grad, None if scaled else token_weight_c
@@ -267,10 +272,15 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     """Autograd Function behind :func:`linear_cross_entropy`; inputs already flattened to 2-D."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, ignore_index, chunk_size, z_loss, softcap, reduction):
+    def forward(ctx, hidden, weight, bias, labels, ignore_index, chunk_size, z_loss, softcap, reduction,
+                row_step=None):
         num_tokens = hidden.shape[0]
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         any_grad = need_hidden or need_weight or need_bias
+        # A head stepped block by block in backward (`RowStep`): no V x H gradient here.
+        row_step = row_step if need_weight and reduction != "none" else None
+        if row_step is not None:
+            need_weight = False
         valid = labels != ignore_index
         safe_labels = torch.where(valid, labels, torch.zeros_like(labels))
         valid_f = valid.to(_stats_dtype(hidden.dtype))
@@ -288,13 +298,14 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
         grad_bias = (torch.zeros(weight.shape[0], dtype=valid_f.dtype, device=weight.device)
                      if grads_now and need_bias else None)
 
+        lse = torch.empty(num_tokens, dtype=valid_f.dtype, device=hidden.device) if row_step is not None else None
         scratch = ChunkScratch()
         for start in range(0, num_tokens, chunk_size):
             end = min(start + chunk_size, num_tokens)
             h_c = hidden[start:end]
             loss_c, grad, row_scale = _chunk_loss_and_grad(h_c, weight, bias, safe_labels[start:end],
                                                            token_weight[start:end], softcap, z_loss, grads_now,
-                                                           scratch)
+                                                           scratch, None if lse is None else lse[start:end])
             losses[start:end] = loss_c
             if grad is not None:
                 _apply_chunk_grad(grad, h_c, weight, start, end, grad_hidden, grad_weight, grad_bias, scratch,
@@ -305,6 +316,9 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
 
         ctx.weight_dtype = weight.dtype
         ctx.grads_ready = grads_now
+        ctx.row_step = row_step
+        if row_step is not None:
+            ctx.save_for_backward(hidden, weight, safe_labels, token_weight, lse)
         if grads_now:
             ctx.grads = [grad_hidden, grad_weight, grad_bias]
         elif any_grad:  # reduction == "none": recompute in backward
@@ -319,6 +333,8 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_output):
         if ctx.grads_ready:
             grad_hidden, grad_weight, grad_bias = take_scaled_grads(ctx, grad_output, "linear_cross_entropy")
+            if ctx.row_step is not None:
+                _step_head_rows(ctx.row_step, *ctx.saved_tensors, grad_output)
         else:
             hidden, weight, bias, safe_labels, valid_f = ctx.saved_tensors
             chunk_size, z_loss, softcap = ctx.options
@@ -343,7 +359,52 @@ class _ChunkedLinearCrossEntropy(torch.autograd.Function):
             grad_weight = grad_weight.to(ctx.weight_dtype)
         if grad_bias is not None:
             grad_bias = grad_bias.to(ctx.weight_dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None, None
+
+
+def _step_head_rows(row_step, hidden, weight, safe_labels, token_weight, lse, grad_output) -> None:
+    """The head's gradient one block of vocabulary rows at a time, each block handed to
+    ``row_step`` (which updates those rows) before the next is formed: the whole ``V x H``
+    gradient never exists. Each block recomputes its logits for every token (``N x rows``) from
+    the forward's log-sum-exp: ``grad[rows] = (softmax - onehot)[:, rows].T @ (hidden * token
+    weight)``, one matmul more than the unfused loss. Every block reads the weight before its own
+    update, and the hidden gradient was formed in forward from the weights before any update."""
+    weighted = (hidden.to(lse.dtype) * (token_weight * grad_output.to(lse.dtype))[:, None]).to(hidden.dtype)
+    tokens = torch.arange(hidden.shape[0], device=hidden.device)
+    for rows in row_step.chunks:
+        start, stop, _ = rows.indices(weight.shape[0])
+        probs = (hidden @ weight[start:stop].t()).to(lse.dtype).sub_(lse[:, None]).exp_()
+        inside = (safe_labels >= start) & (safe_labels < stop)
+        probs.index_put_((tokens[inside], safe_labels[inside] - start), torch.tensor(-1.0, dtype=probs.dtype,
+                                                                                   device=probs.device),
+                         accumulate=True)
+        grad = probs.to(hidden.dtype).t() @ weighted
+        del probs
+        row_step(rows, grad.to(weight.dtype))
+        del grad
+
+
+#: weight -> `RowStep`: trainable heads whose update the loss applies block by block of rows
+#: inside its backward (`training.optimizer_in_backward`, registered by the optimizer).
+_ROW_STEPS = WeakIdKeyDictionary()
+
+
+class RowStep(Protocol):
+    """An update of some rows of a weight from their gradient: ``step(rows, grad)`` is called once
+    per slice of ``chunks``, in order, in each backward."""
+
+    chunks: list[slice]
+
+    def __call__(self, rows: slice, grad: torch.Tensor) -> None: ...
+
+
+def step_rows_in_loss(weight: torch.Tensor, step: RowStep | None) -> None:
+    """Have :func:`linear_cross_entropy` update ``weight`` (a head) inside its backward, one block
+    of rows at a time, instead of returning its gradient (``None``: stop)."""
+    if step is None:
+        _ROW_STEPS.pop(weight, None)
+    else:
+        _ROW_STEPS[weight] = step
 
 
 def take_scaled_grads(ctx, grad_output: torch.Tensor, what: str):
@@ -444,9 +505,12 @@ def linear_cross_entropy(hidden: torch.Tensor, weight: torch.Tensor, labels: tor
         trainable_head = weight.requires_grad and torch.is_grad_enabled()
         chunk_size = default_chunk_size(flat_hidden.shape[0], weight.shape[0], flat_hidden.element_size(), trainable_head)
     chunk_size = max(1, int(chunk_size))
+    row_step = _ROW_STEPS.get(weight)
+    if row_step is not None and (z_loss or softcap is not None or (bias is not None and bias.requires_grad)):
+        row_step = None  # the block-wise head gradient covers the plain softmax only
     with torch.autocast(flat_hidden.device.type, enabled=False):
         out = _ChunkedLinearCrossEntropy.apply(flat_hidden, weight, bias, flat_labels, ignore_index,
-                                               chunk_size, float(z_loss), softcap, reduction)
+                                               chunk_size, float(z_loss), softcap, reduction, row_step)
     return out.reshape(labels.shape) if reduction == "none" else out
 
 

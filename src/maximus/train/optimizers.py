@@ -36,6 +36,7 @@ be wrong.
 """
 from __future__ import annotations
 
+import functools
 import importlib.util
 import math
 from collections import defaultdict
@@ -348,6 +349,15 @@ def _state_rows(state: torch.Tensor, rows: slice, p: torch.Tensor) -> torch.Tens
                           state.qmap, state.signed, (stop - start, *p.shape[1:]), dtype=state.dtype)
 
 
+@functools.cache
+def _torchao_update(compiled: bool):
+    """torchao's per-tensor Adam update: compiled as torchao does on CUDA (one graph per chunk
+    shape), eager elsewhere."""
+    from torchao.optim.adam import single_param_adam
+
+    return torch.compile(single_param_adam, fullgraph=True, dynamic=False) if compiled else single_param_adam
+
+
 def _torchao_class(four_bit: bool):
     from torchao.optim import AdamW4bit, _AdamW
 
@@ -362,29 +372,43 @@ def _torchao_class(four_bit: bool):
             params = [p for g in self.param_groups for p in g["params"]]
             if any(type(p.data) is not torch.Tensor for p in params):
                 return super().step(closure)
-            from torchao.optim.adam import single_param_adam
-
             loss = closure() if closure is not None else None
-            update = single_param_adam
-            if any(p.is_cuda for p in params):
-                update = torch.compile(single_param_adam, fullgraph=True, dynamic=False)
-            with torch._dynamo.utils.disable_cache_limit():
-                for group in self.param_groups:
-                    for p in group["params"]:
-                        if p.grad is None:
-                            continue
-                        state = self.state[p]
-                        if len(state) == 0:
-                            state["step"] = torch.tensor(0.0)
-                            state["exp_avg"] = self._new_buffer(p, True)
-                            state["exp_avg_sq"] = self._new_buffer(p, False)
-                        state["step"] += 1
-                        sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-                        for rows in _row_chunks(p):
-                            update(p.detach()[rows], p.grad[rows], state["step"], _state_rows(state["exp_avg"], rows, p),
-                                   _state_rows(state["exp_avg_sq"], rows, p), None, group["lr"], group["betas"][0],
-                                   group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw, sr)
+            for group in self.param_groups:
+                for p in group["params"]:
+                    if p.grad is None:
+                        continue
+                    self._begin(p)
+                    for rows in _row_chunks(p):
+                        self._update_rows(p, group, rows, p.grad[rows])
             return loss
+
+        def _begin(self, p: torch.Tensor) -> None:
+            """A new step of `p`: its state made on the first, its step count raised."""
+            state = self.state[p]
+            if len(state) == 0:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = self._new_buffer(p, True)
+                state["exp_avg_sq"] = self._new_buffer(p, False)
+            state["step"] += 1
+
+        def _update_rows(self, p: torch.Tensor, group: dict, rows: slice, grad: torch.Tensor) -> None:
+            update = _torchao_update(compiled=p.is_cuda)
+            state = self.state[p]
+            sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
+            with torch._dynamo.utils.disable_cache_limit():
+                update(p.detach()[rows], grad, state["step"], _state_rows(state["exp_avg"], rows, p),
+                       _state_rows(state["exp_avg_sq"], rows, p), None, group["lr"], group["betas"][0],
+                       group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw, sr)
+
+        @torch.no_grad()
+        def step_rows(self, p: torch.Tensor, rows: slice, grad: torch.Tensor, first: bool) -> None:
+            """The update of the rows `rows` (one of `_row_chunks(p)`) of `p` from their gradient;
+            `first`: the step's first chunk of `p` (its step count is raised then). The same
+            update as `step` on the whole gradient, chunk by chunk."""
+            if first:
+                self._begin(p)
+            group = next(g for g in self.param_groups if any(q is p for q in g["params"]))
+            self._update_rows(p, group, rows, grad)
 
         def add_param_group(self, param_group: dict) -> None:
             super().add_param_group(param_group)
@@ -479,13 +503,15 @@ def _outer_part(model, t, matrices: set[int], bf16_weights: bool = False
 
 
 def build_optimizer(model, training, *, optimizer: str | None = None, offload: bool = False,
-                    bf16_weights: bool = False) -> torch.optim.Optimizer:
+                    bf16_weights: bool = False, row_steps: bool = True) -> torch.optim.Optimizer:
     """The optimizer of `training.optimizer` (or `optimizer`, the plan's) over the model's
-    trainable parameters; stepped inside the backward when `training.optimizer_in_backward`."""
+    trainable parameters; stepped inside the backward when `training.optimizer_in_backward`
+    (`row_steps`: the embedding and head on torchao's step updated row block by row block where
+    their gradients are formed; False gives them whole gradients, the oracle of the tests)."""
     name = optimizer or training.optimizer
     parts = _factories(model, name, training, offload=offload, bf16_weights=bf16_weights)
     if training.optimizer_in_backward:
-        return InBackwardOptimizer(model, parts)
+        return InBackwardOptimizer(model, parts, row_steps=row_steps)
     built = [make(groups) for make, groups in parts]
     return built[0] if len(built) == 1 else CompositeOptimizer(built)
 
@@ -516,7 +542,7 @@ class InBackwardOptimizer(CompositeOptimizer):
 
     steps_in_backward = True
 
-    def __init__(self, model, parts: list[tuple[Callable, list[dict]]]):
+    def __init__(self, model, parts: list[tuple[Callable, list[dict]]], *, row_steps: bool = True):
         optimizers = []
         for make, groups in parts:
             for g in groups:
@@ -531,10 +557,42 @@ class InBackwardOptimizer(CompositeOptimizer):
         self._square_sum = 0.0
         self.nonfinite = 0
         self._handles = [p.register_post_accumulate_grad_hook(self._hook) for p, _ in optimizers]
+        self._row_stepped: set[int] = set()
+        self._undo: list[Callable[[], None]] = []
+        if row_steps:
+            self._step_outer_rows(model)
+
+    def _step_outer_rows(self, model) -> None:
+        """The embedding and an untied head on torchao's optimizer are updated row block by row
+        block where their gradients are formed (the embedding's backward, the loss's backward):
+        neither's whole gradient exists (`_RowStep`)."""
+        from maximus.losses.linear_cross_entropy import step_rows_in_loss
+
+        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        weights = [getattr(m, "weight", None) for m in (embed, head)]
+        if weights[0] is not None and weights[0] is weights[1]:
+            return  # tied: one weight, two gradients to sum
+        for module, weight in zip((embed, head), weights):
+            opt = self._by_param.get(id(weight)) if weight is not None else None
+            if opt is None or not hasattr(opt, "step_rows"):
+                continue
+            step = _RowStep(self, weight, opt)
+            if module is head:
+                step_rows_in_loss(weight, step)
+                self._undo.append(lambda w=weight: step_rows_in_loss(w, None))
+            elif type(module) is torch.nn.Embedding and module.max_norm is None and not module.sparse:
+                module.forward = functools.partial(_row_stepped_embedding, module, step)
+                self._undo.append(lambda m=module: m.__dict__.pop("forward", None))
 
     def _hook(self, p: torch.Tensor) -> None:
         grad = p.grad
-        square = float(grad.detach().float().pow(2).sum())
+        if grad is None:  # stepped row by row where its gradient was formed (`_RowStep`): autograd got None
+            return
+        if id(p) in self._row_stepped:
+            raise RuntimeError("a weight updated row by row inside the backward also received a whole gradient "
+                               "in the same step (a second loss on the head?): set optimizer_in_backward: false")
+        square = float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)) ** 2
         self._square_sum += square
         if math.isfinite(square):
             opt = self._by_param[id(p)]
@@ -550,6 +608,7 @@ class InBackwardOptimizer(CompositeOptimizer):
         """Start a new optimizer step's accounting (norm, non-finite count)."""
         self._square_sum = 0.0
         self.nonfinite = 0
+        self._row_stepped.clear()
 
     def grad_norm(self) -> float:
         return math.sqrt(self._square_sum) if math.isfinite(self._square_sum) else float("nan")
@@ -565,3 +624,63 @@ class InBackwardOptimizer(CompositeOptimizer):
         for h in self._handles:
             h.remove()
         self._handles = []
+        for undo in self._undo:
+            undo()
+        self._undo = []
+
+
+class _RowStep:
+    """The update of one weight from its gradient's row blocks (`_row_chunks`, torchao's step
+    chunks), called by whoever forms them (`linear_cross_entropy.RowStep`): the first block starts
+    the weight's step; each block's squares join the step's norm. A non-finite block skips the
+    update of its own rows only (the blocks before it are applied already)."""
+
+    def __init__(self, owner: InBackwardOptimizer, weight: torch.Tensor, optimizer):
+        self.owner, self.weight, self.optimizer = owner, weight, optimizer
+        self.chunks = _row_chunks(weight)
+
+    def __call__(self, rows: slice, grad: torch.Tensor) -> None:
+        first = rows == self.chunks[0]
+        if first:
+            self.owner._row_stepped.add(id(self.weight))
+        square = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
+        self.owner._square_sum += square
+        if math.isfinite(square):
+            self.optimizer.step_rows(self.weight, rows, grad, first)
+        else:
+            self.owner.nonfinite += 1
+
+
+class _RowSteppedEmbedding(torch.autograd.Function):
+    """`F.embedding` whose backward updates the weight block of rows by block of rows (each
+    block's gradient gathered from the tokens that fall in it) and returns no weight gradient."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, padding_idx, step):
+        ctx.save_for_backward(ids)
+        ctx.padding_idx, ctx.step = padding_idx, step
+        ctx.weight_shape, ctx.weight_dtype = weight.shape, weight.dtype
+        return torch.nn.functional.embedding(ids, weight, padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        ids = ids.reshape(-1)
+        grad_out = grad_out.reshape(ids.shape[0], -1)
+        if ctx.padding_idx is not None:  # as embedding_dense_backward: the padding row gets no gradient
+            keep = ids != ctx.padding_idx
+            ids, grad_out = ids[keep], grad_out[keep]
+        for rows in ctx.step.chunks:
+            start, stop, _ = rows.indices(ctx.weight_shape[0])
+            inside = (ids >= start) & (ids < stop)
+            grad = torch.zeros((stop - start, ctx.weight_shape[1]), dtype=grad_out.dtype, device=grad_out.device)
+            grad.index_add_(0, ids[inside] - start, grad_out[inside])
+            ctx.step(rows, grad.to(ctx.weight_dtype))
+            del grad
+        return None, None, None, None
+
+
+def _row_stepped_embedding(module: torch.nn.Embedding, step: _RowStep, ids: torch.Tensor) -> torch.Tensor:
+    if not (torch.is_grad_enabled() and module.weight.requires_grad):
+        return torch.nn.functional.embedding(ids, module.weight, module.padding_idx)
+    return _RowSteppedEmbedding.apply(ids, module.weight, module.padding_idx, step)
