@@ -114,3 +114,29 @@ def test_maximus_plan_full_apollo_mini_for_any_model(capsys):
 
     report = json.loads(capsys.readouterr().out)
     assert report["settings"]["optimizer"] == "apollo_mini"
+
+
+_REFERENCE = dict(model_type="llama", vocab_size=128256, hidden_size=512, intermediate_size=1536, num_hidden_layers=8,
+                  num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=4096,
+                  tie_word_embeddings=False)
+
+
+def test_row_stepped_embedding_and_head_hold_no_whole_gradient():
+    """Inside the backward with the embedding and the head on torchao's step, their gradients
+    exist one row block at a time (2,048 rows of 512 here): the gradients are the two largest
+    decoder weights' and one block, and the loss holds no V x H accumulator. The peak is under
+    0.35x AdamW's (measured 0.28x: docs/benchmarks/full_finetune.md). Not for a tied embedding."""
+    from maximus.memory.optimizer_state import steps_outer_rows
+
+    common = dict(method="full", dtype="fp32", seq_len=1024, device="cpu")
+    lean = dict(optimizer="apollo_mini", embedding_optimizer="adamw_4bit", optimizer_in_backward=True,
+                checkpointing="full", loss_chunk_tokens=64)
+    adamw = estimate_peak(dict(_REFERENCE), **common)
+    rows = estimate_peak(dict(_REFERENCE), **common, **lean)
+    whole = estimate_peak(dict(_REFERENCE), **common, **{**lean, "embedding_optimizer": "adamw"})
+    assert rows.breakdown["gradients"] == 4 * (2 * 1536 * 512 + 2048 * 512)
+    assert whole.breakdown["gradients"] == 4 * (128256 * 512 + 1536 * 512)
+    assert rows.peak_bytes < 0.35 * adamw.peak_bytes
+    tied = model_shape(load_model_config(dict(_REFERENCE, tie_word_embeddings=True)))
+    assert not steps_outer_rows(tied, "apollo_mini", full=True, in_backward=True, embedding_optimizer="adamw_4bit")
+    assert steps_outer_rows(model_shape(load_model_config(dict(_REFERENCE))), "adamw_4bit", full=True, in_backward=True)

@@ -35,8 +35,8 @@ from maximus.memory.adapter_terms import AdapterTerms, adapter_terms
 from maximus.memory.coefficients import (ATTENTION_PROBS, DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF,  # noqa: F401
                                          LAYER_COEF)
 from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_note,
-                                              optimizer_settings,
-                                              optimizer_state_bytes, optimizer_step_bytes)
+                                              optimizer_settings, optimizer_state_bytes, optimizer_step_bytes,
+                                              head_block_bytes, steps_outer_rows)
 
 Method = Literal["full", "lora", "qlora"]
 Attention = Literal["sdpa", "kronecker"]
@@ -615,7 +615,7 @@ def reference_forward_bytes_per_token(shape: ModelShape, dtype_bytes: int, layou
 
 def head_loss_bytes(shape: ModelShape, loss_mode: str, T: int, b: int, trainable_head: bool,
                     chunk_tokens: int | None, default_chunk: int, ghost_candidates: int = 1024,
-                    with_grad: bool = True) -> int:
+                    with_grad: bool = True, head_block: int = 0) -> int:
     """Working set of the vocabulary loss over T tokens (bytes).
 
     ``naive``: Transformers' loss: float32 logits, log-softmax output and, in backward, its
@@ -623,6 +623,9 @@ def head_loss_bytes(shape: ModelShape, loss_mode: str, T: int, b: int, trainable
     the loss): 12 bytes per logit at the start of backward (10 during forward; 4 + b without
     gradients). ``exact``: one chunk of logits (float32 + 16-bit matmul output) plus the hidden
     state's gradient buffer and the shifted hidden copy. ``ghost``: see `ghost_loss_bytes`.
+    ``head_block``: the exact loss's backward steps the head one block of vocabulary rows at a
+    time, with this working set (`head_block_bytes`), instead of accumulating the whole V x H
+    gradient.
     """
     V, h = shape.vocab_size, shape.hidden_size
     if loss_mode == "naive":
@@ -632,7 +635,9 @@ def head_loss_bytes(shape: ModelShape, loss_mode: str, T: int, b: int, trainable
     else:
         chunk = max(1, min(chunk_tokens or default_chunk, T))
         loss = chunk * V * (4 + (b if b < 4 else 0)) + (2 * T * h * b if with_grad else T * h * b)
-        if trainable_head and with_grad:  # float32 gradient accumulator over chunks
+        if trainable_head and with_grad and head_block:  # the hidden gradient, and one block or one chunk
+            loss = max(loss, 2 * T * h * b + head_block)
+        elif trainable_head and with_grad:  # float32 gradient accumulator over chunks
             loss += V * h * 4
     # Per-token scratch of the head (labels, log-sum-exp, losses): small but not zero.
     return int(loss + T * 24)
@@ -949,9 +954,9 @@ def _static_terms(spec: StepSpec) -> StaticTerms:
     per_rank_trainable = (trainable - replicated) / shard + replicated
     grads = int(per_rank_trainable * p_bytes)
     if spec.optimizer_in_backward:
-        grads = in_backward_gradient_bytes(shape, **opt)
+        grads = in_backward_gradient_bytes(shape, rows=_outer_rows(spec), **opt)
     step_temporaries = (optimizer_step_bytes(shape, spec.optimizer, device=spec.device_type, rank=spec.optimizer_rank,
-                                             master_weights=spec.master_weights,
+                                             master_weights=spec.master_weights, rows=_outer_rows(spec),
                                              embedding_optimizer=spec.embedding_optimizer, **opt) // shard
                         if not spec.offload_optimizer else 0)
     note = optimizer_note(spec.optimizer, spec.optimizer_rank, spec.optimizer_in_backward, spec.master_weights,
@@ -1101,9 +1106,11 @@ def _loss_terms(spec: StepSpec, trainable_head: bool) -> tuple[int, int]:
         from maximus.memory.generation import completion_loss_bytes
 
         return completion_loss_bytes(spec, trainable_head)
+    head_block = (head_block_bytes(shape, T, b, spec.master_weights)
+                  if _outer_rows(spec) and spec.loss_mode == "exact" else 0)
     loss = head_loss_bytes(shape, spec.loss_mode, T, b, trainable_head=trainable_head,
                            chunk_tokens=spec.loss_chunk_tokens, default_chunk=default_chunk,
-                           ghost_candidates=spec.ghost_candidates)
+                           ghost_candidates=spec.ghost_candidates, head_block=head_block)
     if spec.matryoshka_dims and spec.objective == "sft":
         loss = matryoshka_loss_bytes(shape, loss, spec.loss_mode, T, b, trainable_head=trainable_head,
                                      dims=spec.matryoshka_dims, token_fraction=spec.matryoshka_token_fraction,
@@ -1111,6 +1118,12 @@ def _loss_terms(spec: StepSpec, trainable_head: bool) -> tuple[int, int]:
     if spec.master:  # the loss casts the float32 head to the 16-bit matmul dtype once per call
         loss += V * h * 2
     return loss, default_chunk
+
+
+def _outer_rows(spec: StepSpec) -> bool:
+    """The embedding and head updated row block by row block inside the backward (`steps_outer_rows`)."""
+    return steps_outer_rows(spec.shape, spec.optimizer, full=spec.method == "full", in_backward=spec.optimizer_in_backward,
+                            master_weights=spec.master_weights, embedding_optimizer=spec.embedding_optimizer)
 
 
 def _workspace_terms(spec: StepSpec) -> int:

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "PROJECTED", "EMBEDDING_ON_ADAMW", "TORCHAO_CHUNK_VALUES", "optimizer_state_bytes", "optimizer_step_bytes",
-           "in_backward_gradient_bytes", "projection_settings", "optimizer_note", "uses_bf16_weights", "optimizer_kwargs",
+           "in_backward_gradient_bytes", "steps_outer_rows", "row_block_rows", "head_block_bytes", "projection_settings", "optimizer_note", "uses_bf16_weights", "optimizer_kwargs",
            "optimizer_settings"]
 
 
@@ -177,12 +177,19 @@ def _torchao_step_bytes(largest: int, master_weights: str = "fp32") -> int:
 
 def optimizer_step_bytes(shape: Any, optimizer: str, *, full: bool, trainable: int, p_bytes: int, device: str,
                          rank: int | None = None, master_weights: str = "fp32",
-                         embedding_optimizer: str = "adamw") -> int:
+                         embedding_optimizer: str = "adamw", rows: bool = False) -> int:
     """Bytes the optimizer step allocates besides its state (its temporaries), on `device`.
 
     AdamW on CUDA runs foreach (one list-sized temporary); every other optimizer (and AdamW on a
     CPU) updates one tensor at a time, so its temporaries are a few copies of the largest one;
-    torchao's (`adamw_4bit`, bf16 weights, a 4-bit `embedding_optimizer`) of one row chunk."""
+    torchao's (`adamw_4bit`, bf16 weights, a 4-bit `embedding_optimizer`) of one row chunk.
+    With `rows` (`steps_outer_rows`) the embedding's and the head's steps run outside the layers'
+    backward (the head's in the loss: `head_block_bytes`), so what meets a layer's backward is
+    the step of a decoder weight."""
+    if rows and optimizer in PROJECTED and master_weights == "fp32":
+        return 2 * p_bytes * max(o * n for o, n in _hidden_matrices(shape))
+    if rows and optimizer == "muon":
+        return 4 * p_bytes * max(o * n for o, n in _hidden_matrices(shape))
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
         return 0  # bitsandbytes updates in place, block by block
     torchao = optimizer == "adamw_4bit" or (optimizer == "adamw" and master_weights == "bf16" and full)
@@ -212,12 +219,40 @@ def optimizer_step_bytes(shape: Any, optimizer: str, *, full: bool, trainable: i
     return 0
 
 
-def in_backward_gradient_bytes(shape: Any, *, full: bool, trainable: int, p_bytes: int) -> int:
+def steps_outer_rows(shape: Any, optimizer: str, *, full: bool, in_backward: bool, master_weights: str = "fp32",
+                     embedding_optimizer: str = "adamw") -> bool:
+    """Whether the embedding and an untied head are updated row block by row block where their
+    gradients are formed, inside the backward (`maximus.train.optimizers.InBackwardOptimizer`):
+    full fine-tuning inside the backward with torchao's step on them (`adamw_4bit`, AdamW with
+    bf16 weights, or a 4-bit `embedding_optimizer`)."""
+    torchao = (optimizer == "adamw_4bit" or (optimizer == "adamw" and master_weights == "bf16")
+               or (optimizer in EMBEDDING_ON_ADAMW and embedding_optimizer == "adamw_4bit"))
+    return bool(full and in_backward and torchao and not shape.tied_embeddings)
+
+
+def row_block_rows(shape: Any) -> int:
+    """Rows of one block of the embedding / head (torchao's step chunk, `TORCHAO_CHUNK_VALUES`)."""
+    return max(1, min(shape.vocab_size, TORCHAO_CHUNK_VALUES // shape.hidden_size))
+
+
+def head_block_bytes(shape: Any, T: int, b: int, master_weights: str = "fp32") -> int:
+    """Working set of one row block of a head stepped inside the loss's backward (`steps_outer_rows`),
+    over T tokens: the block's float32 logits for every token, its gradient, the token-weighted
+    hidden states, and torchao's step on the block."""
+    rows, h = row_block_rows(shape), shape.hidden_size
+    return T * rows * 4 + rows * h * 4 + T * h * 4 + _torchao_step_bytes(rows * h, master_weights)
+
+
+def in_backward_gradient_bytes(shape: Any, *, full: bool, trainable: int, p_bytes: int, rows: bool = False) -> int:
     """Gradient bytes alive at once when each parameter is stepped and its gradient freed inside
-    the backward: the largest parameter's gradient, and the one autograd produces next to it."""
+    the backward: the largest parameter's gradient, and the one autograd produces next to it.
+    With `rows` (`steps_outer_rows`) the embedding's and the head's gradients exist one row block
+    at a time: the two largest decoder weights' gradients and one block."""
     if not full:
         return 2 * p_bytes * max(1, trainable // (7 * max(1, shape.num_layers)))
     h, i, V = shape.hidden_size, shape.intermediate_size, shape.vocab_size
+    if rows:
+        return p_bytes * (2 * max(o * n for o, n in _hidden_matrices(shape)) + row_block_rows(shape) * h)
     return p_bytes * (V * h + i * h)
 
 
