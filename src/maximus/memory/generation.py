@@ -98,7 +98,8 @@ def generation_peak_bytes(model_config: Any, *, resident_bytes: int, group_size:
 
 
 def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dict[str, int]:
-    """`generation_peak_bytes` for a GRPO config and its training `plan` (the resident state is
+    """`generation_peak_bytes` for a GRPO config (`model_config`: its model's `ModelShape`, or anything
+    `model_shape` reads) and its training `plan` (the resident state is
     the plan's weights, adapters and optimizer moments; gradients are freed between steps), at
     the largest `prompts_at_once` (returned with the parts) that fits `budget`, else the plan's
     free memory; all `training.batch_size` prompts when neither is known.
@@ -108,16 +109,17 @@ def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dic
     is loaded)."""
     from maximus.config import format_bytes
     from maximus.errors import BudgetError
-    from maximus.memory.estimate import DTYPE_BYTES
+    from maximus.memory.estimate import DTYPE_BYTES, model_shape
 
     check_sampler(cfg, plan.device)
+    shape = model_shape(model_config)  # `plan_run` passes its step's shape: nothing is read again
     resident = sum(plan.breakdown.get(k, 0) for k in ("weights", "adapters", "optimizer"))
     g = cfg.grpo
     # The longest prompt the data has (planned from it) or the cap, plus the longest completion.
     tokens = plan.rows_tokens_max or cfg.training.seq_len + g.max_completion_tokens
 
     def parts_for(prompts: int) -> dict[str, int]:
-        parts = generation_peak_bytes(model_config, resident_bytes=resident, group_size=g.group_size, tokens=tokens,
+        parts = generation_peak_bytes(shape, resident_bytes=resident, group_size=g.group_size, tokens=tokens,
                                       dtype_bytes=DTYPE_BYTES[plan.dtype], prompts=prompts, top_p=g.top_p)
         if g.async_generation:  # sampled while the backward runs: on top of the training step
             parts["total"] = max(parts["total"], (plan.peak_bytes or resident) + parts["kv_cache"] + parts["logits"])

@@ -126,6 +126,10 @@ class Plan:
     #: ``grad_accum`` the most micro-batches one step has. None: ``micro_batch_size`` rows each.
     micro_batch_tokens: int | None = None
     rows_per_step: int | None = None
+    #: The step description the plan was estimated for (`maximus.memory.planner.RunStep`: the
+    #: model's shape and the run's fixed settings), so a re-plan need not read the model again;
+    #: None for a plan made without an estimate. Not part of run.json nor of equality.
+    step: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", tuple(self.recompute))
@@ -155,6 +159,8 @@ class Plan:
         """JSON-ready, for run.json (``plan``); lists for tuples, the attention as a mapping."""
         d: dict[str, Any] = {}
         for f in fields(self):
+            if f.name == "step":
+                continue
             value = getattr(self, f.name)
             if isinstance(value, Attention):
                 value = {k.name: getattr(value, k.name) for k in fields(value)}

@@ -19,18 +19,20 @@ naming the smallest budget that would work and the setting that needs it.
 """
 from __future__ import annotations
 
+import itertools
 import math
-from dataclasses import replace
-from typing import Any, Iterable, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Iterable, Mapping, Sequence
 
 from maximus.config import format_bytes, parse_bytes
 from maximus.errors import BudgetError, ConfigError
 from maximus.memory.adapter_terms import HEAD_NAMES
-from maximus.memory.estimate import Estimate, default_loss_chunk, estimate_peak, model_shape, DTYPE_BYTES
+from maximus.memory.estimate import (DTYPE_BYTES, Estimate, ModelShape, default_loss_chunk, estimate_step, model_shape,
+                                     step_spec)
 from maximus.memory.lengths import RowLengths
 from maximus.memory.plan import BREAKDOWN_ROWS, Plan
 
-__all__ = ["Plan", "plan_for_budget", "resolve_budget", "max_seq_len_for_budget", "DEFAULT_MARGIN", "DEFAULT_ALLOW",
+__all__ = ["Plan", "RunStep", "plan_for_budget", "resolve_budget", "max_seq_len_for_budget", "DEFAULT_MARGIN", "DEFAULT_ALLOW",
            "BREAKDOWN_ROWS"]
 
 #: Fraction of the budget kept free for what no estimate sees: allocator fragmentation,
@@ -75,7 +77,166 @@ def _divisors(n: int) -> list[int]:
     return sorted({d for i in range(1, int(math.isqrt(n)) + 1) if n % i == 0 for d in (i, n // i)})
 
 
+@dataclass(frozen=True)
+class RunStep:
+    """What every estimate of one run shares, read once: the model's shape and the `estimate_peak`
+    keywords the search never varies (dtype, adapter rank and targets, ranks, device, lean LoRA,
+    the techniques). `plan_run` builds it from the config (`maximus.memory.run_plan.run_step`);
+    the plan keeps it (`Plan.step`), so a re-plan re-estimates without reading the model again."""
+
+    shape: ModelShape
+    settings: Mapping[str, Any]
+
+    @classmethod
+    def of(cls, model_config: Any, *, dtype: str = "bf16", lora_r: int = 16,
+           lora_targets: str | Sequence[str] = "all-linear", world_size: int = 1, device: str = "cuda",
+           lean_lora: bool = True, **techniques: Any) -> "RunStep":
+        """The step of `model_config` (anything `model_shape` reads) with these settings."""
+        shape = model_shape(model_config)
+        if dtype not in DTYPE_BYTES:
+            raise ConfigError(f"unknown dtype {dtype!r}", "use bf16, fp16 or fp32")
+        return cls(shape, dict(dtype=dtype, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
+                               device=device, lean_lora=lean_lora, **techniques))
+
+    @property
+    def dtype(self) -> str:
+        return self.settings["dtype"]
+
+    @property
+    def lora_r(self) -> int:
+        return self.settings["lora_r"]
+
+    @property
+    def world_size(self) -> int:
+        return self.settings["world_size"]
+
+    @property
+    def device(self) -> str:
+        return self.settings["device"]
+
+    @property
+    def trains_head(self) -> bool:
+        """`lora.modules_to_save` names the output head (the loss's chunks then have a larger floor)."""
+        return bool({str(n).rsplit(".", 1)[-1] for n in self.settings.get("modules_to_save") or ()} & HEAD_NAMES)
+
+    def estimate(self, **knobs: Any) -> Estimate:
+        """The estimate of this step with the candidate's `knobs` (`estimate_peak` keywords)."""
+        return estimate_step(step_spec(self.shape, **self.settings, **knobs))
+
+
+@dataclass(frozen=True)
+class _Space:
+    """What `plan_for_budget` searches and how a candidate (a dict of `estimate_peak` knobs whose
+    ``micro_batch`` is a key: rows, or a token budget) becomes an estimate and a plan."""
+
+    step: RunStep
+    budget: int | None
+    margin: float
+    seq_len: int
+    per_rank: int
+    methods: list[str]
+    micro_batches: list[int]
+    checkpointings: list[Any]
+    offload_act: list[bool]
+    offload_opt: list[bool]
+    optimizers: list[str]
+    loss_mode: str
+    loss_chunk_size: int | str | None
+    tile_tokens: int | str | None
+    allow: frozenset
+    lengths: RowLengths | None
+    token_budgets: list[int]
+    sharded: bool | None
+
+    @property
+    def usable(self) -> int | None:
+        return None if self.budget is None else int(self.budget * (1 - self.margin))
+
+    def seq_for(self, mb: int) -> int:
+        """Tokens per row the estimate of micro-batch key `mb` (rows, or a token budget) assumes."""
+        if self.token_budgets:
+            return self.lengths.token_split(mb).largest.row_tokens
+        return self.lengths.largest_micro_batch(mb).row_tokens if self.lengths is not None else self.seq_len
+
+    def rows_for(self, mb: int) -> int:
+        """Rows of the largest micro-batch of key `mb`."""
+        return self.lengths.token_split(mb).largest.rows if self.token_budgets else mb
+
+    def accum_for(self, mb: int) -> int:
+        """Micro-batches per step (the most of any step) for key `mb`."""
+        return self.lengths.token_split(mb).micro_batches if self.token_budgets else self.per_rank // mb
+
+    def masked_for(self, mb: int) -> bool:
+        """Whether some micro-batch of key `mb` is attended with a document mask."""
+        if self.lengths is None:
+            return False
+        split = self.lengths.token_split(mb).largest if self.token_budgets else self.lengths.largest_micro_batch(mb)
+        return split.masked
+
+    def chunks_for(self, mb: int, method: str) -> list[int | None]:
+        if self.loss_mode == "naive":
+            return [None]
+        if self.loss_mode == "ghost":
+            # The ghost loss's chunk is how many tokens share one candidate set: the trainer
+            # passes only a chunk the user set, so the planner does not search it.
+            return [self.loss_chunk_size if isinstance(self.loss_chunk_size, int) else None]
+        if isinstance(self.loss_chunk_size, int):
+            return [self.loss_chunk_size]
+        tokens = self.rows_for(mb) * self.seq_for(mb)
+        # Full fine-tuning trains the head: its chunks have a larger floor (the loss's own default).
+        default = default_loss_chunk(tokens, self.step.shape.vocab_size, DTYPE_BYTES[self.step.dtype],
+                                     trainable_head=method == "full" or self.step.trains_head)
+        if "loss_chunk" not in self.allow:
+            return [default]
+        return [default] + [c for c in (1024, 512, 256, 128, 64, 32) if c < default]
+
+    def tiles_for(self, mb: int) -> list[int | None]:
+        if isinstance(self.tile_tokens, int):
+            return [self.tile_tokens]
+        if self.tile_tokens != "auto" or "tile_tokens" not in self.allow:
+            return [None]
+        return [None] + [t for t in TILE_CHOICES if t < self.rows_for(mb) * self.seq_for(mb)]
+
+    def candidates(self) -> Iterable[dict]:
+        """Every combination the planner may pick, cheapest knobs first."""
+        for method in self.methods:
+            for mb in self.micro_batches:
+                for gc in self.checkpointings:
+                    for off_act in self.offload_act:
+                        if off_act and gc in ("off", "selective"):
+                            continue  # only checkpointed layer inputs can be offloaded
+                        for off_opt, opt in itertools.product(self.offload_opt, self.optimizers):
+                            for chunk in self.chunks_for(mb, method):
+                                for tile in (self.tiles_for(mb) if gc == "full" else [None]):  # full layers only
+                                    yield dict(method=method, micro_batch=mb, checkpointing=gc,
+                                               offload_activations=off_act, offload_optimizer=off_opt, optimizer=opt,
+                                               loss_mode=self.loss_mode, loss_chunk_tokens=chunk, tile_tokens=tile)
+
+    def estimate(self, kw: dict) -> Estimate:
+        mb = kw["micro_batch"]
+        return self.step.estimate(grad_accum=self.accum_for(mb), seq_len=self.seq_for(mb), sharded=self.sharded,
+                                  masked_attention=self.masked_for(mb), **dict(kw, micro_batch=self.rows_for(mb)))
+
+    def as_plan(self, kw: dict, e: Estimate) -> Plan:
+        key, step = kw["micro_batch"], self.step
+        plan = _to_plan(dict(kw, micro_batch=self.rows_for(key)), e, step.shape, self.budget, self.margin, self.per_rank,
+                        step.world_size, self.seq_for(key), step.dtype, step.lora_r, step.device)
+        if self.token_budgets:
+            split = self.lengths.token_split(key)
+            notes = (f"micro-batches of up to {key:,} tokens (up to {split.rows} rows, up to {split.micro_batches} per "
+                     f"step) keep the effective batch of {self.per_rank * step.world_size}",) + plan.notes[1:]
+            plan = replace(plan, grad_accum=split.micro_batches, micro_batch_tokens=key, rows_per_step=self.per_rank,
+                           notes=notes)
+        return replace(_with_lengths(plan, self.lengths), step=step)
+
+    def describe(self, kw: dict) -> str:
+        key = kw["micro_batch"]
+        text = _describe(dict(kw, micro_batch=self.rows_for(key)), self.seq_for(key), self.step.shape.num_layers)
+        return text + (f", micro-batches of up to {key:,} tokens" if self.token_budgets else "")
+
+
 def _describe(plan_kwargs: dict, seq_len: int, num_layers: int) -> str:
+
     gc = plan_kwargs["checkpointing"]
     if isinstance(gc, int):
         gc_text = f"checkpointing {gc}/{num_layers} layers"
@@ -90,26 +251,6 @@ def _describe(plan_kwargs: dict, seq_len: int, num_layers: int) -> str:
         parts.append(f"MLP tiles of {plan_kwargs['tile_tokens']} tokens")
     parts.append(f"seq {seq_len}")
     return ", ".join(parts)
-
-
-def _candidates(shape, *, methods, micro_batches, checkpointings, offload_act_options, offload_opt_options,
-                optimizers, loss_mode, chunks_for, tiles_for):
-    """Every combination the planner may pick, cheapest knobs first (see `plan_for_budget`)."""
-    for method in methods:
-        for mb in micro_batches:
-            for gc in checkpointings:
-                recomputes = gc != "off"
-                for off_act in offload_act_options:
-                    if off_act and (not recomputes or gc == "selective"):
-                        continue  # only checkpointed layer inputs can be offloaded
-                    for off_opt in offload_opt_options:
-                        for opt in optimizers:
-                            for chunk in chunks_for(mb, method):
-                                # Only fully recomputed layers are tiled.
-                                for tile in (tiles_for(mb) if gc == "full" else [None]):
-                                    yield dict(method=method, micro_batch=mb, checkpointing=gc,
-                                               offload_activations=off_act, offload_optimizer=off_opt, optimizer=opt,
-                                               loss_mode=loss_mode, loss_chunk_tokens=chunk, tile_tokens=tile)
 
 
 def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str = "lora", batch_size: int = 8,
@@ -164,22 +305,56 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
         ConfigError: the batch cannot be split evenly over the ranks, or a setting is unknown
             (a tile_tokens below 1); ``micro_batch_tokens`` below the longest row (named).
     """
-    allow = DEFAULT_ALLOW if allow is None else frozenset(allow)
     if isinstance(tile_tokens, bool) or (isinstance(tile_tokens, int) and tile_tokens < 1) or (
             not isinstance(tile_tokens, int) and tile_tokens not in ("auto", "off", None)):
         raise ConfigError(f"optimization.tile_tokens must be a positive number of tokens, auto or off, got {tile_tokens!r}",
                           "use e.g. tile_tokens: 4096, or off")
-    shape = model_shape(model_config)
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"unknown dtype {dtype!r}", "use bf16, fp16 or fp32")
-    if batch_size % world_size:
-        raise ConfigError(f"training.batch_size {batch_size} is not a multiple of the {world_size} ranks",
-                          f"use a batch_size divisible by {world_size}")
-    per_rank = batch_size // world_size
+    step = model_config if isinstance(model_config, RunStep) else RunStep.of(
+        model_config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size, device=device,
+        lean_lora=lean_lora, **techniques)
+    space = _search_space(step, budget_bytes, method=method, batch_size=batch_size, seq_len=seq_len, allow=allow,
+                          optimizer=optimizer, loss_mode=loss_mode, loss_chunk_size=loss_chunk_size,
+                          micro_batch_size=micro_batch_size, gradient_checkpointing=gradient_checkpointing,
+                          offload_activations=offload_activations, offload_optimizer=offload_optimizer,
+                          margin=margin, sharded=sharded, tile_tokens=tile_tokens, lengths=lengths,
+                          micro_batch_tokens=micro_batch_tokens)
+    found = _search(space, gradient_checkpointing, host_budget_bytes)
+    if found.smallest is None:  # every plan needs more host memory than there is
+        raise BudgetError(f"every plan that fits needs more host memory than the {format_bytes(host_budget_bytes)} "
+                          f"available for offloaded state (the least: {format_bytes(found.host_short.host_bytes)})",
+                          "free host RAM, lower training.seq_len, or raise target_vram so less is offloaded")
+    if found.best is None and free_memory:
+        _, kw, e = found.smallest
+        plan = space.as_plan(kw, e)
+        return replace(plan, notes=plan.notes + (f"no plan fits the {format_bytes(budget_bytes)} of free memory; "
+                                                 f"running the smallest ({space.describe(kw)})",))
+    if found.best is None:
+        raise _nothing_fits(space, found, method=method, optimizer=optimizer, loss_mode=loss_mode,
+                            name_longest=name_longest, seq_len=seq_len, tile_tokens=tile_tokens,
+                            host_budget_bytes=host_budget_bytes,
+                            fixed=dict(gradient_checkpointing=gradient_checkpointing,
+                                       offload_activations=offload_activations, offload_optimizer=offload_optimizer,
+                                       loss_chunk_size=loss_chunk_size))
+    _, _, kw, e = found.best
+    plan = space.as_plan(kw, e)
+    if host_budget_bytes is not None:
+        plan = replace(plan, host_budget_bytes=host_budget_bytes)
+    if free_memory:
+        plan = replace(plan, notes=plan.notes + (f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory",))
+    return plan
 
-    # `auto` chooses between the adapter methods (the product's promise: LoRA or QLoRA, an adapter per
-    # task); full fine-tuning only when asked. On a tiny model full would rank fastest by a hair.
-    methods = ["qlora", "lora"] if method == "auto" else [method]
+
+def _search_space(step: RunStep, budget_bytes: int | None, *, method: str, batch_size: int, seq_len: int,
+                  allow: Iterable[str] | None, optimizer: str, loss_mode: str, loss_chunk_size: int | str | None,
+                  micro_batch_size: int | str, gradient_checkpointing: str, offload_activations: str | bool,
+                  offload_optimizer: str | bool, margin: float, sharded: bool | None, tile_tokens: int | str | None,
+                  lengths: RowLengths | None, micro_batch_tokens: int | str | None) -> _Space:
+    """The candidates `plan_for_budget` may pick: fixed settings as given, `auto` ones searched."""
+    allow = DEFAULT_ALLOW if allow is None else frozenset(allow)
+    if batch_size % step.world_size:
+        raise ConfigError(f"training.batch_size {batch_size} is not a multiple of the {step.world_size} ranks",
+                          f"use a batch_size divisible by {step.world_size}")
+    per_rank = batch_size // step.world_size
     token_budgets = _token_budgets(micro_batch_tokens, lengths, per_rank)
     if token_budgets:
         micro_batches = token_budgets  # searched like micro-batch sizes: one key per budget
@@ -196,144 +371,76 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
         checkpointings = ["off"] + (["selective"] if "selective" in allow else []) + (
             ["full"] if "checkpointing" in allow else [])
     # On a CPU the host memory is the device memory: offloading to it frees nothing.
-    host_is_device = str(device).split(":")[0] == "cpu"
-    off_act = _switch(offload_activations, "offload_activations" in allow and not host_is_device)
-    off_opt = _switch(offload_optimizer, "offload_optimizer" in allow and not host_is_device)
-    optimizers = [optimizer] + (["adamw_8bit"] if "adamw_8bit" in allow and optimizer == "adamw" else [])
-    b = DTYPE_BYTES[dtype]
-    trains_head = bool({str(n).rsplit(".", 1)[-1] for n in techniques.get("modules_to_save") or ()} & HEAD_NAMES)
+    host_is_device = str(step.device).split(":")[0] == "cpu"
+    return _Space(
+        step=step, budget=budget_bytes, margin=margin, seq_len=seq_len, per_rank=per_rank,
+        # `auto` chooses between the adapter methods (the product's promise: LoRA or QLoRA, an adapter per
+        # task); full fine-tuning only when asked. On a tiny model full would rank fastest by a hair.
+        methods=["qlora", "lora"] if method == "auto" else [method], micro_batches=micro_batches,
+        checkpointings=checkpointings,
+        offload_act=_switch(offload_activations, "offload_activations" in allow and not host_is_device),
+        offload_opt=_switch(offload_optimizer, "offload_optimizer" in allow and not host_is_device),
+        optimizers=[optimizer] + (["adamw_8bit"] if "adamw_8bit" in allow and optimizer == "adamw" else []),
+        loss_mode=loss_mode, loss_chunk_size=loss_chunk_size, tile_tokens=tile_tokens, allow=allow, lengths=lengths,
+        token_budgets=token_budgets, sharded=sharded)
 
-    def seq_for(mb: int) -> int:
-        """Tokens per row the estimate of micro-batch key `mb` (rows, or a token budget) assumes."""
-        if token_budgets:
-            return lengths.token_split(mb).largest.row_tokens
-        return lengths.largest_micro_batch(mb).row_tokens if lengths is not None else seq_len
 
-    def rows_for(mb: int) -> int:
-        """Rows of the largest micro-batch of key `mb`."""
-        return lengths.token_split(mb).largest.rows if token_budgets else mb
-
-    def accum_for(mb: int) -> int:
-        """Micro-batches per step (the most of any step) for key `mb`."""
-        return lengths.token_split(mb).micro_batches if token_budgets else per_rank // mb
-
-    def chunks_for(mb: int, method: str) -> list[int | None]:
-        if loss_mode == "naive":
-            return [None]
-        if loss_mode == "ghost":
-            # The ghost loss's chunk is how many tokens share one candidate set: the trainer
-            # passes only a chunk the user set, so the planner does not search it.
-            return [loss_chunk_size if isinstance(loss_chunk_size, int) else None]
-        if isinstance(loss_chunk_size, int):
-            return [loss_chunk_size]
-        tokens = rows_for(mb) * seq_for(mb)
-        # Full fine-tuning trains the head: its chunks have a larger floor (the loss's own default).
-        default = default_loss_chunk(tokens, shape.vocab_size, b, trainable_head=method == "full" or trains_head)
-        if "loss_chunk" not in allow:
-            return [default]
-        smaller = [c for c in (1024, 512, 256, 128, 64, 32) if c < default]
-        return [default] + smaller
-
-    def tiles_for(mb: int) -> list[int | None]:
-        if isinstance(tile_tokens, int):
-            return [tile_tokens]
-        if tile_tokens != "auto" or "tile_tokens" not in allow:
-            return [None]
-        return [None] + [t for t in TILE_CHOICES if t < rows_for(mb) * seq_for(mb)]
-
-    usable = None if budget_bytes is None else int(budget_bytes * (1 - margin))
-    common = dict(dtype=dtype, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
-                  device=device, sharded=sharded, lean_lora=lean_lora, **techniques)
-
-    def masked_for(mb: int) -> bool:
-        """Whether some micro-batch of key `mb` is attended with a document mask."""
-        if lengths is None:
-            return False
-        return (lengths.token_split(mb).largest if token_budgets else lengths.largest_micro_batch(mb)).masked
-
-    def est(kw: dict, mb: int) -> Estimate:
-        return estimate_peak(shape, grad_accum=accum_for(mb), seq_len=seq_for(mb), masked_attention=masked_for(mb),
-                             **common, **dict(kw, micro_batch=rows_for(mb)))
-
-    def as_plan(kw: dict, e: Estimate) -> Plan:
-        key = kw["micro_batch"]
-        plan = _to_plan(dict(kw, micro_batch=rows_for(key)), e, shape, budget_bytes, margin, per_rank, world_size,
-                        seq_for(key), dtype, lora_r, device)
-        if token_budgets:
-            split = lengths.token_split(key)
-            notes = (f"micro-batches of up to {key:,} tokens (up to {split.rows} rows, up to {split.micro_batches} per "
-                     f"step) keep the effective batch of {per_rank * world_size}",) + plan.notes[1:]
-            plan = replace(plan, grad_accum=split.micro_batches, micro_batch_tokens=key, rows_per_step=per_rank,
-                           notes=notes)
-        return _with_lengths(plan, lengths)
-
-    def describe(kw: dict) -> str:
-        key = kw["micro_batch"]
-        text = _describe(dict(kw, micro_batch=rows_for(key)), seq_for(key), shape.num_layers)
-        return text + (f", micro-batches of up to {key:,} tokens" if token_budgets else "")
+@dataclass
+class _Found:
+    """What the search kept: the fastest plan that fits, the smallest of all, and the least
+    host-hungry plan that fit the device but not the host."""
 
     best: tuple[float, int, dict, Estimate] | None = None
     smallest: tuple[int, dict, Estimate] | None = None
-    host_short: Estimate | None = None  # the least host-hungry plan that fit the device but not the host
-    for kw in _candidates(shape, methods=methods, micro_batches=micro_batches, checkpointings=checkpointings,
-                          offload_act_options=off_act, offload_opt_options=off_opt, optimizers=optimizers,
-                          loss_mode=loss_mode, chunks_for=chunks_for, tiles_for=tiles_for):
-        mb = kw["micro_batch"]
-        e = est(kw, mb)
-        if usable is not None and e.peak_bytes > usable and kw["checkpointing"] == "off" and "checkpointing" in allow \
-                and gradient_checkpointing == "auto":
+    host_short: Estimate | None = None
+
+
+def _search(space: _Space, gradient_checkpointing: str, host_budget_bytes: int | None) -> _Found:
+    """Estimate every candidate; keep the fastest that fits (ties: the smaller peak)."""
+    found, usable = _Found(), space.usable
+    for kw in space.candidates():
+        e = space.estimate(kw)
+        if usable is not None and e.peak_bytes > usable and kw["checkpointing"] == "off" \
+                and "checkpointing" in space.allow and gradient_checkpointing == "auto":
             # Between off and full: checkpoint just enough layers (the fewest that fit).
-            kw, e = _fewest_checkpointed_layers(kw, e, usable, shape.num_layers, lambda k: est(k, mb))
+            kw, e = _fewest_checkpointed_layers(kw, e, usable, space.step.shape.num_layers, space.estimate)
         if host_budget_bytes is not None and e.host_bytes > host_budget_bytes:
-            if (usable is None or e.peak_bytes <= usable) and (host_short is None or e.host_bytes < host_short.host_bytes):
-                host_short = e
+            if (usable is None or e.peak_bytes <= usable) and (
+                    found.host_short is None or e.host_bytes < found.host_short.host_bytes):
+                found.host_short = e
             continue
-        if smallest is None or e.peak_bytes < smallest[0]:
-            smallest = (e.peak_bytes, kw, e)
+        if found.smallest is None or e.peak_bytes < found.smallest[0]:
+            found.smallest = (e.peak_bytes, kw, e)
         if usable is None or e.peak_bytes <= usable:
             key = (e.tokens_per_s_guess, -e.peak_bytes)
-            if best is None or key > best[:2]:
-                best = (e.tokens_per_s_guess, -e.peak_bytes, kw, e)
-    if smallest is None:  # every plan needs more host memory than there is
-        raise BudgetError(f"every plan that fits needs more host memory than the {format_bytes(host_budget_bytes)} "
-                          f"available for offloaded state (the least: {format_bytes(host_short.host_bytes)})",
-                          "free host RAM, lower training.seq_len, or raise target_vram so less is offloaded")
-    if best is None and free_memory:
-        _, kw, e = smallest
-        plan = as_plan(kw, e)
-        return replace(plan, notes=plan.notes + (f"no plan fits the {format_bytes(budget_bytes)} of free memory; "
-                                                 f"running the smallest ({describe(kw)})",))
-    if best is None:
-        needed = math.ceil(smallest[0] / (1 - margin))
-        hint = "raise target_vram, lower training.seq_len, or use method: qlora"
-        if "qlora" in methods:
-            hint = "raise target_vram or lower training.seq_len"
-        longest = ""
-        if name_longest and world_size == 1 and budget_bytes is not None and not token_budgets:
-            mb = min(micro_batches)
-            n = max_seq_len_for_budget(
-                shape, budget_bytes, method=method, micro_batch=mb, dtype=dtype, optimizer=optimizer, lora_r=lora_r,
-                lora_targets=lora_targets, loss_mode=loss_mode, allow=allow, margin=margin, device=device,
-                limit=max(1, seq_len - 1), tile_tokens=tile_tokens, lean_lora=lean_lora,
-                gradient_checkpointing=gradient_checkpointing, offload_activations=offload_activations,
-                offload_optimizer=offload_optimizer, loss_chunk_size=loss_chunk_size,
-                host_budget_bytes=host_budget_bytes, **techniques)
-            longest = (f"; the longest sequence that fits is {n:,} tokens at micro-batch {mb}" if n
-                       else "; not even one token fits")
-        host = ""
-        if host_short is not None:
-            host = (f"; plans that offload more would fit but need {format_bytes(host_short.host_bytes)} of host "
-                    f"memory, {format_bytes(host_budget_bytes)} available")
-        raise BudgetError(f"nothing fits in {format_bytes(budget_bytes)}: the smallest plan needs "
-                          f"{format_bytes(needed)} ({describe(smallest[1])}){longest}{host}",
-                          hint)
-    _, _, kw, e = best
-    plan = as_plan(kw, e)
-    if host_budget_bytes is not None:
-        plan = replace(plan, host_budget_bytes=host_budget_bytes)
-    if free_memory:
-        plan = replace(plan, notes=plan.notes + (f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory",))
-    return plan
+            if found.best is None or key > found.best[:2]:
+                found.best = (e.tokens_per_s_guess, -e.peak_bytes, kw, e)
+    return found
+
+
+def _nothing_fits(space: _Space, found: _Found, *, method: str, optimizer: str, loss_mode: str, name_longest: bool,
+                  seq_len: int, tile_tokens: int | str | None, host_budget_bytes: int | None,
+                  fixed: dict[str, Any]) -> BudgetError:
+    """The error naming the smallest budget that would work (and the longest sequence that fits,
+    and the host memory offloading would need)."""
+    needed = math.ceil(found.smallest[0] / (1 - space.margin))
+    hint = "raise target_vram or lower training.seq_len" if "qlora" in space.methods else \
+        "raise target_vram, lower training.seq_len, or use method: qlora"
+    longest = ""
+    if name_longest and space.step.world_size == 1 and space.budget is not None and not space.token_budgets:
+        mb = min(space.micro_batches)
+        n = max_seq_len_for_budget(space.step, space.budget, method=method, micro_batch=mb, optimizer=optimizer,
+                                   loss_mode=loss_mode, allow=space.allow, margin=space.margin,
+                                   limit=max(1, seq_len - 1), tile_tokens=tile_tokens,
+                                   host_budget_bytes=host_budget_bytes, **fixed)
+        longest = (f"; the longest sequence that fits is {n:,} tokens at micro-batch {mb}" if n
+                   else "; not even one token fits")
+    host = ""
+    if found.host_short is not None:
+        host = (f"; plans that offload more would fit but need {format_bytes(found.host_short.host_bytes)} of host "
+                f"memory, {format_bytes(host_budget_bytes)} available")
+    return BudgetError(f"nothing fits in {format_bytes(space.budget)}: the smallest plan needs "
+                       f"{format_bytes(needed)} ({space.describe(found.smallest[1])}){longest}{host}", hint)
 
 
 def _with_lengths(plan: Plan, lengths: RowLengths | None) -> Plan:

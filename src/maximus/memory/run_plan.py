@@ -17,11 +17,11 @@ from typing import Any
 
 from maximus.config import Config
 from maximus.errors import BudgetError, ConfigError, ModelError
-from maximus.memory.estimate import estimate_peak, load_model_config, model_shape, technique_kwargs
+from maximus.memory.estimate import load_model_config, technique_kwargs
 from maximus.memory.lengths import RowLengths
 from maximus.memory.optimizer_state import uses_bf16_weights
 from maximus.memory.plan import Attention, Plan
-from maximus.memory.planner import DEFAULT_ALLOW, plan_for_budget, resolve_budget
+from maximus.memory.planner import DEFAULT_ALLOW, RunStep, plan_for_budget, resolve_budget
 
 __all__ = ["plan_run", "replan", "plan_below_measured", "bf16_supported", "resolve_dtype", "fixed_strategy", "device_capacity_bytes", "QLORA_FSDP_NOTICE", "STRATEGY_CHOICES"]
 
@@ -65,9 +65,8 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
         budget_bytes = _free_memory(device) if free_memory else resolve_budget(opt.target_vram, device)
     # bf16 weights with stochastic rounding compute in bf16 whatever the dtype says.
     dtype = "bf16" if uses_bf16_weights(cfg) else _dtype_name(t.dtype, device_type)
-    try:
-        shape = model_shape(load_model_config(cfg.model))
-        technique_kwargs(cfg)  # a vision-language model's tower must be one the estimator knows
+    try:  # the step every estimate of the run shares, read once (a VLM's tower must be one the estimator knows)
+        step = run_step(cfg, dtype=dtype, device_type=device_type, world_size=world_size, lengths=lengths)
     except ModelError:
         if not free_memory:
             raise
@@ -77,25 +76,25 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
     method = cfg.method if "method" in cfg.model_fields_set or not bounded else "auto"
     if method == "auto" and not bounded:
         method = "lora"
-    kwargs = _search_kwargs(cfg, method=method, dtype=dtype, device_type=device_type, world_size=world_size,
+    kwargs = _search_kwargs(cfg, method=method, device_type=device_type, world_size=world_size,
                             gradient_checkpointing=opt.gradient_checkpointing, lengths=lengths)
-    if kwargs.get("vision") is not None and lengths is None:  # rows at seq_len must hold their images
+    if step.settings.get("vision") is not None and lengths is None:  # rows at seq_len must hold their images
         from maximus.memory.vision_terms import check_row_fits
 
-        check_row_fits(kwargs["vision"], kwargs["seq_len"])
+        check_row_fits(step.settings["vision"], kwargs["seq_len"])
     if budget_bytes is None:
         # No memory to fit: the run as configured (the planner only fills in what is auto).
         kwargs.update(allow=DEFAULT_ALLOW - {"micro_batch", "offload_activations", "offload_optimizer"})
     plan = None
     if method == "auto" and cfg.allow_full and bounded:
         try:  # allow_full: full fine-tuning whenever it fits, else the planner's adapter choice
-            plan, notes = _plan_with_strategy(cfg, dict(kwargs, method="full"), budget_bytes, shape, world_size,
+            plan, notes = _plan_with_strategy(cfg, dict(kwargs, method="full"), budget_bytes, step, world_size,
                                               device, free_memory)
             notes.append("allow_full: full fine-tuning fits the budget")
         except BudgetError:
             plan = None
     if plan is None:
-        plan, notes = _plan_with_strategy(cfg, kwargs, budget_bytes, shape, world_size, device, free_memory)
+        plan, notes = _plan_with_strategy(cfg, kwargs, budget_bytes, step, world_size, device, free_memory)
     if plan.micro_batch_tokens and plan.strategy == "fsdp":  # FSDP2's collectives need as many micro-batches per rank
         raise ConfigError("training.micro_batch_tokens does not work with FSDP2 (ranks would run different numbers "
                           "of micro-batches)", "set training.distributed: ddp, or micro_batch_tokens: null")
@@ -105,8 +104,7 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
     if cfg.objective == "grpo":  # sampling holds a KV cache beside the resident state
         from maximus.memory.generation import check_generation
 
-        plan = replace(plan, generation=check_generation(load_model_config(cfg.model), plan, cfg,
-                                                         budget=plan.budget_bytes))
+        plan = replace(plan, generation=check_generation(step.shape, plan, cfg, budget=plan.budget_bytes))
     return plan
 
 
@@ -130,7 +128,7 @@ def _unplanned(cfg: Config, device_type: str, world_size: int, dtype: str) -> Pl
     """The configured run without a prediction: micro-batch ``min(per-rank batch, 4)`` when auto,
     offload only when asked, recompute left to the trainer (the config's policy on the model)."""
     opt, t = cfg.optimization, cfg.training
-    rows = _search_kwargs(cfg, method="lora", dtype=dtype, device_type=device_type, world_size=world_size,
+    rows = _search_kwargs(cfg, method="lora", device_type=device_type, world_size=world_size,
                           gradient_checkpointing="off")["batch_size"]
     per_rank = max(1, rows // world_size)
     micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else min(per_rank, 4)
@@ -164,13 +162,11 @@ def plan_below_measured(cfg: Config, plan: Plan, measured_bytes: int, budget_byt
     if not budget_bytes or not plan.peak_bytes:
         return None
     scaled = int(budget_bytes * plan.peak_bytes / measured_bytes)
-    shape = model_shape(load_model_config(cfg.model))
-    kwargs = _search_kwargs(cfg, method=plan.method, dtype=plan.dtype, device_type=plan.device,
-                            world_size=plan.world_size, gradient_checkpointing=cfg.optimization.gradient_checkpointing,
-                            lengths=lengths)
+    kwargs = _search_kwargs(cfg, method=plan.method, device_type=plan.device, world_size=plan.world_size,
+                            gradient_checkpointing=cfg.optimization.gradient_checkpointing, lengths=lengths)
     kwargs.update(optimizer=plan.optimizer, offload_optimizer="on" if plan.offload_optimizer else "off")
     try:
-        found = plan_for_budget(shape, scaled, sharded=plan.strategy == "fsdp", **kwargs)
+        found = plan_for_budget(_step_of(cfg, plan, lengths), scaled, sharded=plan.strategy == "fsdp", **kwargs)
     except BudgetError:
         return None
     calibration = (f"re-planned after a measured peak of {measured_bytes:,} bytes against {plan.peak_bytes:,} "
@@ -198,18 +194,33 @@ def replan(cfg: Config, plan: Plan, lengths: RowLengths | None = None, **changes
         new = replace(new, seq_len=largest.row_tokens, micro_batch_tokens_max=largest.tokens)
     if new.peak_bytes is None:  # an unplanned run stays unpredicted
         return new
-    recompute = list(new.recompute)
-    e = estimate_peak(load_model_config(cfg.model), method=new.method, dtype=new.dtype,
-                      micro_batch=new.micro_batch_size, seq_len=new.seq_len, checkpointing=recompute,
-                      offload_activations=new.offload_activations, offload_optimizer=new.offload_optimizer,
-                      loss_mode=new.loss_mode, optimizer=new.optimizer, lora_r=new.lora_r or cfg.lora.r,
-                      lora_targets=cfg.lora.target_modules, world_size=new.world_size,
-                      loss_chunk_tokens=new.loss_chunk_size, grad_accum=new.grad_accum, device=new.device,
+    step = _step_of(cfg, new, lengths)
+    e = step.estimate(method=new.method, micro_batch=new.micro_batch_size, seq_len=new.seq_len,
+                      checkpointing=list(new.recompute), offload_activations=new.offload_activations,
+                      offload_optimizer=new.offload_optimizer, loss_mode=new.loss_mode, optimizer=new.optimizer,
+                      loss_chunk_tokens=new.loss_chunk_size, grad_accum=new.grad_accum,
                       sharded=new.strategy == "fsdp", tile_tokens=new.tile_tokens,
-                      lean_lora=lean_lora_applies(cfg), masked_attention=_masked(new, lengths),
-                      **_technique_kwargs(cfg, lengths))
-    return replace(new, peak_bytes=e.peak_bytes, breakdown=dict(e.breakdown), peak_phase=e.phase,
+                      masked_attention=_masked(new, lengths))
+    return replace(new, step=step, peak_bytes=e.peak_bytes, breakdown=dict(e.breakdown), peak_phase=e.phase,
                    tokens_per_s_guess=e.tokens_per_s_guess)
+
+
+def run_step(cfg: Config, *, dtype: str, device_type: str, world_size: int,
+             lengths: RowLengths | None = None) -> RunStep:
+    """The `RunStep` of the run `cfg`: the model's shape, read once, and the estimate's settings
+    the search never varies (dtype, the adapter's rank and targets, ranks, device, lean LoRA, the
+    techniques: `_technique_kwargs`). Raises ModelError when the model's config cannot be read."""
+    return RunStep.of(load_model_config(cfg.model), dtype=dtype, lora_r=cfg.lora.r,
+                      lora_targets=cfg.lora.target_modules, world_size=world_size, device=device_type,
+                      lean_lora=lean_lora_applies(cfg), **_technique_kwargs(cfg, lengths))
+
+
+def _step_of(cfg: Config, plan: Plan, lengths: RowLengths | None) -> RunStep:
+    """The step `plan` was estimated for; built from the config only for a plan that lacks it (one
+    made by hand)."""
+    if plan.step is not None:
+        return plan.step
+    return run_step(cfg, dtype=plan.dtype, device_type=plan.device, world_size=plan.world_size, lengths=lengths)
 
 
 def _masked(plan: Plan, lengths: RowLengths | None) -> bool:
@@ -230,9 +241,10 @@ def lean_lora_applies(cfg: Config) -> bool:
             and opt.kernels != "compile")
 
 
-def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, world_size: int,
+def _search_kwargs(cfg: Config, *, method: str, device_type: str, world_size: int,
                    gradient_checkpointing: str, lengths: RowLengths | None = None) -> dict[str, Any]:
-    """`plan_for_budget` keywords for the run `cfg` (the config's settings, auto where auto)."""
+    """`plan_for_budget` keywords for the run `cfg` beside its `run_step`: what the search varies
+    or is told (the config's settings, auto where auto)."""
     opt, t = cfg.optimization, cfg.training
     rows, row_tokens = t.batch_size, t.seq_len
     if cfg.objective == "grpo":  # the backward trains on completions: batch_size x group_size rows
@@ -242,14 +254,12 @@ def _search_kwargs(cfg: Config, *, method: str, dtype: str, device_type: str, wo
     micro, offload_opt = t.micro_batch_size, opt.offload.optimizer
     if t.optimizer_in_backward:  # one pass per step (no accumulation), the step on the device
         micro, offload_opt = max(1, rows // world_size), "off"
-    return dict(method=method, batch_size=rows, seq_len=row_tokens, dtype=dtype, optimizer=t.optimizer,
-                lora_r=cfg.lora.r, lora_targets=cfg.lora.target_modules, world_size=world_size,
+    return dict(method=method, batch_size=rows, seq_len=row_tokens, optimizer=t.optimizer,
                 micro_batch_size=micro, gradient_checkpointing=gradient_checkpointing,
                 loss_mode=opt.loss_mode, loss_chunk_size=opt.loss_chunk_size,
                 offload_activations=opt.offload.activations, offload_optimizer=offload_opt,
-                device=device_type, tile_tokens=opt.tile_tokens, lean_lora=lean_lora_applies(cfg),
-                host_budget_bytes=_host_for_offload(device_type), lengths=lengths,
-                micro_batch_tokens=t.micro_batch_tokens, **_technique_kwargs(cfg, lengths))
+                tile_tokens=opt.tile_tokens, host_budget_bytes=_host_for_offload(device_type), lengths=lengths,
+                micro_batch_tokens=t.micro_batch_tokens)
 
 
 #: Share of the available host RAM that offloaded state may fill (the rest: the process itself,
@@ -274,8 +284,8 @@ def _host_for_offload(device_type: str) -> int | None:
 # ---------------------------------------------------------------------------------- techniques
 def _technique_kwargs(cfg: Config, lengths: RowLengths | None = None) -> dict[str, Any]:
     """THE place where the run's techniques (Kronecker attention, ghost candidates, DPO /
-    contrastive rows, Matryoshka, parameter offload, a VLM's tower) reach the estimator: every
-    `estimate_peak` call of `plan_run`, `replan` and `plan_below_measured`. With the data's
+    contrastive rows, Matryoshka, parameter offload, a VLM's tower) reach the estimator: the
+    `run_step` that `plan_run`, `replan` and `plan_below_measured` estimate with. With the data's
     `lengths`, a VLM's tower is planned for the most images a row has."""
     kwargs = technique_kwargs(cfg)
     if kwargs.get("vision") is not None and lengths is not None:
@@ -368,7 +378,7 @@ def device_capacity_bytes(device: Any, budget_bytes: int | None = None) -> int |
     return host // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
 
 
-def _plan_with_strategy(cfg: Config, kwargs: dict, budget: int | None, shape, world_size: int,
+def _plan_with_strategy(cfg: Config, kwargs: dict, budget: int | None, step: RunStep, world_size: int,
                         device: Any, free_memory: bool) -> tuple[Plan, list[str]]:
     """The plan and the strategy, decided once. One rank: ``single``. Several: DDP or FSDP2 as
     asked; ``auto`` plans unsharded (every rank holds the model) and shards only when that does
@@ -377,17 +387,17 @@ def _plan_with_strategy(cfg: Config, kwargs: dict, budget: int | None, shape, wo
     kwargs = dict(kwargs, free_memory=free_memory and budget is not None)
     strategy, notes = fixed_strategy(cfg, kwargs["method"], world_size)
     if strategy in ("single", "ddp"):
-        return plan_for_budget(shape, budget, sharded=False, **kwargs), notes
+        return plan_for_budget(step, budget, sharded=False, **kwargs), notes
     fsdp_kwargs = dict(kwargs, offload_optimizer="off")  # FSDP2 updates its DTensor shards on the device
     if strategy == "fsdp":
-        return plan_for_budget(shape, budget, sharded=True, **fsdp_kwargs), []
+        return plan_for_budget(step, budget, sharded=True, **fsdp_kwargs), []
     try:  # unsharded only when it really fits (also against free memory)
-        unsharded = plan_for_budget(shape, budget, sharded=False, **dict(kwargs, free_memory=False))
+        unsharded = plan_for_budget(step, budget, sharded=False, **dict(kwargs, free_memory=False))
     except BudgetError:
-        return plan_for_budget(shape, budget, sharded=True, **fsdp_kwargs), []
+        return plan_for_budget(step, budget, sharded=True, **fsdp_kwargs), []
     capacity = device_capacity_bytes(device) if budget is None else None
     if capacity is not None and unsharded.method != "qlora" and unsharded.peak_bytes > capacity:
-        sharded = plan_for_budget(shape, budget, sharded=True, **fsdp_kwargs)
+        sharded = plan_for_budget(step, budget, sharded=True, **fsdp_kwargs)
         return sharded, [f"one device ({capacity:,} bytes) cannot hold the run unsharded "
                          f"({unsharded.peak_bytes:,} bytes predicted): FSDP2"]
     return unsharded, []
