@@ -1,4 +1,4 @@
-"""Full fine-tuning with each optimizer, side by side in one process: peak memory (the meter),
+"""Full fine-tuning with each optimizer, side by side: peak memory (the meter),
 tokens/s, held-out loss at 25 / 50 / 100 % of the steps, and the planner's prediction.
 
 Each variant is a real `maximus-train` run (`Trainer`) of the reference model shape
@@ -8,6 +8,9 @@ and data order for every variant. The variants run one after the other in round-
 `--repeats`; figures are the median over repeats.
 
     python benchmarks/full_finetune.py --seq 256 --steps 16 --layers 8 --out docs/benchmarks/full_finetune.json
+
+`--alone --only NAME --rows FILE` runs one variant per process (several side by side, each row
+appended as it finishes); `--table FILE` prints the markdown of those rows.
 
 Markdown for docs/benchmarks/full_finetune.md is printed at the end.
 """
@@ -26,8 +29,9 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 _IN_BACKWARD = {"optimizer_in_backward": True, "max_grad_norm": None}
-#: The lowest-memory setting: APOLLO-Mini, 4-bit moments for embedding and head, the step inside
-#: the backward, every layer recomputed and 64-token loss chunks.
+#: The lowest-memory setting: APOLLO-Mini, 4-bit moments for embedding and head (stepped row block
+#: by row block where their gradients are formed), the step inside the backward, every layer
+#: recomputed and 64-token loss chunks.
 BEST = "apollo_mini, 4-bit embedding, in backward, recompute"
 
 #: name -> training.* settings of the variant (all full fine-tuning); an "optimization" entry
@@ -115,7 +119,7 @@ def markdown(results: dict[str, dict], args) -> str:
         lines.append(
             f"| {name} | {r['peak_bytes'] / 2**20:,.0f} MiB | {r['peak_bytes'] / base['peak_bytes']:.2f} | "
             f"{r['predicted_bytes'] / 2**20:,.0f} MiB | {r['predicted_bytes'] / r['peak_bytes']:.3f} | "
-            f"{r['tokens_per_s']:,.0f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
+            f"{r['tokens_per_s']:,.1f} | {r['tokens_per_s'] / base['tokens_per_s']:.2f} | "
             f"{' / '.join(f'{v:.4f}' if v is not None else '-' for v in ev)} | "
             f"{(final / ref - 1) * 100:+.1f} % |" if final and ref else "-")
     return "\n".join(lines)
