@@ -83,13 +83,15 @@ def _unwrap(module) -> tuple[torch.nn.Module, dict] | None:
 
 
 def _projection(x: torch.Tensor, weight: torch.Tensor, bias, transposed: bool, lora) -> torch.Tensor:
-    """One expert's projection of rows `x`: ``x W^T`` (``x W`` for transposed storage), bias, LoRA."""
-    y = x @ weight if transposed else torch.nn.functional.linear(x, weight)
-    if bias is not None:
-        y = y + bias
+    """One expert's projection of rows `x`: ``x W^T`` (``x W`` for transposed storage), bias, LoRA
+    (``+ (s x A^T) B^T``: the scaling on the rank-r product, the add fused into its matmul)."""
+    if transposed:
+        y = x @ weight if bias is None else torch.addmm(bias, x, weight)
+    else:
+        y = torch.nn.functional.linear(x, weight, bias)
     if lora is not None:
         a, b, scaling = lora
-        y = y + ((x @ a.to(x.dtype).T) @ b.to(x.dtype).T) * scaling
+        y = torch.addmm(y, (x @ a.to(x.dtype).T) * scaling, b.to(x.dtype).T)
     return y
 
 
@@ -125,19 +127,19 @@ def grouped_experts(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k
     down_b = experts.down_proj_bias.unbind(0) if has_bias else None
     lora_gate_up = _per_expert(adapters.get("gate_up_proj"))
     lora_down = _per_expert(adapters.get("down_proj"))
-    # Each expert writes its rows into one buffer (no list of outputs beside a concatenated copy);
-    # sentinel slots stay zero.
-    expert_rows = hidden_states.new_zeros(flat.numel(), hidden_states.shape[-1])
-    start = 0
-    for e, count in enumerate(counts):
-        if not count:
+    # Per-expert views with `split` and one `cat` of the outputs: one autograd node each way (slicing
+    # would give each expert's backward a zero-filled rows-sized gradient, writing into a buffer one
+    # copy of the whole buffer's gradient per expert).
+    outputs = []
+    for e, x in enumerate(rows.split(counts)):
+        if not counts[e]:
             continue
-        x = rows[start:start + count]
         h = _projection(x, gate_up_w[e], gate_up_b[e] if has_bias else None, transposed, lora_gate_up[e])
         h = experts._apply_gate(h)
-        expert_rows[start:start + count] = _projection(h, down_w[e], down_b[e] if has_bias else None, transposed,
-                                                       lora_down[e])
-        start += count
+        outputs.append(_projection(h, down_w[e], down_b[e] if has_bias else None, transposed, lora_down[e]))
+    if routed < flat.numel():  # sentinel slots: zero rows
+        outputs.append(hidden_states.new_zeros(flat.numel() - routed, hidden_states.shape[-1]))
+    expert_rows = torch.cat(outputs) if outputs else hidden_states.new_zeros(0, hidden_states.shape[-1])
     weighted = expert_rows * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(hidden_states.dtype)
     # Back to (token, slot) order and a sum over the k slots: saves only the permutation for
     # backward (``index_add_`` would keep its whole source, k rows per token).
