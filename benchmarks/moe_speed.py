@@ -5,7 +5,8 @@ One random model of a real MoE class (default: Mixtral shape, `--hidden 512`, `-
 expert intermediate `--intermediate 1024`, `--layers 2`, fp32), loaded by `maximus.load_model` with
 LoRA as Maximus trains it (r=16 on every linear layer and, through PEFT's `target_parameters`, on
 every expert's fused `gate_up_proj` / `down_proj`; the router frozen). The sides share that model
-and the same `--batch x --seq` token batch, and alternate over `--repeats` rounds:
+and the same `--batch x --seq` token batch, and alternate over `--repeats` rounds (the side that
+goes first rotates from round to round):
 
 - `eager`: Transformers' eager experts forward (`experts_implementation="eager"`: a loop over the
   experts hit, `torch.where` per expert), PEFT folding each adapter into the expert weights;
@@ -17,7 +18,9 @@ and the same `--batch x --seq` token batch, and alternate over `--repeats` round
 Timed per side: a training step's forward + backward (the loss with the router loss, as the
 trainer computes it), and the MoE blocks alone (forward + backward of every layer's MoE block on
 the layer's real input, as a share of the step). The loss of each side is printed: they must agree
-to float32 rounding. Medians and [min, max] over the rounds, and the ratios of the medians.
+to float32 rounding. Medians and [min, max] over the rounds, and the ratios of the medians, in wall-clock
+seconds and in the process's CPU seconds (one thread: the CPU time leaves out the time other
+programs held the core, so it is the steadier figure on a loaded machine).
 
     python benchmarks/moe_speed.py [--family mixtral|qwen3_moe|gpt_oss] [--hidden 512] [--intermediate 1024]
         [--experts 8] [--top-k 2] [--layers 2] [--batch 2] [--seq 1024] [--repeats 5] [--threads 1]
@@ -25,6 +28,7 @@ to float32 rounding. Medians and [min, max] over the rounds, and the ratios of t
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import tempfile
 import time
@@ -134,34 +138,44 @@ def main() -> None:
             out = out[0] if isinstance(out, tuple) else out
             torch.autograd.grad(out.sum(), [x] + [p for p in block.parameters() if p.requires_grad])
 
-    times = {s: {"step": [], "moe": []} for s in SIDES}
+    kinds = ("step", "moe", "step_cpu", "moe_cpu")
+    times = {s: {k: [] for k in kinds} for s in SIDES}
     losses = {}
     for side in SIDES:  # warm-up, not timed; the loss of each side
         use_side(model, side)
         losses[side] = step()
-    for _ in range(args.repeats):
-        for side in SIDES:
+
+    def timed(side: str, key: str, fn) -> None:
+        wall, cpu = time.perf_counter(), time.process_time()
+        fn()
+        times[side][key].append(time.perf_counter() - wall)
+        times[side][key + "_cpu"].append(time.process_time() - cpu)
+
+    for r in range(args.repeats):
+        for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:  # interleaved, the first side rotating
             use_side(model, side)
-            t = time.perf_counter()
-            step()
-            times[side]["step"].append(time.perf_counter() - t)
-            t = time.perf_counter()
-            blocks_only()
-            times[side]["moe"].append(time.perf_counter() - t)
+            timed(side, "step", step)
+            timed(side, "moe", blocks_only)
     tokens = args.batch * args.seq
     print(f"{args.family}: hidden {args.hidden}, {args.experts} experts top-{args.top_k}, expert intermediate "
           f"{args.intermediate}, {args.layers} layers, {tokens} tokens, LoRA r={args.rank} on all linears + experts, "
-          f"fp32, {args.threads} thread(s), {args.repeats} rounds")
-    for side in SIDES:
-        st, mo = times[side]["step"], times[side]["moe"]
-        print(f"  {side:>10}: loss {losses[side]:.6f}  step {statistics.median(st):.3f} s [{min(st):.3f}, {max(st):.3f}]"
-              f"  MoE blocks {statistics.median(mo):.3f} s [{min(mo):.3f}, {max(mo):.3f}]")
-    ours = {k: statistics.median(times['maximus'][k]) for k in ("step", "moe")}
-    for side in ("eager", "grouped_mm"):
-        theirs = {k: statistics.median(times[side][k]) for k in ("step", "moe")}
-        print(f"  maximus vs {side}: step {theirs['step'] / ours['step']:.2f}x, MoE blocks {theirs['moe'] / ours['moe']:.2f}x")
-    print(f"  |loss maximus - eager| = {abs(losses['maximus'] - losses['eager']):.2e}")
+          f"fp32, {args.threads} thread(s), {args.repeats} rounds, load average {os.getloadavg()[0]:.1f} on "
+          f"{os.cpu_count()} cores")
 
+    def cell(values) -> str:
+        return f"{statistics.median(values):.3f} s [{min(values):.3f}, {max(values):.3f}]"
+
+    for side in SIDES:
+        t = times[side]
+        print(f"  {side:>10}: loss {losses[side]:.6f}  step {cell(t['step'])} (CPU {cell(t['step_cpu'])})"
+              f"  MoE blocks {cell(t['moe'])} (CPU {cell(t['moe_cpu'])})")
+    ours = {k: statistics.median(times["maximus"][k]) for k in kinds}
+    for side in ("eager", "grouped_mm"):
+        theirs = {k: statistics.median(times[side][k]) for k in kinds}
+        ratio = {k: theirs[k] / ours[k] for k in kinds}
+        print(f"  maximus vs {side}: step {ratio['step']:.2f}x (CPU {ratio['step_cpu']:.2f}x), "
+              f"MoE blocks {ratio['moe']:.2f}x (CPU {ratio['moe_cpu']:.2f}x)")
+    print(f"  |loss maximus - eager| = {abs(losses['maximus'] - losses['eager']):.2e}")
 
 if __name__ == "__main__":
     main()
