@@ -20,9 +20,8 @@ zero-filled ``[E, out, in]`` gradient per expert hit (the backward of ``W[e]``).
   own gate (``_apply_gate``: SiLU/GELU x up, or gpt-oss's clamped SwiGLU), ``down``;
 * LoRA stays factored: ``+ s * (x_e A_e^T) B_e^T``, the rank-r product only, so backward
   computes the adapters' gradients from ``T x r`` products and never a weight-sized tensor;
-* the routing weights scale the rows, which go back to token order (one gather) and each
-  token's k rows are summed, as Transformers' grouped_mm forward does (the eager loop's
-  ``index_add_`` would keep its whole source for backward).
+* the rows go back to token order (one gather) and each token's k rows are weighted and summed
+  in one batched matmul (``[1, k] x [k, hidden]`` per token).
 
 The base weights are split once per forward (``unbind``: one autograd node, so a trainable base,
 as in full fine-tuning, gets one weight-sized gradient, not one per expert). Same results as
@@ -120,7 +119,23 @@ def grouped_experts(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k
     # Index num_experts is Transformers' expert-parallel sentinel ("no expert here"): sorted last, skipped.
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
     routed = sum(counts)
-    rows = hidden_states[order[:routed] // k]
+    expert_rows = _expert_rows(experts, hidden_states[order[:routed] // k], counts, flat.numel(), transposed, has_bias,
+                               adapters)
+    # Back to (token, slot) order, then each token's k rows weighted and summed in one batched
+    # matmul: autograd keeps the permuted rows (for the routing weights' gradient) and the
+    # permutation; the expert-order rows are freed here, not kept beside them.
+    inverse = torch.empty_like(order)
+    inverse[order] = torch.arange(order.numel(), device=order.device)
+    slots = expert_rows[inverse].view(-1, k, expert_rows.shape[-1])
+    del expert_rows
+    return torch.bmm(top_k_weights.to(hidden_states.dtype).unsqueeze(1), slots).squeeze(1)
+
+
+def _expert_rows(experts, rows: torch.Tensor, counts: list[int], slots: int, transposed: bool, has_bias: bool,
+                 adapters: dict) -> torch.Tensor:
+    """The experts' outputs for `rows` (the routed tokens in expert order, `counts` per expert),
+    padded with zero rows for the sentinel slots to `slots` rows. A function of its own so that
+    the gathered rows and the per-expert outputs die when it returns (autograd keeps what it needs)."""
     gate_up_w = experts.gate_up_proj.unbind(0)
     down_w = experts.down_proj.unbind(0)
     gate_up_b = experts.gate_up_proj_bias.unbind(0) if has_bias else None
@@ -137,16 +152,9 @@ def grouped_experts(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k
         h = _projection(x, gate_up_w[e], gate_up_b[e] if has_bias else None, transposed, lora_gate_up[e])
         h = experts._apply_gate(h)
         outputs.append(_projection(h, down_w[e], down_b[e] if has_bias else None, transposed, lora_down[e]))
-    if routed < flat.numel():  # sentinel slots: zero rows
-        outputs.append(hidden_states.new_zeros(flat.numel() - routed, hidden_states.shape[-1]))
-    expert_rows = torch.cat(outputs) if outputs else hidden_states.new_zeros(0, hidden_states.shape[-1])
-    weighted = expert_rows * top_k_weights.reshape(-1)[order].unsqueeze(-1).to(hidden_states.dtype)
-    # Back to (token, slot) order and a sum over the k slots: saves only the permutation for
-    # backward (``index_add_`` would keep its whole source, k rows per token).
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    return weighted[inverse].view(-1, k, weighted.shape[-1]).sum(1)
-
+    if rows.shape[0] < slots:  # sentinel slots: zero rows
+        outputs.append(rows.new_zeros(slots - rows.shape[0], rows.shape[-1]))
+    return torch.cat(outputs) if outputs else rows.new_zeros(0, rows.shape[-1])
 
 def _grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     unwrapped = _unwrap(self)
