@@ -45,6 +45,42 @@ def save_random_model(path: Path, model_cls, config, *companions, seed: int = 0)
     return path
 
 
+#: The words `build_vocab8k_llama`'s tokenizer knows, and the texts written for it are made of.
+MEASURE_WORDS = [f"w{i}x" for i in range(200)]
+
+
+def measure_text(rng: random.Random, words: int) -> str:
+    """`words` of MEASURE_WORDS drawn by `rng`, space-separated."""
+    return " ".join(rng.choice(MEASURE_WORDS) for _ in range(words))
+
+
+def build_vocab8k_llama(path: Path, *, max_positions: int) -> Path:
+    """A random 2-layer Llama (hidden 128, 4/2 heads) whose vocabulary has 8,192 rows, so that the
+    loss phase and full copies of the embedding and the head weigh what they do in real models: the
+    model of the tests that hold the planner's predicted peak against the meter's (`measured_run`).
+    Its tokenizer (300 tokens) knows MEASURE_WORDS."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
+
+    tok = build_tiny_tokenizer([" ".join(MEASURE_WORDS)] * 4, vocab_size=300)
+    config = LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
+                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
+                         tie_word_embeddings=False)
+    return save_random_model(path, LlamaForCausalLM, config, tok)
+
+
+def measured_run(cfg) -> tuple[int, int, dict]:
+    """(predicted, measured, run.json) of a real `maximus.Trainer` run of `cfg`: run.json's
+    `plan.peak_bytes` and `memory.peak_bytes` (the meter's)."""
+    from maximus import Trainer
+
+    Trainer(cfg).train()
+    run = json.loads((Path(cfg.output_dir) / "run.json").read_text())
+    return run["plan"]["peak_bytes"], run["memory"]["peak_bytes"], run
+
+
 def merge_sections(cfg: dict, sections: dict) -> dict:
     """`cfg` with each of `sections` merged into its mapping (or replacing a plain value)."""
     for key, value in sections.items():

@@ -19,25 +19,17 @@ Where llama.cpp hard-codes a behaviour the config could change, the export refus
 """
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
 
 from maximus.cli import main
 
-try:
-    import llama_cpp
-except ImportError:
-    if os.environ.get("CI") == "true":
-        raise  # CI installs llama-cpp-python (.ci/run); a missing one is a failure, never a skip
-    pytest.skip("llama-cpp-python is not installed (pip install -e '.[llamacpp]' builds it)", allow_module_level=True)
+from conftest import HELD_OUT, LLAMA_CPP_MARKS, PROMPTS, llama_cpp_or_skip, train_tiny_run
+from tiny import build_family_model_dir, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
-from conftest import HELD_OUT, PROMPTS, train_tiny_run  # noqa: E402
-from tiny import build_family_model_dir, one_thread  # noqa: E402,F401
-
-pytestmark = [pytest.mark.llama_cpp, pytest.mark.usefixtures("one_thread")]
+llama_cpp = llama_cpp_or_skip()
+pytestmark = LLAMA_CPP_MARKS
 
 #: Config fields per family on top of tests/tiny.py's: the shapes llama.cpp takes as they are.
 FAMILIES = {

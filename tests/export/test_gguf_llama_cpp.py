@@ -14,7 +14,6 @@ In CI (CI=true) these tests may not skip: tests/conftest.py fails a CI run that 
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import numpy as np
@@ -24,17 +23,11 @@ import torch
 from maximus.cli import main
 from maximus.export.gguf_vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 
-try:
-    import llama_cpp
-except ImportError:
-    if os.environ.get("CI") == "true":
-        raise  # CI installs llama-cpp-python (.ci/run); a missing one is a failure, never a skip
-    pytest.skip("llama-cpp-python is not installed (pip install -e '.[llamacpp]' builds it)", allow_module_level=True)
+from conftest import HELD_OUT, LLAMA_CPP_MARKS, PROMPTS, llama_cpp_or_skip, train_tiny_run
+from tiny import _WORDS, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
-from conftest import HELD_OUT, PROMPTS, train_tiny_run  # noqa: E402
-from tiny import _WORDS, one_thread  # noqa: E402,F401
-
-pytestmark = [pytest.mark.llama_cpp, pytest.mark.usefixtures("one_thread")]
+llama_cpp = llama_cpp_or_skip()
+pytestmark = LLAMA_CPP_MARKS
 
 HELD_OUT_TEXT = ("Reverse: blue tiger maple\nAnswer: maple tiger blue\n"
                  "Once upon a time there was a little cat who lived in a house near the river. "

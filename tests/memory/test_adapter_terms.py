@@ -13,36 +13,26 @@ import random
 from pathlib import Path
 
 import pytest
-import torch
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import LlamaForCausalLM
 
 import maximus
 from maximus.memory.adapter_terms import adapter_terms
 from maximus.memory.estimate import estimate_peak, model_shape
+from tiny import build_vocab8k_llama, measure_text, measured_run
 from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 ROOT = Path(__file__).resolve().parents[2]
-_WORDS = [f"w{i}x" for i in range(200)]
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
-
     root = tmp_path_factory.mktemp("adapter_terms")
-    tok = build_tiny_tokenizer([" ".join(_WORDS)] * 4, vocab_size=300)
-    config = LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(str(root / "model"))
-    tok.save_pretrained(str(root / "model"))
+    build_vocab8k_llama(root / "model", max_positions=1024)
     rng = random.Random(0)
-    (root / "text.jsonl").write_text("".join(json.dumps({"text": " ".join(rng.choice(_WORDS) for _ in range(300))})
-                                             + "\n" for _ in range(16)), encoding="utf-8")
+    (root / "text.jsonl").write_text("".join(json.dumps({"text": measure_text(rng, 300)}) + "\n" for _ in range(16)),
+                                     encoding="utf-8")
     return root
 
 
@@ -55,9 +45,7 @@ def _run(tiny: Path, out: Path, lean_lora: bool = True, **lora) -> tuple[int, in
         "training": {"batch_size": 2, "micro_batch_size": 2, "max_steps": 2, "learning_rate": 1e-3, "warmup_steps": 0,
                      "seq_len": 256, "dtype": "fp32", "packing": True},
         "eval": {"enabled": False, "before": False}, "logging": {"progress": "none"}})
-    maximus.Trainer(cfg).train()
-    run = json.loads((out / "run.json").read_text())
-    return run["plan"]["peak_bytes"], run["memory"]["peak_bytes"]
+    return measured_run(cfg)[:2]
 
 
 @pytest.fixture(scope="module")
@@ -123,7 +111,6 @@ def test_the_quickstart_prediction_holds(tmp_path, monkeypatch):
     d.update(dataset={"path": str(tmp_path / "rows.jsonl"), "format": "prompt_completion"},
              output_dir=str(tmp_path / "run"), eval={"enabled": False, "before": False}, logging={"progress": "none"},
              training={**d["training"], "max_steps": 2})
-    maximus.Trainer(maximus.Config.from_dict(d)).train()
-    run = json.loads((tmp_path / "run" / "run.json").read_text())
+    _, _, run = measured_run(maximus.Config.from_dict(d))
     assert (run["plan"]["micro_batch_size"], run["plan"]["grad_accum"]) == (8, 2)
     assert run["plan"]["peak_bytes"] == pytest.approx(run["memory"]["peak_bytes"], rel=0.05)

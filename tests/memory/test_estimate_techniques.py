@@ -19,39 +19,26 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 import maximus
 from maximus.memory.estimate import estimate_peak, technique_kwargs
-from tiny import ARTICLE_YAML, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
+from tiny import ARTICLE_YAML, build_vocab8k_llama, measure_text, measured_run
+from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
 SEQ = 512
 KRONECKER = {"detail_tokens": 128, "sketch_slots": 16, "block": 32}
-_WORDS = [f"w{i}x" for i in range(200)]
-
-
-def _text(rng: random.Random, words: int) -> str:
-    return " ".join(rng.choice(_WORDS) for _ in range(words))
 
 
 @pytest.fixture(scope="module")
 def tiny(tmp_path_factory):
-    from maximus.data.tiny_tokenizer import build_tiny_tokenizer
-
     root = tmp_path_factory.mktemp("techniques")
-    tok = build_tiny_tokenizer([" ".join(_WORDS)] * 4, vocab_size=300)
-    config = LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                         eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                         tie_word_embeddings=False)
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(str(root / "model"))
-    tok.save_pretrained(str(root / "model"))
+    build_vocab8k_llama(root / "model", max_positions=4096)
     rng = random.Random(0)
-    rows = {"text": [{"text": _text(rng, 300)} for _ in range(16)],
+    rows = {"text": [{"text": measure_text(rng, 300)} for _ in range(16)],
             # answers longer than SEQ: every row is truncated to the full sequence length
-            "preference": [{"prompt": _text(rng, 4), "chosen": _text(rng, 200), "rejected": _text(rng, 200)}
-                           for _ in range(8)],
-            "article": [{"text": _text(rng, 300)} for _ in range(4)],
-            "pairs": [{"query": _text(rng, 200), "positive": _text(rng, 200)} for _ in range(8)]}
+            "preference": [{"prompt": measure_text(rng, 4), "chosen": measure_text(rng, 200),
+                            "rejected": measure_text(rng, 200)} for _ in range(8)],
+            "article": [{"text": measure_text(rng, 300)} for _ in range(4)],
+            "pairs": [{"query": measure_text(rng, 200), "positive": measure_text(rng, 200)} for _ in range(8)]}
     for name, records in rows.items():
         (root / f"{name}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in records), encoding="utf-8")
     return root
@@ -72,17 +59,10 @@ def _config(tiny: Path, out: Path, *, fmt: str = "text", objective: str = "sft",
     return maximus.Config.from_dict(d)
 
 
-def _run(cfg: maximus.Config) -> tuple[int, int, dict]:
-    """(predicted, measured, run.json) of a real training run."""
-    maximus.Trainer(cfg).train()
-    run = json.loads((Path(cfg.output_dir) / "run.json").read_text())
-    return run["plan"]["peak_bytes"], run["memory"]["peak_bytes"], run
-
-
 @pytest.fixture(scope="module")
 def plain(tiny, tmp_path_factory):
     """The plain SFT run (SDPA, exact loss) every technique is compared with."""
-    predicted, measured, _ = _run(_config(tiny, tmp_path_factory.mktemp("plain")))
+    predicted, measured, _ = measured_run(_config(tiny, tmp_path_factory.mktemp("plain")))
     assert predicted == pytest.approx(measured, rel=0.15)
     return predicted, measured
 
@@ -98,7 +78,7 @@ def _check(predicted: int, measured: int, plain: tuple[int, int], *, min_change:
 
 def test_kronecker_sketching_buffers(tiny, tmp_path, plain):
     cfg = _config(tiny, tmp_path, optimization={"kronecker_sketching": KRONECKER})
-    predicted, measured, run = _run(cfg)
+    predicted, measured, run = measured_run(cfg)
     assert run["plan"]["peak_bytes"] > plain[0]
     _check(predicted, measured, plain, min_change=0.2)
 
@@ -106,8 +86,8 @@ def test_kronecker_sketching_buffers(tiny, tmp_path, plain):
 def test_kronecker_sketching_recomputed_in_backward(tiny, tmp_path):
     """Full recompute at 2 x 1,024 tokens: the peak is the backward of one recomputed layer."""
     long = {"seq_len": 2 * SEQ, "micro_batch_size": 2}
-    sdpa = _run(_config(tiny, tmp_path / "sdpa", optimization={"gradient_checkpointing": "full"}, training=long))
-    kron = _run(_config(tiny, tmp_path / "kron", optimization={"gradient_checkpointing": "full",
+    sdpa = measured_run(_config(tiny, tmp_path / "sdpa", optimization={"gradient_checkpointing": "full"}, training=long))
+    kron = measured_run(_config(tiny, tmp_path / "kron", optimization={"gradient_checkpointing": "full",
                                                                "kronecker_sketching": KRONECKER}, training=long))
     _check(kron[0], kron[1], sdpa[:2], min_change=0.1)
 
@@ -115,7 +95,7 @@ def test_kronecker_sketching_recomputed_in_backward(tiny, tmp_path):
 @pytest.mark.parametrize("candidates", [64, 4096])
 def test_ghost_logit_with_the_configured_candidates(tiny, tmp_path, plain, candidates):
     cfg = _config(tiny, tmp_path, optimization={"use_ghost_logit": True, "ghost_logit": {"candidates": candidates}})
-    predicted, measured, _ = _run(cfg)
+    predicted, measured, _ = measured_run(cfg)
     assert predicted == pytest.approx(measured, rel=0.15)
     small = estimate_peak(str(tiny / "model"), dtype="bf16", micro_batch=2, seq_len=SEQ, lora_r=4, device="cpu",
                           **{**technique_kwargs(cfg), "ghost_candidates": 64}, loss_mode="ghost")
@@ -124,7 +104,7 @@ def test_ghost_logit_with_the_configured_candidates(tiny, tmp_path, plain, candi
 
 
 def test_ghost_candidates_cost_what_is_measured(tiny, tmp_path):
-    runs = [_run(_config(tiny, tmp_path / str(k), optimization={"use_ghost_logit": True,
+    runs = [measured_run(_config(tiny, tmp_path / str(k), optimization={"use_ghost_logit": True,
                                                                 "ghost_logit": {"candidates": k}}))
             for k in (64, 4096)]
     _check(runs[1][0], runs[1][1], runs[0][:2], min_change=0.1)
@@ -133,7 +113,7 @@ def test_ghost_candidates_cost_what_is_measured(tiny, tmp_path):
 @pytest.mark.parametrize("reference", ["adapter_off", "precomputed"])
 def test_dpo_chosen_and_rejected_rows_and_the_reference(tiny, tmp_path, plain, reference):
     cfg = _config(tiny, tmp_path, fmt="preference", objective="dpo", dpo={"reference": reference})
-    predicted, measured, run = _run(cfg)
+    predicted, measured, run = measured_run(cfg)
     assert run["plan"]["peak_bytes"] == estimate_peak(
         str(tiny / "model"), dtype="bf16", micro_batch=2, seq_len=SEQ, lora_r=4, device="cpu",
         loss_chunk_tokens=run["plan"]["loss_chunk_size"], **technique_kwargs(cfg)).peak_bytes
@@ -142,26 +122,26 @@ def test_dpo_chosen_and_rejected_rows_and_the_reference(tiny, tmp_path, plain, r
 
 def test_contrastive_query_and_positive_rows(tiny, tmp_path, plain):
     cfg = _config(tiny, tmp_path, fmt="pairs", objective="contrastive")
-    predicted, measured, _ = _run(cfg)
+    predicted, measured, _ = measured_run(cfg)
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
 def test_matryoshka_auxiliary_pass(tiny, tmp_path, plain):
     cfg = _config(tiny, tmp_path, optimization={"matryoshka": {"dims": [32, 64], "token_fraction": 1.0}})
-    predicted, measured, _ = _run(cfg)
+    predicted, measured, _ = measured_run(cfg)
     _check(predicted, measured, plain, min_change=0.1)
 
 
 @pytest.mark.parametrize("method", ["qlora", "full"])
 def test_qlora_and_full_fine_tuning(tiny, tmp_path, method):
     """QLoRA (NF4 base) and full fine-tuning (float32 master weights under bf16 autocast)."""
-    predicted, measured, _ = _run(_config(tiny, tmp_path, method=method))
+    predicted, measured, _ = measured_run(_config(tiny, tmp_path, method=method))
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
 def test_parameter_offload_on_cpu_saves_nothing_and_says_so(tiny, tmp_path, plain):
     cfg = _config(tiny, tmp_path, optimization={"offload": {"params": "on"}})
-    predicted, measured, run = _run(cfg)
+    predicted, measured, run = measured_run(cfg)
     assert predicted == plain[0] and predicted == pytest.approx(measured, rel=0.15)
     assert "offload.params on a CPU: host and device memory are the same, nothing is saved" in run["plan"]["notes"]
 
@@ -210,7 +190,7 @@ def _article(tiny: Path, out: Path, **training) -> maximus.Config:
 def test_the_article_config_runs_under_its_budget(tiny, tmp_path):
     cfg = _article(tiny, tmp_path / "16gb")
     assert cfg.optimization.kronecker is not None and SEQ > cfg.optimization.kronecker.detail_tokens
-    predicted, measured, run = _run(cfg)
+    predicted, measured, run = measured_run(cfg)
     assert run["plan"]["loss_mode"] == "ghost"
     assert measured <= run["memory"]["budget_bytes"] == 16 * 10**9
     assert predicted == pytest.approx(measured, rel=0.15)
@@ -219,7 +199,7 @@ def test_the_article_config_runs_under_its_budget(tiny, tmp_path):
     cfg = _article(tiny, tmp_path / "tight")
     cfg = maximus.Config.from_dict({**cfg.model_dump(), "optimization": {
         **cfg.optimization.model_dump(), "target_vram": tight}})
-    predicted_tight, measured_tight, run = _run(cfg)
+    predicted_tight, measured_tight, run = measured_run(cfg)
     assert run["memory"]["budget_bytes"] == tight
     assert measured_tight <= tight
     assert predicted_tight <= tight * 0.9  # the plan keeps its 10 % margin
