@@ -20,7 +20,7 @@ from pathlib import Path
 
 from maximus.errors import ModelError
 
-__all__ = ["is_gguf", "gguf_location", "check_gguf", "gguf_config", "shared_tensor_name_maps"]
+__all__ = ["is_gguf", "gguf_location", "check_gguf", "gguf_config", "metadata_read_once", "shared_tensor_name_maps"]
 
 
 def is_gguf(model: str | Path) -> bool:
@@ -94,7 +94,8 @@ def _config_of(path: str, mtime_ns: int, trust_remote_code: bool):
     from transformers import AutoConfig
 
     directory, name = gguf_location(path)
-    return AutoConfig.from_pretrained(directory, gguf_file=name, trust_remote_code=trust_remote_code)
+    with metadata_read_once():
+        return AutoConfig.from_pretrained(directory, gguf_file=name, trust_remote_code=trust_remote_code)
 
 
 def gguf_config(model: str | Path, trust_remote_code: bool = False):
@@ -124,3 +125,45 @@ def shared_tensor_name_maps():
         yield
     finally:
         gguf.get_tensor_name_map = original
+
+
+@functools.lru_cache(maxsize=2)
+def _metadata(path: str, mtime_ns: int) -> dict:
+    """Transformers' parse of a GGUF file's metadata (`load_gguf_checkpoint` without tensors): the
+    config, and the tokenizer with every token and merge of the vocabulary."""
+    return _read_checkpoint(path, return_tensors=False)
+
+
+_read_checkpoint = None  # Transformers' own load_gguf_checkpoint while `metadata_read_once` is in force
+
+
+@contextlib.contextmanager
+def metadata_read_once():
+    """While Transformers loads a config, tokenizer or model from a GGUF file, parse the file's
+    metadata once per file instead of once per caller: the config, the tokenizer and the model
+    loader each call `load_gguf_checkpoint`, and each call reads the whole vocabulary (49,152
+    tokens and as many merges for SmolLM2-135M). A caller gets its own copy, as from a fresh parse;
+    a call that reads tensors goes to Transformers as it is. Nested uses share the outer one."""
+    global _read_checkpoint
+    from transformers import modeling_gguf_pytorch_utils as gguf_utils
+
+    if _read_checkpoint is not None:
+        yield
+        return
+    import copy
+
+    original = gguf_utils.load_gguf_checkpoint
+
+    def load_gguf_checkpoint(gguf_checkpoint_path, return_tensors=False, model_to_load=None, torch_dtype=None):
+        if return_tensors or model_to_load is not None:
+            return original(gguf_checkpoint_path, return_tensors, model_to_load, torch_dtype)
+        path = Path(gguf_checkpoint_path).resolve()
+        return copy.deepcopy(_metadata(str(path), path.stat().st_mtime_ns))
+
+    _read_checkpoint = original
+    gguf_utils.load_gguf_checkpoint = load_gguf_checkpoint
+    try:
+        yield
+    finally:
+        gguf_utils.load_gguf_checkpoint = original
+        _read_checkpoint = None

@@ -14,7 +14,8 @@ import torch
 
 from maximus.config import Config
 from maximus.errors import ConfigError, ModelError
-from maximus.gguf_base import check_gguf, gguf_config, gguf_location, is_gguf, shared_tensor_name_maps
+from maximus.gguf_base import (check_gguf, gguf_config, gguf_location, is_gguf, metadata_read_once,
+                               shared_tensor_name_maps)
 from maximus.structure import causal_lm_of
 from maximus.vision import adapter_targets, freeze_for_full, is_vision_config, quantization_skip_modules
 from maximus.vision import auto_model_class as vision_auto_model_class
@@ -70,7 +71,8 @@ def load_tokenizer(cfg: Config):
     try:
         if is_gguf(source):  # the vocabulary stored in the GGUF file itself
             directory, name = gguf_location(source)
-            tok = AutoTokenizer.from_pretrained(directory, gguf_file=name, trust_remote_code=cfg.trust_remote_code)
+            with metadata_read_once():
+                tok = AutoTokenizer.from_pretrained(directory, gguf_file=name, trust_remote_code=cfg.trust_remote_code)
         else:
             tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
@@ -161,7 +163,7 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
         if "gguf_file" in kwargs and "quantization_config" in kwargs:
             model = _gguf_as_nf4(source, kwargs)
         elif "gguf_file" in kwargs:
-            with shared_tensor_name_maps():
+            with shared_tensor_name_maps(), metadata_read_once():
                 model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
         else:
             auto = vision_auto_model_class() if is_vision_config(config) else AutoModelForCausalLM
@@ -189,7 +191,7 @@ def _gguf_as_nf4(directory: str, kwargs: dict):
     from transformers import AutoModelForCausalLM
 
     dense = {k: v for k, v in kwargs.items() if k not in ("quantization_config", "device_map")}
-    with shared_tensor_name_maps():
+    with shared_tensor_name_maps(), metadata_read_once():
         model = AutoModelForCausalLM.from_pretrained(directory, **dense)
     with tempfile.TemporaryDirectory(prefix="maximus-gguf-") as tmp:
         # Transformers' GGUF marks: the weights are plain dense tensors now.

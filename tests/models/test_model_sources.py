@@ -51,6 +51,29 @@ def test_gguf_base_is_the_same_model_with_its_own_tokenizer(gguf_llama):
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
 
 
+def test_a_gguf_load_parses_the_metadata_once(gguf_llama, monkeypatch):
+    """The tokenizer, the config and the model loader share one parse of the file's metadata (the
+    whole vocabulary; `gguf_base.metadata_read_once`): the file is opened three times, for the
+    check, the metadata and the tensors, where Transformers alone opens it once per caller."""
+    import gguf
+
+    from maximus import gguf_base, load_model
+
+    _, _, _, files = gguf_llama
+    for cache in (gguf_base._check, gguf_base._config_of, gguf_base._metadata):
+        cache.cache_clear()
+    opened = []
+    reader = gguf.GGUFReader
+
+    def counted(path, *args, **kwargs):
+        opened.append(Path(path).name)
+        return reader(path, *args, **kwargs)
+
+    monkeypatch.setattr(gguf, "GGUFReader", counted)
+    load_model(_cfg(files["f32"]))
+    assert opened == ["llama-f32.gguf"] * 3
+
+
 def test_planner_counts_gguf_weights_dequantized(gguf_llama):
     """A q8_0 file is planned like the dense model it becomes, not at its quantized size."""
     from maximus.memory import plan_run
