@@ -31,9 +31,42 @@ PLAN_ARGS = ["--model", "meta-llama/Llama-3.1-8B", "--method", "qlora", "--seq",
              "--lora-r", "16", "--optimizer", "adamw", "--dtype", "bf16", "--budget", "16GB"]
 
 
+def _cli_started(*args: str) -> subprocess.Popen:
+    """`maximus ARGS` in a child process, read later by `_cli_done`: a test starts the CLI's plans
+    first and meanwhile has the page plan the same (on two cores, at the same time)."""
+    return subprocess.Popen([sys.executable, "-m", "maximus.cli", *args], stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)
+
+
+def _cli_done(proc: subprocess.Popen, check: bool = True) -> subprocess.CompletedProcess:
+    try:
+        out, err = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise
+    if check and proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, proc.args, out, err)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
 def _cli(*args: str, check: bool = True) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "maximus.cli", *args], capture_output=True, text=True,
-                          check=check, timeout=300)
+    return _cli_done(_cli_started(*args), check)
+
+
+@pytest.fixture
+def start_cli():
+    """`_cli_started` for a test; a child still running at its end (a failed assertion) is killed."""
+    children: list[subprocess.Popen] = []
+
+    def start(*args: str) -> subprocess.Popen:
+        children.append(_cli_started(*args))
+        return children[-1]
+
+    yield start
+    for child in children:
+        if child.poll() is None:
+            child.kill()
+            child.communicate()
 
 
 class Server:
@@ -161,23 +194,14 @@ def _assert_page_equals_cli(driver, cli: dict) -> None:
 
 
 @needs_browser
-def test_planner_page_equals_maximus_plan_json(browser, server, tmp_path):
+def test_planner_page_equals_maximus_plan_json_and_bad_input_is_its_one_line(browser, server, tmp_path, start_cli):
+    """Each answer of the page is what `maximus plan` says: a bad value is the planner's own one line
+    (after which the planner still plans), a plan equals `--json`'s, of a hub model and of an
+    uploaded config.json. The CLI runs start first, so that the page plans while they do (a plan of
+    an 8B model on every card takes seconds of one core)."""
     from selenium.webdriver.common.by import By
 
-    cli = json.loads(_cli("plan", *PLAN_ARGS, "--json").stdout)
-    _fill_planner(browser, server.url, model="meta-llama/Llama-3.1-8B", budget="16GB")
-    _assert_page_equals_cli(browser, cli)
-    assert cli["budget"]["fits"]
-    assert all(isinstance(c["longest_context_tokens"], int) for c in cli["cards"] if c["fits"])
-    assert browser.find_element(By.ID, "budget-plan").text.startswith("fits: qlora mb ")
-    # The YAML on the page is a valid maximus-train config for that plan.
     from maximus.config import Config
-
-    text = browser.find_element(By.ID, "yaml").text
-    cfg = Config.from_dict(yaml.safe_load(text))
-    assert (cfg.method, cfg.training.seq_len, cfg.training.batch_size, cfg.lora.r) == ("qlora", 2048, 2, 16)
-    assert cfg.training.micro_batch_size == cli["budget"]["plan"]["micro_batch_size"]
-    _shot(browser, "planner.png")
 
     # An uploaded config.json is planned exactly like `maximus plan --model that/config.json`.
     shape = {"model_type": "mistral", "vocab_size": 32768, "hidden_size": 4096, "intermediate_size": 14336,
@@ -185,17 +209,12 @@ def test_planner_page_equals_maximus_plan_json(browser, server, tmp_path):
              "max_position_embeddings": 32768, "tie_word_embeddings": False}
     upload = tmp_path / "config.json"
     upload.write_text(json.dumps(shape))
-    cli_up = json.loads(_cli("plan", "--model", str(upload), *PLAN_ARGS[2:-2], "--budget", "T4", "--json").stdout)
-    _fill_planner(browser, server.url, upload=upload, budget="T4")
-    _assert_page_equals_cli(browser, cli_up)
-    assert browser.find_element(By.TAG_NAME, "h2").text == "uploaded config.json"
+    started = {"16GB": start_cli("plan", *PLAN_ARGS, "--json"),
+               "upload": start_cli("plan", "--model", str(upload), *PLAN_ARGS[2:-2], "--budget", "T4", "--json"),
+               "lots": start_cli("plan", *PLAN_ARGS[:-1], "lots"),
+               "no-such": start_cli("plan", "--model", "no-such/model", "--seq", "2048", "--batch", "2")}
 
-
-@needs_browser
-def test_planner_bad_input_shows_the_planners_one_line(browser, server):
-    from selenium.webdriver.common.by import By
-
-    cli = _cli("plan", *PLAN_ARGS[:-1], "lots", check=False)
+    cli = _cli_done(started["lots"], check=False)
     assert cli.returncode == 2
     expected = cli.stderr.strip()
     assert expected.startswith("error: ") and "\n" not in expected
@@ -205,8 +224,25 @@ def test_planner_bad_input_shows_the_planners_one_line(browser, server):
 
     _fill_planner(browser, server.url, model="meta-llama/Llama-3.1-8B", budget="16GB")
     browser.find_element(By.ID, "seq")  # still on the planner
+    cli = json.loads(_cli_done(started["16GB"]).stdout)
+    _assert_page_equals_cli(browser, cli)
+    assert cli["budget"]["fits"]
+    assert all(isinstance(c["longest_context_tokens"], int) for c in cli["cards"] if c["fits"])
+    assert browser.find_element(By.ID, "budget-plan").text.startswith("fits: qlora mb ")
+    # The YAML on the page is a valid maximus-train config for that plan.
+    text = browser.find_element(By.ID, "yaml").text
+    cfg = Config.from_dict(yaml.safe_load(text))
+    assert (cfg.method, cfg.training.seq_len, cfg.training.batch_size, cfg.lora.r) == ("qlora", 2048, 2, 16)
+    assert cfg.training.micro_batch_size == cli["budget"]["plan"]["micro_batch_size"]
+    _shot(browser, "planner.png")
+
+    _fill_planner(browser, server.url, upload=upload, budget="T4")
+    _assert_page_equals_cli(browser, json.loads(_cli_done(started["upload"]).stdout))
+    assert browser.find_element(By.TAG_NAME, "h2").text == "uploaded config.json"
+
+    # Bad values sent without the form (after the plans: nothing else runs while the server answers).
     status, body = server.get("/?model=no-such/model&seq=2048&batch=2")
-    cli = _cli("plan", "--model", "no-such/model", "--seq", "2048", "--batch", "2", check=False)
+    cli = _cli_done(started["no-such"], check=False)
     assert cli.returncode == 2
     assert status == 200 and cli.stderr.strip().encode() in body.replace(b"&#39;", b"'")
     status, body = server.get("/?model=meta-llama/Llama-3.1-8B&seq=two")
