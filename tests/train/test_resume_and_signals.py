@@ -106,23 +106,46 @@ def test_dropout_changes_the_adapter(tiny_llama, uninterrupted, tmp_path):
     assert any(not torch.equal(a, reference[k]) for k, a in _adapter(tmp_path / "run").items())
 
 
-@pytest.mark.parametrize("name", ["SIGTERM", "SIGINT", "SIGUSR1"])
-def test_stop_signal_checkpoints_exits_75_and_resumes(name, tiny_llama, uninterrupted, tmp_path):
+def test_stop_signals_checkpoint_exit_75_and_resume(tiny_llama, uninterrupted, tmp_path):
+    """SIGTERM, SIGINT and SIGUSR1, each sent to its own run after its second checkpoint. The three
+    runs train at the same time (most of a run's time is its process importing torch)."""
     data, reference = uninterrupted
-    cfg = _cfg(tiny_llama, data, tmp_path / "run")
-    proc = _start(cfg, tmp_path)
-    _wait_for(tmp_path / "run" / "checkpoints" / "step-000002", proc)
-    proc.send_signal(getattr(signal, name))
-    _, err = proc.communicate(timeout=120)
-    assert proc.returncode == 75, err
-    last = err.strip().splitlines()[-1]
-    assert last.startswith(f"error: stopped by {name} after step ")
-    assert last.endswith(f"/{STEPS}; checkpoint saved in {tmp_path / 'run' / 'checkpoints'} "
-                         "(hint: re-run the same command to resume)")
-    stopped_at = int(last.split("after step ")[1].split("/")[0])
-    assert (tmp_path / "run" / "checkpoints" / f"step-{stopped_at:06d}").is_dir()
-    Trainer(Config.from_dict(cfg)).train()
-    _assert_same(_adapter(tmp_path / "run"), reference)
+    names = ["SIGTERM", "SIGINT", "SIGUSR1"]
+    cfgs = {name: _cfg(tiny_llama, data, tmp_path / name / "run") for name in names}
+    procs = {}
+    try:
+        for name in names:
+            (tmp_path / name).mkdir()
+            procs[name] = _start(cfgs[name], tmp_path / name)
+        waiting, t0 = set(names), time.time()
+        while waiting:  # each run gets its signal as soon as its step-2 checkpoint is there
+            for name in sorted(waiting):
+                if (tmp_path / name / "run" / "checkpoints" / "step-000002").exists():
+                    procs[name].send_signal(getattr(signal, name))
+                    waiting.remove(name)
+                else:
+                    assert procs[name].poll() is None, (name, procs[name].communicate())
+            assert time.time() - t0 < 240
+            time.sleep(0.05)
+        for name in names:
+            run = tmp_path / name / "run"
+            proc = procs[name]
+            _, err = proc.communicate(timeout=120)
+            assert proc.returncode == 75, (name, err)
+            last = err.strip().splitlines()[-1]
+            assert last.startswith(f"error: stopped by {name} after step ")
+            assert last.endswith(f"/{STEPS}; checkpoint saved in {run / 'checkpoints'} "
+                                 "(hint: re-run the same command to resume)")
+            stopped_at = int(last.split("after step ")[1].split("/")[0])
+            assert (run / "checkpoints" / f"step-{stopped_at:06d}").is_dir()
+    finally:
+        for proc in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.communicate()
+    for name in names:
+        Trainer(Config.from_dict(cfgs[name])).train()
+        _assert_same(_adapter(tmp_path / name / "run"), reference)
 
 
 def test_truncated_newest_checkpoint_falls_back_and_finishes(tiny_llama, uninterrupted, tmp_path, capsys):
