@@ -351,11 +351,42 @@ def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[s
                       target_modules=targets, target_parameters=parameters or None, use_dora=cfg.lora.use_dora,
                       use_rslora=cfg.lora.use_rslora, modules_to_save=modules_to_save or None,
                       task_type="CAUSAL_LM", bias="none")
+    from maximus.families import is_mixture_of_experts
+
+    wanted = _targeted_linears(model, targets) if is_mixture_of_experts(causal_lm_of(model)) else None
     try:
-        return get_peft_model(model, lora)
+        peft_model = get_peft_model(model, lora)
     except ValueError as exc:
         raise ModelError(f"lora.target_modules: {str(exc).splitlines()[0]}",
                          "use all-linear or names of linear layers such as q_proj, v_proj") from None
+    if wanted is not None:
+        _check_moe_targets(peft_model, wanted)
+    return peft_model
+
+
+def _check_moe_targets(peft_model, wanted: set[str]) -> None:
+    """PEFT (0.21) rewrites a mixture of experts' LoRA targets for models whose experts Transformers
+    v5 fused (Qwen2/3-MoE, Mixtral): every target named like a pre-fusion expert projection
+    (`gate_proj`, `up_proj`, `down_proj`, `w1`..`w3`) becomes the fused expert weights. A linear of
+    that name outside the experts (Qwen3-MoE's dense `mlp_only_layers`) then gets no adapter, and
+    `lora.experts: false` would still train the experts: refused by name rather than trained wrong.
+
+    Raises:
+        ModelError: a targeted linear that got no adapter.
+    """
+    import peft
+
+    prefix = "base_model.model."
+    adapted = {name.removeprefix(prefix).removesuffix(".base_layer")
+               for name, m in peft_model.named_modules() if hasattr(m, "lora_A")}
+    cls = type(causal_lm_of(peft_model)).__name__
+    missing = sorted(wanted - adapted)
+    if missing:
+        leaves = ", ".join(sorted({n.rsplit(".", 1)[-1] for n in missing}))
+        raise ModelError(f"lora.target_modules: PEFT {peft.__version__} maps {leaves} of {cls} to its fused experts, "
+                         f"so {len(missing)} linears outside the experts would train no adapter ({missing[0]}, ...)",
+                         f"leave {leaves} out of lora.target_modules (e.g. [q_proj, k_proj, v_proj, o_proj], "
+                         "with lora.experts: true to train the experts)")
 
 
 def merge_init_adapter(model, cfg: Config):
