@@ -83,13 +83,17 @@ def small_llama_dir(root: Path) -> Path:
 
 def trl_grpo_trainer(model_dir, rows: list[dict], out: Path, *, prompts: int, group: int, completion: int,
                      max_steps: int, reward_funcs: list, callbacks=(), gradient_checkpointing: bool = True,
-                     adapter: str | Path | None = None, lora_r: int = 16, lora_alpha: int = 32, **config):
+                     adapter: str | Path | None = None, lora_r: int = 16, lora_alpha: int = 32, lr_lambda=None,
+                     **config):
     """TRL's GRPOTrainer (no vLLM, fp32 on the CPU) as our side runs: `prompts` x `group`
     completions per optimizer step in one batch (`per_device_train_batch_size`), up to
     `completion` new tokens, beta 0, loss_type dapo, one update per generation; a fresh LoRA
     (r=`lora_r` on all linear layers) or the trainable PEFT `adapter` saved at that path. `rows`:
     dataset rows with a `prompt` column (other columns reach the rewards); `config`: more
-    GRPOConfig fields (learning_rate, temperature, lr_scheduler_type, ...)."""
+    GRPOConfig fields (learning_rate, temperature, lr_scheduler_type, seed, ...). `lr_lambda`:
+    step -> factor of learning_rate, in place of GRPOConfig's scheduler (Transformers' linear
+    warm-up starts at 0, step / warmup; ours at 1 / (warmup + 1)), with torch AdamW as
+    Transformers builds it (betas 0.9/0.999, eps 1e-8, weight decay 0)."""
     from datasets import Dataset
     from peft import LoraConfig, PeftModel
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -105,9 +109,17 @@ def trl_grpo_trainer(model_dir, rows: list[dict], out: Path, *, prompts: int, gr
     args = GRPOConfig(output_dir=str(out), per_device_train_batch_size=prompts * group, num_generations=group,
                       max_completion_length=completion, beta=0.0, loss_type="dapo", max_steps=max_steps,
                       gradient_checkpointing=gradient_checkpointing, use_cpu=True, report_to=[], bf16=False,
-                      save_strategy="no", logging_steps=1, seed=0, **config)
+                      save_strategy="no", logging_steps=1, **{"seed": 0, **config})
+    optimizers = (None, None)
+    if lr_lambda is not None:
+        if peft_config is not None:
+            raise ValueError("lr_lambda needs the adapter loaded here (adapter=...): the optimizer is built before the trainer")
+        optimizer = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=args.learning_rate,
+                                      betas=(args.adam_beta1, args.adam_beta2), eps=args.adam_epsilon,
+                                      weight_decay=args.weight_decay)
+        optimizers = (optimizer, torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda))
     return GRPOTrainer(model=model, reward_funcs=reward_funcs, args=args, train_dataset=Dataset.from_list(rows),
-                       processing_class=tok, callbacks=list(callbacks), peft_config=peft_config)
+                       processing_class=tok, callbacks=list(callbacks), peft_config=peft_config, optimizers=optimizers)
 
 
 #: A step's mean reward covers a few prompts only: noisy, so the plots draw a trailing mean beside it.

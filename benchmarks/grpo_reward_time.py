@@ -6,20 +6,23 @@ quickstart's adapter (trained first when `runs/quickstart/adapter` is missing) o
 `builtin:tiny-llama`, the example's prompts, rewards (`exact_answer` + `reversed_words`, weights
 1 + 1), 4 prompts x group 8, 32 new tokens, temperature 1, beta 0, loss_type dapo, rewards scaled
 per group, learning rate 1e-4 with 5 warm-up steps then constant, no gradient checkpointing,
-`--steps` optimizer steps each:
+`--steps` optimizer steps each, seeded by `--seed` (ours: `training.seed`; TRL: `seed`, which
+orders its prompts and seeds its sampling):
 
 - ours: `maximus.Trainer` on examples/grpo.yaml as shipped (only `output_dir`, `max_steps` and
   `eval` changed: no held-out evaluation, so both sides train on every prompt and nothing but
   steps runs beside the other side);
 - TRL: `GRPOTrainer` with the same settings (`_grpo_sides.trl_grpo_trainer`), the same adapter
-  loaded trainable (LoRA + the saved embedding and head).
+  loaded trainable (LoRA + the saved embedding and head), and our learning-rate schedule
+  (`maximus.train.trainer.lr_factor`: Transformers' `constant_with_warmup` would start at 0 and
+  climb by 1/5 per step, ours starts at 1/6), with torch AdamW as Transformers builds it.
 
 Each side records, per optimizer step, the mean reward of its sampled completions and the wall
 seconds its steps took so far (ours: metrics.jsonl `step_time_s`; TRL: step begin to step end).
 The plot draws both against wall time (faint: each step; bold: the mean of the last 10 steps),
 and the table compares them at equal wall times.
 
-    python benchmarks/grpo_reward_time.py [--steps 120] [--threads 1] [--out docs/benchmarks/grpo_reward_time.png]
+    python benchmarks/grpo_reward_time.py [--steps 120] [--seed 0] [--threads 1] [--out docs/benchmarks/grpo_reward_time.png]
 """
 from __future__ import annotations
 
@@ -55,11 +58,12 @@ def ensure_quickstart_adapter() -> Path:
     return adapter
 
 
-def run_ours(steps: int, out: Path) -> list[dict]:
+def run_ours(steps: int, out: Path, seed: int) -> list[dict]:
     import maximus
 
     cfg = example_config()
     cfg["output_dir"] = str(out)
+    cfg["training"]["seed"] = seed
     cfg["training"]["max_steps"] = steps
     cfg["training"]["log_every"] = 1
     cfg["training"]["save_every"] = steps
@@ -74,18 +78,21 @@ def run_ours(steps: int, out: Path) -> list[dict]:
     return points
 
 
-def run_trl(steps: int, out: Path) -> list[dict]:
+def run_trl(steps: int, out: Path, seed: int) -> list[dict]:
     from transformers import TrainerCallback
 
     from _grpo_sides import trl_grpo_trainer
+    from maximus import Config
     from maximus.builtin import materialize
     from maximus.train.rewards import exact_answer
+    from maximus.train.trainer import lr_factor
 
     sys.path.insert(0, str(ROOT / "examples"))
     from grpo_rewards import reversed_words
 
     cfg = example_config()
     g, t = cfg["grpo"], cfg["training"]
+    training = Config.from_dict(cfg).training
     rows = [json.loads(line) for line in (ROOT / cfg["dataset"]["path"]).read_text().splitlines() if line.strip()]
     points, clock = [], {"wall": 0.0, "begin": 0.0}
 
@@ -104,9 +111,9 @@ def run_trl(steps: int, out: Path) -> list[dict]:
                                completion=g["max_completion_tokens"], max_steps=steps,
                                reward_funcs=[exact_answer, reversed_words], callbacks=[Clock()],
                                gradient_checkpointing=False, adapter=ROOT / cfg["init_adapter"],
-                               learning_rate=t["learning_rate"], warmup_steps=t["warmup_steps"],
-                               lr_scheduler_type="constant_with_warmup", temperature=g["temperature"],
-                               scale_rewards=g["scale_rewards"], reward_weights=g["reward_weights"])
+                               learning_rate=t["learning_rate"], lr_lambda=lambda step: lr_factor(step, training, steps),
+                               temperature=g["temperature"], scale_rewards=g["scale_rewards"],
+                               reward_weights=g["reward_weights"], seed=seed)
     trainer.train()
     return points
 
@@ -135,6 +142,7 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
+    parser.add_argument("--seed", type=int, default=0, help="both sides' seed (prompt order and sampling)")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each side")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "grpo_reward_time.png")
     parser.add_argument("--json", type=Path, help="also write both sides' points here")
@@ -147,7 +155,7 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         with tempfile.TemporaryDirectory() as tmp:
-            points = (run_ours if args.side == "ours" else run_trl)(args.steps, Path(tmp) / args.side)
+            points = (run_ours if args.side == "ours" else run_trl)(args.steps, Path(tmp) / args.side, args.seed)
         args.points.write_text(json.dumps(points))
         return
     if args.replot:
@@ -161,7 +169,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         files = {side: Path(tmp) / f"{side}.json" for side in ("ours", "trl")}
         procs = {side: subprocess.Popen([sys.executable, __file__, "--side", side, "--steps", str(args.steps),
-                                         "--threads", str(args.threads), "--points", str(path)], cwd=ROOT, env=env,
+                                         "--seed", str(args.seed), "--threads", str(args.threads),
+                                         "--points", str(path)], cwd=ROOT, env=env,
                                         stdout=subprocess.DEVNULL)
                  for side, path in files.items()}
         for side, proc in procs.items():
@@ -178,7 +187,7 @@ def report(curves: dict[str, list[dict]], args) -> None:
     """The table at equal wall times and the plot."""
     ours, trl = curves.values()
     horizon = min(ours[-1]["wall_s"], trl[-1]["wall_s"])
-    print(f"\n{args.steps} steps each, {args.threads} thread(s) per side, both at once")
+    print(f"\n{args.steps} steps each, seed {args.seed}, {args.threads} thread(s) per side, both at once")
     print("| wall time (s) | ours: steps done | ours: reward (mean of last 10) | TRL: steps done | TRL: reward |")
     print("|---:|---:|---:|---:|---:|")
     for share in (0.25, 0.5, 0.75, 1.0):
@@ -192,7 +201,7 @@ def report(curves: dict[str, list[dict]], args) -> None:
         print(f"{name}: {len(points)} steps in {points[-1]['wall_s']:.1f} s, {points[-1]['wall_s'] / len(points):.2f} s/step, "
               f"final mean of last {WINDOW}: {trailing_mean([p['reward'] for p in points])[-1]:.3f}")
     plot(curves, args.out, f"examples/grpo.yaml, ours vs TRL GRPOTrainer (no vLLM), run side by side, {args.threads} thread "
-                           f"each\n2-core AMD EPYC (AVX2, loaded), 2026-12-02, benchmarks/grpo_reward_time.py --steps {args.steps}")
+                           f"each\n2-core AMD EPYC (AVX2, loaded), 2026-12-02, benchmarks/grpo_reward_time.py --steps {args.steps} --seed {args.seed}")
 
 
 if __name__ == "__main__":

@@ -337,3 +337,15 @@ def test_head_gradient_by_row_blocks_is_as_exact_as_the_whole_one(tiny_llama):
     err_rows = float((capture.grad.double() - oracle).abs().max())
     assert err_rows <= 2 * err_whole + 1e-7
     torch.testing.assert_close(h.grad.double(), oracle_hidden, rtol=0, atol=1e-6)
+
+@pytest.mark.parametrize("scheduler,after", [("constant", [1.0, 1.0, 1.0]), ("linear", [1.0, 0.9, 0.8]),
+                                             ("cosine", [1.0, 0.975528, 0.904508])])
+def test_the_learning_rate_warms_up_from_one_over_warmup_plus_one_then_decays(scheduler, after):
+    from maximus.train.trainer import lr_factor
+
+    t = Config.from_dict({"model": "x", "dataset": "y",
+                          "training": {"warmup_steps": 5, "scheduler": scheduler}}).training
+    factors = [lr_factor(step, t, total_steps=15) for step in range(8)]
+    assert factors == pytest.approx([1 / 6, 2 / 6, 3 / 6, 4 / 6, 5 / 6, *after], abs=1e-6)
+    half = Config.from_dict({"model": "x", "dataset": "y", "training": {"warmup_steps": 0.2}}).training
+    assert lr_factor(0, half, total_steps=10) == pytest.approx(1 / 3)  # 0.2 x 10 = 2 warm-up steps

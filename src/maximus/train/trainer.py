@@ -190,17 +190,7 @@ class Trainer:
 
 
     def _lr_lambda(self, step: int) -> float:
-        t = self.cfg.training
-        warm = t.warmup_steps if t.warmup_steps >= 1 else round(t.warmup_steps * self.total_steps)
-        warm = int(warm)
-        if step < warm:
-            return (step + 1) / (warm + 1)
-        if t.scheduler == "constant":
-            return 1.0
-        progress = (step - warm) / max(1, self.total_steps - warm)
-        progress = min(max(progress, 0.0), 1.0)
-        decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.scheduler == "cosine" else 1 - progress
-        return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
+        return lr_factor(step, self.cfg.training, self.total_steps)
 
     # ------------------------------------------------------------------------------ data order
     def _flatten(self, rows: list[dict]) -> bool:
@@ -514,6 +504,21 @@ class Trainer:
     def _restore_signal_handlers(previous: dict) -> None:
         for sig, h in previous.items():
             signal.signal(sig, h)
+
+
+def lr_factor(step: int, t, total_steps: int) -> float:
+    """The learning rate of optimizer step `step` (0-based) over `training.learning_rate`: linear
+    warm-up (step + 1) / (warmup + 1), then `t.scheduler`'s decay over the remaining steps."""
+    warm = t.warmup_steps if t.warmup_steps >= 1 else round(t.warmup_steps * total_steps)
+    warm = int(warm)
+    if step < warm:
+        return (step + 1) / (warm + 1)
+    if t.scheduler == "constant":
+        return 1.0
+    progress = (step - warm) / max(1, total_steps - warm)
+    progress = min(max(progress, 0.0), 1.0)
+    decay = 0.5 * (1 + math.cos(math.pi * progress)) if t.scheduler == "cosine" else 1 - progress
+    return t.min_lr_ratio + (1 - t.min_lr_ratio) * decay
 
 
 def _seed_everything(seed: int) -> None:
