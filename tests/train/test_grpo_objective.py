@@ -139,16 +139,16 @@ def test_resume_samples_the_same_completions_and_ends_with_the_same_adapter(tiny
 
 
 def test_the_sampled_meter_decides_after_sampling_and_keeps_the_runs_peak(tiny, tmp_path):
-    runs = {}
+    runs, steps = {}, 5  # metered: the first two, step 3 (its rows), the last; step 4 not
     for mode in ("every_step", "sampled"):
         out = tmp_path / mode
-        maximus.Trainer(maximus.Config.from_dict(config(tiny, out, training={"max_steps": 8, "memory_meter": mode},
+        maximus.Trainer(maximus.Config.from_dict(config(tiny, out, training={"max_steps": steps, "memory_meter": mode},
                                                         eval={"enabled": False}))).train()
         runs[mode] = (metrics_rows(out), json.loads((out / "run.json").read_text()))
     (every, every_info), (sampled, sampled_info) = runs["every_step"], runs["sampled"]
     assert [(r["reward"], r["loss"]) for r in sampled] == [(r["reward"], r["loss"]) for r in every]
     metered = [r["step"] for r in sampled if "peak_memory_bytes" in r]
-    assert metered[:2] == [1, 2] and metered[-1] == 8 and len(metered) < 8  # GRPO steps are no longer all metered
+    assert metered[:2] == [1, 2] and metered[-1] == steps and len(metered) < steps  # GRPO steps are no longer all metered
     by_step = {r["step"]: r["peak_memory_bytes"] for r in every}
     assert {r["step"]: r["peak_memory_bytes"] for r in sampled if r["step"] in metered} == {s: by_step[s] for s in metered}
     assert sampled_info["memory"]["peak_bytes"] == every_info["memory"]["peak_bytes"] == max(by_step.values())
