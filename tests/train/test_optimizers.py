@@ -338,6 +338,7 @@ def test_head_gradient_by_row_blocks_is_as_exact_as_the_whole_one(tiny_llama):
     assert err_rows <= 2 * err_whole + 1e-7
     torch.testing.assert_close(h.grad.double(), oracle_hidden, rtol=0, atol=1e-6)
 
+
 @pytest.mark.parametrize("scheduler,after", [("constant", [1.0, 1.0, 1.0]), ("linear", [1.0, 0.9, 0.8]),
                                              ("cosine", [1.0, 0.975528, 0.904508])])
 def test_the_learning_rate_warms_up_from_one_over_warmup_plus_one_then_decays(scheduler, after):
