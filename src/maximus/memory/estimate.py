@@ -957,6 +957,7 @@ def _static_terms(spec: StepSpec) -> StaticTerms:
         grads = in_backward_gradient_bytes(shape, rows=_outer_rows(spec), **opt)
     step_temporaries = (optimizer_step_bytes(shape, spec.optimizer, device=spec.device_type, rank=spec.optimizer_rank,
                                              master_weights=spec.master_weights, rows=_outer_rows(spec),
+                                             in_backward=spec.optimizer_in_backward,
                                              embedding_optimizer=spec.embedding_optimizer, **opt) // shard
                         if not spec.offload_optimizer else 0)
     note = optimizer_note(spec.optimizer, spec.optimizer_rank, spec.optimizer_in_backward, spec.master_weights,

@@ -177,7 +177,7 @@ def _torchao_step_bytes(largest: int, master_weights: str = "fp32") -> int:
 
 def optimizer_step_bytes(shape: Any, optimizer: str, *, full: bool, trainable: int, p_bytes: int, device: str,
                          rank: int | None = None, master_weights: str = "fp32",
-                         embedding_optimizer: str = "adamw", rows: bool = False) -> int:
+                         embedding_optimizer: str = "adamw", rows: bool = False, in_backward: bool = False) -> int:
     """Bytes the optimizer step allocates besides its state (its temporaries), on `device`.
 
     AdamW on CUDA runs foreach (one list-sized temporary); every other optimizer (and AdamW on a
@@ -208,6 +208,13 @@ def optimizer_step_bytes(shape: Any, optimizer: str, *, full: bool, trainable: i
         return 2 * p_bytes * max(embedding, i * h)  # the update and the step size of one tensor
     # AdamW on the embedding (two temporaries), or torchao's 4-bit step on one chunk of it.
     outer = _torchao_step_bytes(embedding) if embedding_optimizer == "adamw_4bit" else 2 * p_bytes * embedding
+    if embedding_optimizer != "adamw_4bit" and not in_backward:
+        # (Inside the backward each tensor has its own optimizer: nothing outlives its step.)
+        # Their AdamW step on one tensor makes two temporaries, and the previous tensor's are
+        # still referenced by the loop: the embedding's, while the head (next in its group) makes
+        # its two. Measured on the reference shape at seq 256: predicted 0.91-0.92x of the peak
+        # with two copies, for galore, apollo_mini and muon.
+        outer += p_bytes * (shape.head_params or 0)
     if optimizer == "muon":
         return max(outer, 4 * p_bytes * largest_hidden)  # Newton-Schulz on the largest 2-D weight
     if optimizer in PROJECTED and master_weights == "bf16":
@@ -215,12 +222,6 @@ def optimizer_step_bytes(shape: Any, optimizer: str, *, full: bool, trainable: i
         # 25 bytes per value measured (the copy, the update, torchao's rounding temporaries).
         return max(outer, _ROUNDED_STEP_BYTES * largest_hidden)
     if optimizer in PROJECTED:
-        if embedding_optimizer != "adamw_4bit":
-            # Their AdamW step on one tensor makes `denom` and `norm_grad`, and the previous
-            # tensor's `norm_grad` is still referenced by the loop: the embedding's, while the head
-            # (next in its group) makes its two. Measured on the reference shape at seq 256:
-            # predicted 0.91x of the peak with two copies, for galore and apollo_mini.
-            outer += p_bytes * (shape.head_params or 0)
         return max(outer, 2 * p_bytes * largest_hidden)  # the scaled (or projected-back) gradient
     return 0
 
