@@ -15,8 +15,8 @@ A GRPO step (`objective: grpo`, `maximus.train.objectives.grpo`) has two phases 
    max_completion_tokens` tokens), `micro_batch_size` of them at a time, with the chunked head.
    That is what `maximus.memory.estimate.estimate_peak` models (`objective="grpo"`);
    `rollout_rows` gives it the rows and their length, and its loss term is
-   `completion_loss_bytes`: the head runs over the completion tokens only (prompt positions
-   carry no loss).
+   `maximus.memory.estimate.completion_loss_bytes`: the head runs over the completion tokens only
+   (prompt positions carry no loss).
 
 The step's peak is the larger of the two (their sum under `async_generation`, where the next
 batch is sampled during the backward); `check_generation` picks the largest `prompts_at_once`
@@ -43,35 +43,6 @@ def rollout_rows(cfg) -> tuple[int, int]:
     g = cfg.grpo
     return (cfg.training.batch_size * g.group_size // g.steps_per_generation,
             cfg.training.seq_len + g.max_completion_tokens)
-
-
-def completion_loss_bytes(spec, trainable_head: bool) -> tuple[int, int]:
-    """(working set of GRPO's log-prob pass over one micro-batch, the chunk it uses when none is
-    given) for an `estimate_peak` step spec with `objective="grpo"` and the exact head.
-
-    `maximus.losses.token_outputs.label_log_probs` gathers the labelled rows, L =
-    `micro_batch x completion_tokens` (not every prompt + completion position), and runs the head
-    over them in chunks: one chunk x V float32 buffer (plus the 16-bit matmul output), one row
-    block of probabilities (`ROW_BLOCKS_PER_CHUNK`: 1/8 of the chunk), the gathered rows and the
-    log-prob gradient basis (L x hidden each); a trainable head adds its float32 gradient
-    accumulator and the rows' gradient in backward. Measured with the CPU meter (V = 32,000,
-    hidden 256, fp32, forward and backward): 8.92 MiB for 4 rows of 68 tokens with 16 labelled
-    (this formula: 8.92), 35.66 for 4 x 128 with 64 (35.67), 74.36 for 8 x 300 with 256 (chunk
-    512: 74.37)."""
-    from maximus.losses.token_outputs import ROW_BLOCKS_PER_CHUNK
-    from maximus.memory.estimate import default_loss_chunk
-
-    shape, b = spec.shape, spec.b
-    V, h = shape.vocab_size, shape.hidden_size
-    labelled = spec.micro_batch * min(spec.completion_tokens or spec.seq_len, spec.seq_len)
-    default_chunk = default_loss_chunk(labelled, V, b, trainable_head=trainable_head)
-    chunk = max(1, min(spec.loss_chunk_tokens or default_chunk, labelled))
-    block = -(-chunk // ROW_BLOCKS_PER_CHUNK)
-    loss = chunk * V * (4 + (b if b < 4 else 0)) + block * V * 4 + 2 * labelled * h * b
-    if trainable_head:
-        loss += V * h * 4 + labelled * h * b
-    # Per-position scratch (labels, the scattered log-probs): small but not zero.
-    return int(loss + spec.T * 24), default_chunk
 
 
 def kv_cache_bytes(model_config: Any, *, sequences: int, tokens: int, dtype_bytes: int) -> int:
