@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import NamedTuple
 
 import torch
 
@@ -211,15 +212,20 @@ _ADAPTER_SHAPE_KEYS = {"r": "r", "alpha": "lora_alpha", "target_modules": "targe
 
 
 def _targeted_linears(model, spec) -> set[str]:
-    """Qualified names of the linear layers a LoRA `target_modules` spec selects, by PEFT's rules:
-    `all-linear` = every linear but the output head, another string = a full regex match, a list =
-    names equal to an entry or ending in `.entry`."""
+    """Qualified names of the linear layers a LoRA `target_modules` spec selects, by PEFT's rules
+    (see `_select`); the output head is never one."""
+    head = causal_lm_of(model).get_output_embeddings()
+    return _select({name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head},
+                   spec)
+
+
+def _select(names: set[str], spec) -> set[str]:
+    """Those of `names` a LoRA `target_modules` spec selects: `all-linear` = all of them, another
+    string = a full regex match, a list = names equal to an entry or ending in `.entry`."""
     import re
 
-    head = causal_lm_of(model).get_output_embeddings()
-    names = {name for name, m in model.named_modules() if isinstance(m, torch.nn.Linear) and m is not head}
     if spec == "all-linear":
-        return names
+        return set(names)
     if isinstance(spec, str):
         return {n for n in names if re.fullmatch(spec, n)}
     return {n for n in names if any(n == t or n.endswith("." + t) for t in spec)}
@@ -238,8 +244,17 @@ def _routers(model) -> set[str]:
     return {name for name, _ in model.named_modules() if any(name == r or name.startswith(r + ".") for r in roots)}
 
 
-def lora_targets(model, cfg: Config):
-    """(`target_modules`, `target_parameters`) of the LoRA adapter.
+class LoraTargets(NamedTuple):
+    """What `lora_targets` resolves: PEFT's `target_modules` and `target_parameters`, and the
+    qualified names of the linears `modules` selects (by PEFT's rules)."""
+
+    modules: str | list[str]
+    parameters: list[str]
+    linears: set[str]
+
+
+def lora_targets(model, cfg: Config) -> LoraTargets:
+    """The LoRA adapter's targets (`LoraTargets`).
 
     A dense model: `lora.target_modules` as written (PEFT resolves `all-linear`). A mixture of
     experts: the linears are resolved here, without the router (it stays frozen); the experts are
@@ -252,18 +267,19 @@ def lora_targets(model, cfg: Config):
     from maximus.families import is_mixture_of_experts
 
     spec, experts = cfg.lora.target_modules, cfg.lora.experts
+    linears = _targeted_linears(model, "all-linear")
     if not is_mixture_of_experts(causal_lm_of(model)):
         if experts:
             raise ConfigError(f"lora.experts: true, but {type(causal_lm_of(model)).__name__} is not a mixture of experts",
                               "drop lora.experts (it applies to mixture-of-experts models only)")
-        return spec, []
+        return LoraTargets(spec, [], _select(linears, spec))
     with_experts = experts if experts is not None else spec == "all-linear"
     routers = _routers(model)
-    names = {n for n in _targeted_linears(model, spec) if n not in routers}
+    names = {n for n in _select(linears, spec) if n not in routers}
     if not with_experts:
         names = {n for n in names if ".experts." not in f".{n}."}
     leaves = sorted({n.rsplit(".", 1)[-1] for n in names})
-    return leaves, (expert_parameters(model) if with_experts else [])
+    return LoraTargets(leaves, expert_parameters(model) if with_experts else [], _select(linears, leaves))
 
 
 def init_adapter_config(model, cfg: Config):
@@ -342,10 +358,11 @@ def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[s
         peft_model = PeftModel.from_pretrained(model, cfg.init_adapter, is_trainable=True, config=config)
         _train_more_modules(peft_model, list(cfg.lora.modules_to_save) + list(extra_modules_to_save or []))
         return peft_model
-    targets, parameters = lora_targets(model, cfg)
+    targets, parameters, wanted = lora_targets(model, cfg)
     modules_to_save = list(cfg.lora.modules_to_save) + list(extra_modules_to_save or [])
     if is_vision_config(model.config):  # the language model only, unless lora.vision / lora.projector
-        targets, more = adapter_targets(model, cfg.lora, _targeted_linears(model, targets))
+        targets, more = adapter_targets(model, cfg.lora, wanted)
+        wanted = _select(wanted, targets)
         modules_to_save += more
     lora = LoraConfig(r=cfg.lora.r, lora_alpha=cfg.lora.alpha, lora_dropout=cfg.lora.dropout,
                       target_modules=targets, target_parameters=parameters or None, use_dora=cfg.lora.use_dora,
@@ -353,13 +370,13 @@ def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[s
                       task_type="CAUSAL_LM", bias="none")
     from maximus.families import is_mixture_of_experts
 
-    wanted = _targeted_linears(model, targets) if is_mixture_of_experts(causal_lm_of(model)) else None
+    moe = is_mixture_of_experts(causal_lm_of(model))
     try:
         peft_model = get_peft_model(model, lora)
     except ValueError as exc:
         raise ModelError(f"lora.target_modules: {str(exc).splitlines()[0]}",
                          "use all-linear or names of linear layers such as q_proj, v_proj") from None
-    if wanted is not None:
+    if moe:
         _check_moe_targets(peft_model, wanted)
     return peft_model
 
