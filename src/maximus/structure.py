@@ -1,8 +1,9 @@
 """Where things are inside a model and a batch: the bottom layer every other module may import.
 
 `IGNORE_INDEX` is the label of a token without loss, `causal_lm_of` / `peft_model_of` see through the wrappers (PEFT, DDP, `torch.compile`),
-`find_decoder_layers` finds the decoder stack and its layer list, and `row_lengths` reads the
-real length of each right-padded row from its position ids. This module imports nothing of
+`find_decoder_layers` finds the decoder stack and its layer list, `row_lengths` reads the
+real length of each right-padded row from its position ids, and `document_resets` says where a
+packed document starts in them (`document_starts` for the attention, `documents_in` for a row). This module imports nothing of
 Maximus but its errors, so that memory/, kernels/, train/ and losses/ can share it without
 importing one another.
 """
@@ -50,6 +51,31 @@ def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
         "Maximus checkpoints decoder-only models whose stack has `embed_tokens` and `layers` "
         "(Llama, Mistral, Qwen2, ...); set optimization.gradient_checkpointing: off for others",
     )
+
+
+def document_resets(position_ids: torch.Tensor) -> torch.Tensor:
+    """Whether each token but the first starts a packed document, [..., T - 1] bool: its position
+    is not the previous one's plus one (`maximus.data.packing` restarts them at 0 at every
+    document), the rule of `transformers.masking_utils.find_packed_sequence_indices`."""
+    return position_ids[..., 1:] != position_ids[..., :-1] + 1
+
+
+def document_starts(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """Start index of each token's packed document, [B, T] long; None when nothing is packed
+    (a document starts at index 0 and at every `document_resets`)."""
+    resets = document_resets(position_ids)
+    if not resets.any():
+        return None
+    idx = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
+    starts = torch.cat([torch.ones_like(resets[..., :1]), resets], dim=-1)
+    return torch.where(starts, idx, torch.zeros_like(idx)).cummax(-1).values
+
+
+def documents_in(position_ids) -> int:
+    """Documents packed in one row, from its position ids (a list or a 1-D tensor; none: 1)."""
+    if position_ids is None or len(position_ids) == 0:
+        return 1
+    return 1 + int(document_resets(torch.as_tensor(position_ids)).sum())
 
 
 def row_lengths(position_ids: torch.Tensor) -> torch.Tensor:

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from maximus.attention import KroneckerSketch
-from maximus.attention.install import document_starts
+from maximus.structure import document_starts, documents_in
 from maximus.config import KroneckerConfig
 
 HEADS, KV_HEADS, DIM = 2, 1, 8
@@ -135,3 +135,6 @@ def test_document_starts_follows_transformers_packing_rule():
     same_doc = seq[:, :, None] == seq[:, None, :]
     assert torch.equal(same_doc, starts[:, :, None] == starts[:, None, :])
     assert document_starts(torch.arange(7)[None]) is None
+    # the same rule counts a row's documents, on the lists the data pipeline writes
+    assert [documents_in(row) for row in pos.tolist()] == [3, 1] == (seq.amax(-1) + 1).tolist()
+    assert documents_in([0, 1, 0, 0, 5]) == 4 and documents_in([]) == 1 and documents_in(None) == 1

@@ -66,6 +66,29 @@ def test_run_lengths_walk_the_trainers_sampler(tiny):
     assert read_lengths(cfg, world_size=2).steps == lengths.steps
 
 
+def test_run_lengths_count_the_documents_of_packed_rows_by_transformers_rule(tiny):
+    import torch
+    from transformers.masking_utils import find_packed_sequence_indices
+
+    from maximus.data import build_run_datasets
+    from maximus.models import load_tokenizer
+
+    model, root = tiny
+    data = write_prompt_completion(root / "sft.jsonl", n=20)
+    cfg = Config.from_dict(tiny_config(model, data, root / "out-packed",
+                                       training={"packing": True, "seq_len": 128, "max_steps": 2, "batch_size": 4}))
+    rows = build_run_datasets(cfg, load_tokenizer(cfg)).train
+    order = RowOrder(len(rows), 4, cfg.training.seed)
+
+    def documents(row):
+        seq = find_packed_sequence_indices(torch.tensor([row["position_ids"]]))
+        return 1 if seq is None else int(seq.max()) + 1
+
+    expected = tuple(tuple(documents(rows[i]) for i in order.step(step)) for step in (1, 2))
+    assert run_lengths(cfg, rows, steps=2).documents == expected
+    assert max(max(step) for step in expected) > 1  # rows hold several documents
+
+
 def test_dpo_is_planned_for_the_pairs_as_they_are_and_run_json_records_it(tiny, tmp_path):
     model, root = tiny
     data = _pairs(tmp_path / "pairs.jsonl")

@@ -16,22 +16,9 @@ from transformers.masking_utils import AttentionMaskInterface
 from maximus.attention.sketch_module import KroneckerSketch
 from maximus.config import KroneckerConfig
 from maximus.errors import ModelError
+from maximus.structure import document_starts
 
 IMPLEMENTATION = "maximus_kronecker"
-
-
-def document_starts(position_ids: torch.Tensor) -> torch.Tensor | None:
-    """Start index of each token's packed document, [B, T] long; None when nothing is packed.
-
-    A document starts at index 0 and wherever position_ids[t] != position_ids[t-1] + 1, the rule of
-    `transformers.masking_utils.find_packed_sequence_indices`.
-    """
-    idx = torch.arange(position_ids.shape[-1], device=position_ids.device).expand_as(position_ids)
-    starts = torch.ones_like(position_ids, dtype=torch.bool)
-    starts[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
-    if not starts[:, 1:].any():
-        return None
-    return torch.where(starts, idx, torch.zeros_like(idx)).cummax(-1).values
 
 
 def _padding_mask(batch_size, q_length, kv_length, q_offset=0, kv_offset=0, mask_function=None,

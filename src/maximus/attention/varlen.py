@@ -25,7 +25,7 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from maximus.attention.install import document_starts
+from maximus.structure import document_starts
 
 IMPLEMENTATION = "maximus_varlen"
 
@@ -44,7 +44,7 @@ def per_document(num_documents: int, num_tokens: int) -> bool:
 
 def document_spans(position_ids: torch.Tensor) -> list[list[tuple[int, int]]] | None:
     """Per row, the ``[start, end)`` token spans of its packed documents; None when no row holds
-    more than one (the rule of :func:`maximus.attention.install.document_starts`)."""
+    more than one (the rule of :func:`maximus.structure.document_starts`)."""
     starts = document_starts(position_ids)
     if starts is None:
         return None

@@ -17,6 +17,7 @@ import math
 import torch
 
 from maximus.memory.lengths import RowLengths
+from maximus.structure import documents_in
 
 __all__ = ["RowOrder", "row_length", "run_lengths", "run_steps", "read_lengths"]
 
@@ -78,14 +79,6 @@ def row_length(row: dict) -> int:
     raise ValueError(f"not a training row: keys {sorted(row)}")
 
 
-def documents_in(row: dict) -> int:
-    """Documents packed in an SFT row: its positions restart at every document (`maximus.data.packing`)."""
-    positions = row.get("position_ids")
-    if not positions:
-        return 1
-    return 1 + sum(1 for a, b in zip(positions, positions[1:]) if b != a + 1)
-
-
 def run_lengths(cfg, rows: list[dict], *, steps: int, world_size: int = 1) -> RowLengths:
     """The row lengths of every optimizer step of the run `cfg` over the training `rows`, per rank
     (`RowLengths`). GRPO: each prompt of a generation becomes ``group_size`` rollout rows of the
@@ -96,7 +89,7 @@ def run_lengths(cfg, rows: list[dict], *, steps: int, world_size: int = 1) -> Ro
     t = cfg.training
     order = RowOrder(len(rows), t.batch_size, t.seed)
     lengths = [row_length(r) for r in rows]
-    docs = [documents_in(r) for r in rows] if cfg.objective == "sft" else None
+    docs = [documents_in(r.get("position_ids")) for r in rows] if cfg.objective == "sft" else None
     images = max((len(r["images"].paths) for r in rows if "images" in r), default=1)  # vision-language rows
     extra, repeat, every, shares = 0, 1, 1, 1
     if cfg.objective == "grpo":
