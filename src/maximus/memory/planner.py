@@ -98,21 +98,10 @@ class RunStep:
         return cls(shape, dict(dtype=dtype, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
                                device=device, lean_lora=lean_lora, **techniques))
 
-    @property
-    def dtype(self) -> str:
-        return self.settings["dtype"]
-
-    @property
-    def lora_r(self) -> int:
-        return self.settings["lora_r"]
-
-    @property
-    def world_size(self) -> int:
-        return self.settings["world_size"]
-
-    @property
-    def device(self) -> str:
-        return self.settings["device"]
+    dtype = property(lambda self: self.settings["dtype"], doc="The training dtype (bf16, fp16, fp32).")
+    lora_r = property(lambda self: self.settings["lora_r"], doc="The adapter rank.")
+    world_size = property(lambda self: self.settings["world_size"], doc="The ranks the run trains on.")
+    device = property(lambda self: self.settings["device"], doc="The device type (cuda, cpu, mps).")
 
     @property
     def trains_head(self) -> bool:
