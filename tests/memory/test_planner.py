@@ -128,6 +128,20 @@ def test_max_seq_len_is_the_boundary():
     assert max_seq_len_for_budget(EIGHT_B, 10**9, method="qlora") == 0
 
 
+@pytest.mark.parametrize("settings", [dict(method="qlora", tile_tokens="off", host_budget_bytes=int(8e9)),
+                                      dict(method="qlora", gradient_checkpointing="off", loss_chunk_size=128),
+                                      dict(method="lora", offload_optimizer="on", micro_batch=2)])
+def test_max_seq_len_is_the_boundary_with_fixed_settings_and_a_host_budget(settings):
+    """The search stops a probe at the first plan that fits; its answer is still the planner's."""
+    seq = max_seq_len_for_budget(EIGHT_B, 24 * 10**9, lora_r=32, **settings)
+    mb = settings.pop("micro_batch", 1)
+    kw = dict(batch_size=mb, micro_batch_size=mb, lora_r=32, **settings)
+    assert seq > 0
+    plan_for_budget(EIGHT_B, 24 * 10**9, seq_len=seq, **kw)
+    with pytest.raises(BudgetError):
+        plan_for_budget(EIGHT_B, 24 * 10**9, seq_len=seq + 1, **kw)
+
+
 # -- maximus plan ------------------------------------------------------------------------------------
 
 
@@ -172,6 +186,8 @@ def test_plan_command_needs_a_model():
 
 
 def test_real_run_of_the_plan_stays_under_budget_and_uses_it():
+    """In float32: the planner's arithmetic is the same at every dtype, and CPUs without bf16
+    matmuls (AVX2) run bf16 tens of times slower."""
     before = torch.get_num_threads()
     torch.set_num_threads(1)
     config = LlamaConfig(vocab_size=4096, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
@@ -179,10 +195,10 @@ def test_real_run_of_the_plan_stays_under_budget_and_uses_it():
     batch, seq = 4, 256
     allow = {"checkpointing", "micro_batch", "loss_chunk"}  # what plain Transformers can execute
     smallest = estimate_peak(config, method="lora", micro_batch=1, seq_len=seq, checkpointing="full",
-                             loss_chunk_tokens=64, device="cpu").peak_bytes
+                             loss_chunk_tokens=64, device="cpu", dtype="fp32").peak_bytes
     for budget in (int(smallest / 0.9 * 1.3), int(smallest / 0.9 * 3)):
         plan = plan_for_budget(config, budget, method="lora", batch_size=batch, seq_len=seq, allow=allow, device="cpu",
-                               lean_lora=False)  # _run executes PEFT's own LoRA layers
+                               dtype="fp32", lean_lora=False)  # _run executes PEFT's own LoRA layers
         measured = _run(config, plan, batch, seq)
         assert measured <= budget
         assert measured >= 0.6 * budget  # the plan grows into the budget it has
@@ -193,7 +209,7 @@ def _run(config, plan, batch, seq):
     from maximus.losses.linear_cross_entropy import linear_cross_entropy
 
     torch.manual_seed(0)
-    model = get_peft_model(LlamaForCausalLM(config).to(torch.bfloat16), LoraConfig(r=16, target_modules="all-linear"))
+    model = get_peft_model(LlamaForCausalLM(config), LoraConfig(r=16, target_modules="all-linear"))
     lm = model.get_base_model()
     assert "selective" not in plan.recompute  # not in `allow`: plain Transformers runs none / full per layer
     if "full" in plan.recompute:
@@ -207,7 +223,7 @@ def _run(config, plan, batch, seq):
     def step():
         for i in range(plan.grad_accum):
             ids = data[i * plan.micro_batch_size:(i + 1) * plan.micro_batch_size]
-            with autocast_for(torch.device("cpu"), torch.bfloat16):  # as the trainer runs a 16-bit step
+            with autocast_for(torch.device("cpu"), torch.float32):  # as the trainer runs an fp32 step: none
                 hidden = lm.model(input_ids=ids).last_hidden_state
                 loss = linear_cross_entropy(hidden[:, :-1], lm.lm_head.weight, ids[:, 1:],
                                             chunk_size=plan.loss_chunk_size)

@@ -19,10 +19,11 @@ naming the smallest budget that would work and the setting that needs it.
 """
 from __future__ import annotations
 
+import inspect
 import itertools
 import math
 from dataclasses import dataclass, replace
-from typing import Any, Iterable, Mapping, Sequence
+from typing import Any, Callable, Iterable, Mapping, Sequence
 
 from maximus.config import format_bytes, parse_bytes
 from maximus.errors import BudgetError, ConfigError
@@ -294,10 +295,7 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
         ConfigError: the batch cannot be split evenly over the ranks, or a setting is unknown
             (a tile_tokens below 1); ``micro_batch_tokens`` below the longest row (named).
     """
-    if isinstance(tile_tokens, bool) or (isinstance(tile_tokens, int) and tile_tokens < 1) or (
-            not isinstance(tile_tokens, int) and tile_tokens not in ("auto", "off", None)):
-        raise ConfigError(f"optimization.tile_tokens must be a positive number of tokens, auto or off, got {tile_tokens!r}",
-                          "use e.g. tile_tokens: 4096, or off")
+    _check_tile_tokens(tile_tokens)
     step = model_config if isinstance(model_config, RunStep) else RunStep.of(
         model_config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size, device=device,
         lean_lora=lean_lora, **techniques)
@@ -331,6 +329,13 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     if free_memory:
         plan = replace(plan, notes=plan.notes + (f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory",))
     return plan
+
+
+def _check_tile_tokens(tile_tokens: Any) -> None:
+    if isinstance(tile_tokens, bool) or (isinstance(tile_tokens, int) and tile_tokens < 1) or (
+            not isinstance(tile_tokens, int) and tile_tokens not in ("auto", "off", None)):
+        raise ConfigError(f"optimization.tile_tokens must be a positive number of tokens, auto or off, got {tile_tokens!r}",
+                          "use e.g. tile_tokens: 4096, or off")
 
 
 def _search_space(step: RunStep, budget_bytes: int | None, *, method: str, batch_size: int, seq_len: int,
@@ -384,15 +389,23 @@ class _Found:
     host_short: Estimate | None = None
 
 
-def _search(space: _Space, gradient_checkpointing: str, host_budget_bytes: int | None) -> _Found:
-    """Estimate every candidate; keep the fastest that fits (ties: the smaller peak)."""
-    found, usable = _Found(), space.usable
-    for kw in space.candidates():
+def _estimated(space: _Space, candidates: Iterable[dict], gradient_checkpointing: str) -> Iterable[tuple[dict, Estimate]]:
+    """Each candidate with its estimate; an ``off`` candidate over the budget becomes the fewest fully
+    checkpointed layers that fit, when the planner may checkpoint (`_fewest_checkpointed_layers`)."""
+    usable = space.usable
+    for kw in candidates:
         e = space.estimate(kw)
         if usable is not None and e.peak_bytes > usable and kw["checkpointing"] == "off" \
                 and "checkpointing" in space.allow and gradient_checkpointing == "auto":
             # Between off and full: checkpoint just enough layers (the fewest that fit).
             kw, e = _fewest_checkpointed_layers(kw, e, usable, space.step.shape.num_layers, space.estimate)
+        yield kw, e
+
+
+def _search(space: _Space, gradient_checkpointing: str, host_budget_bytes: int | None) -> _Found:
+    """Estimate every candidate; keep the fastest that fits (ties: the smaller peak)."""
+    found, usable = _Found(), space.usable
+    for kw, e in _estimated(space, space.candidates(), gradient_checkpointing):
         if host_budget_bytes is not None and e.host_bytes > host_budget_bytes:
             if (usable is None or e.peak_bytes <= usable) and (
                     found.host_short is None or e.host_bytes < found.host_short.host_bytes):
@@ -405,6 +418,15 @@ def _search(space: _Space, gradient_checkpointing: str, host_budget_bytes: int |
             if found.best is None or key > found.best[:2]:
                 found.best = (e.tokens_per_s_guess, -e.peak_bytes, kw, e)
     return found
+
+
+def _some_plan_fits(space: _Space, gradient_checkpointing: str, host_budget_bytes: int | None) -> bool:
+    """Whether `_search` would find a plan that fits (`plan_for_budget` would not raise `BudgetError`),
+    without estimating every candidate: the most frugal knobs are tried first, and the first
+    candidate that fits device and host ends the search."""
+    usable = space.usable
+    return any((usable is None or e.peak_bytes <= usable) and (host_budget_bytes is None or e.host_bytes <= host_budget_bytes)
+               for _, e in _estimated(space, reversed(list(space.candidates())), gradient_checkpointing))
 
 
 def _nothing_fits(space: _Space, found: _Found, *, method: str, optimizer: str, loss_mode: str, name_longest: bool,
@@ -540,16 +562,10 @@ def max_seq_len_for_budget(model_config: Any, budget_bytes: int, *, method: str 
     ``tile_tokens`` is ``auto``); ``lean_lora`` and ``techniques`` (any other `plan_for_budget`
     keyword: fixed checkpointing, offload, loss chunk, Kronecker, ...) as in `plan_for_budget`."""
 
-    def fits(seq: int) -> bool:
-        try:
-            plan_for_budget(model_config, budget_bytes, method=method, batch_size=micro_batch, seq_len=seq,
-                            micro_batch_size=micro_batch, allow=allow, dtype=dtype, optimizer=optimizer,
-                            lora_r=lora_r, lora_targets=lora_targets, loss_mode=loss_mode, margin=margin, device=device,
-                            tile_tokens=tile_tokens, lean_lora=lean_lora, name_longest=False, **techniques)
-            return True
-        except BudgetError:
-            return False
-
+    fits = _fits_at(model_config, budget_bytes, method=method, batch_size=micro_batch, micro_batch_size=micro_batch,
+                    allow=allow, dtype=dtype, optimizer=optimizer, lora_r=lora_r, lora_targets=lora_targets,
+                    loss_mode=loss_mode, margin=margin, device=device, tile_tokens=tile_tokens, lean_lora=lean_lora,
+                    name_longest=False, **techniques)
     if not fits(1):
         return 0
     lo, hi = 1, 2
@@ -563,3 +579,30 @@ def max_seq_len_for_budget(model_config: Any, budget_bytes: int, *, method: str 
         else:
             hi = mid
     return lo
+
+
+def _fits_at(model_config: Any, budget_bytes: int | None, **plan_kw: Any) -> Callable[[int], bool]:
+    """``fits(seq)``: whether ``plan_for_budget(model_config, budget_bytes, seq_len=seq, **plan_kw)``
+    returns a plan rather than raise `BudgetError` (its other errors are raised). The model is read
+    once, and a probe stops at the first candidate that fits (`_some_plan_fits`)."""
+    bound = inspect.signature(plan_for_budget).bind(model_config, budget_bytes, **plan_kw)
+    bound.apply_defaults()
+    a = bound.arguments
+    if a["free_memory"]:  # a plan is returned even when none fits: only the host can refuse
+        def fits_slowly(seq: int) -> bool:
+            try:
+                plan_for_budget(model_config, budget_bytes, seq_len=seq, **plan_kw)
+                return True
+            except BudgetError:
+                return False
+        return fits_slowly
+    _check_tile_tokens(a["tile_tokens"])
+    step = model_config if isinstance(model_config, RunStep) else RunStep.of(
+        model_config, dtype=a["dtype"], lora_r=a["lora_r"], lora_targets=a["lora_targets"], world_size=a["world_size"],
+        device=a["device"], lean_lora=a["lean_lora"], **a["techniques"])
+    space_kw = {k: a[k] for k in inspect.signature(_search_space).parameters if k not in ("step", "budget_bytes", "seq_len")}
+
+    def fits(seq: int) -> bool:
+        space = _search_space(step, budget_bytes, seq_len=seq, **space_kw)
+        return _some_plan_fits(space, a["gradient_checkpointing"], a["host_budget_bytes"])
+    return fits
