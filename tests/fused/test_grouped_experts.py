@@ -108,3 +108,19 @@ def test_apply_kernels_installs_it_on_cpu_unless_switched_off(moe_dirs):
     assert report.grouped_experts == 2 and report.to_dict()["grouped_experts"] == 2 and notice not in report.notices
     assert not grouped_experts_apply(True, "eager", torch.device("cuda"))  # Transformers' grouped_mm stays there
     assert not grouped_experts_apply(True, "compile", torch.device("cpu"))
+
+
+def test_clamped_swiglu_equals_gpt_oss_gate_at_and_beyond_its_limits(moe_dirs):
+    from transformers import AutoModelForCausalLM
+
+    experts = AutoModelForCausalLM.from_pretrained(moe_dirs["gpt_oss"]).model.layers[0].mlp.experts
+    gate_up = torch.randn(40, 2 * experts.intermediate_size, generator=torch.Generator().manual_seed(0)) * 3 * experts.limit
+    gate_up[0, :6] = torch.tensor([experts.limit, experts.limit, -experts.limit, -experts.limit, 0.0, 0.0])  # on the bounds
+    gate_up.requires_grad_(True)
+    grad = torch.randn(40, experts.intermediate_size, generator=torch.Generator().manual_seed(1))
+    theirs = experts._apply_gate(gate_up)
+    ours = grouped._gate(experts, gate_up)
+    assert ours.grad_fn.name().endswith("_ClampedSwiGLUBackward")
+    assert torch.equal(ours, theirs)
+    torch.testing.assert_close(torch.autograd.grad(ours, gate_up, grad)[0], torch.autograd.grad(theirs, gate_up, grad)[0],
+                               rtol=1e-6, atol=1e-6)

@@ -16,8 +16,9 @@ zero-filled ``[E, out, in]`` gradient per expert hit (the backward of ``W[e]``).
 
 * the ``T x k`` routed (token, expert) pairs are sorted by expert once (a stable sort, so each
   expert's tokens stay in token order) and the tokens gathered once;
-* per expert with tokens, on its contiguous slice: ``gate_up = x_e W_e^T (+ b_e)``, the model's
-  own gate (``_apply_gate``: SiLU/GELU x up, or gpt-oss's clamped SwiGLU), ``down``;
+* per expert with tokens, on its contiguous slice (one ``split``, one ``cat`` back):
+  ``gate_up = x_e W_e^T (+ b_e)``, the model's own gate (``_apply_gate``: SiLU/GELU x up; gpt-oss's
+  clamped SwiGLU as one autograd function that keeps only its input), ``down``;
 * LoRA stays factored: ``+ s * (x_e A_e^T) B_e^T``, the rank-r product only, so backward
   computes the adapters' gradients from ``T x r`` products and never a weight-sized tensor;
 * the rows go back to token order (one gather) and each token's k rows are weighted and summed
@@ -94,6 +95,45 @@ def _projection(x: torch.Tensor, weight: torch.Tensor, bias, transposed: bool, l
     return y
 
 
+class _ClampedSwiGLU(torch.autograd.Function):
+    """gpt-oss's gate (`GptOssExperts._apply_gate`) on interleaved ``[gate, up]`` columns:
+    ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha g)`` with ``g = clamp(gate, max=l)``, the same
+    float32 operations forward; backward from the saved input alone (autograd's version keeps five
+    tensors and zero-fills an input-sized gradient for each strided half)."""
+
+    @staticmethod
+    def forward(ctx, gate_up, alpha: float, limit: float):
+        ctx.save_for_backward(gate_up)
+        ctx.alpha, ctx.limit = alpha, limit
+        gate = gate_up[..., ::2].clamp(max=limit)
+        up = gate_up[..., 1::2].clamp(-limit, limit)
+        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        alpha, limit = ctx.alpha, ctx.limit
+        raw_gate, raw_up = gate_up[..., ::2], gate_up[..., 1::2]
+        gate = raw_gate.clamp(max=limit)
+        up = raw_up.clamp(-limit, limit)
+        sig = torch.sigmoid(gate * alpha)
+        out = torch.empty_like(gate_up)
+        # clamp passes the gradient where its input lies within the bounds, bounds included
+        torch.mul(grad * (gate * sig), (raw_up.abs() <= limit), out=out[..., 1::2])
+        d_gate = grad * (up + 1)
+        d_gate *= sig * (1 + gate * alpha * (1 - sig))
+        torch.mul(d_gate, raw_gate <= limit, out=out[..., ::2])
+        return out, None, None
+
+
+def _gate(experts, gate_up: torch.Tensor) -> torch.Tensor:
+    """The experts' gate on one expert's ``gate_up`` rows: gpt-oss's clamped SwiGLU through
+    `_ClampedSwiGLU`, every other family through its own `_apply_gate`."""
+    if type(experts).__name__ == "GptOssExperts" and hasattr(experts, "alpha") and hasattr(experts, "limit"):
+        return _ClampedSwiGLU.apply(gate_up, float(experts.alpha), float(experts.limit))
+    return experts._apply_gate(gate_up)
+
+
 def _per_expert(factors):
     """[(A_e, B_e, scaling) per expert] (split with `unbind`: one autograd node, so backward builds
     each factor's gradient once, not a zero-filled one per expert); [None, ...] without LoRA."""
@@ -150,7 +190,7 @@ def _expert_rows(experts, rows: torch.Tensor, counts: list[int], slots: int, tra
         if not counts[e]:
             continue
         h = _projection(x, gate_up_w[e], gate_up_b[e] if has_bias else None, transposed, lora_gate_up[e])
-        h = experts._apply_gate(h)
+        h = _gate(experts, h)
         outputs.append(_projection(h, down_w[e], down_b[e] if has_bias else None, transposed, lora_down[e]))
     if rows.shape[0] < slots:  # sentinel slots: zero rows
         outputs.append(rows.new_zeros(slots - rows.shape[0], rows.shape[-1]))
