@@ -61,16 +61,22 @@ def build_model_dir(path: Path, args) -> Path:
     return path
 
 
-def use_side(model, side: str) -> None:
-    """Put `model`'s experts on one side's forward."""
+def use_side(model, side: str, attention: str) -> None:
+    """Put `model`'s experts and attention on one side's forwards: Maximus' grouped experts and the
+    attention `load_model` chose (`attention`: SDPA, or SDPA with a sink key for gpt-oss), or
+    Transformers' experts forward `side` and Transformers' own attention (SDPA where the class
+    has it, else eager: gpt-oss's attention with sinks)."""
     from maximus.kernels.grouped_experts import install_grouped_experts, uninstall_grouped_experts
     from maximus.structure import causal_lm_of
 
+    lm = causal_lm_of(model)
     uninstall_grouped_experts(model)
     if side == "maximus":
         assert install_grouped_experts(model), "no experts module was routed"
+        lm.set_attn_implementation(attention)
     else:
-        causal_lm_of(model).set_experts_implementation(side)
+        lm.set_experts_implementation(side)
+        lm.set_attn_implementation("sdpa" if type(lm)._supports_sdpa else "eager")
 
 
 def moe_blocks(model):
@@ -92,12 +98,14 @@ def main() -> None:
     ap.add_argument("--rank", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--profile", action="store_true", help="print torch.profiler's table of one Maximus step")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
 
     from maximus.config import Config
     from maximus.forward import sft_loss_sum
     from maximus.models import load_model
+    from maximus.structure import causal_lm_of
 
     with tempfile.TemporaryDirectory() as tmp:
         model_dir = build_model_dir(Path(tmp) / "model", args)
@@ -106,6 +114,7 @@ def main() -> None:
                                 "training": {"dtype": "fp32", "seq_len": args.seq}})
         model, _ = load_model(cfg)
     model.train()
+    attention = causal_lm_of(model).config._attn_implementation
     with torch.no_grad():  # trained adapters: B != 0, so the adapters change the experts' outputs
         for name, p in model.named_parameters():
             if "lora_B" in name:
@@ -142,7 +151,7 @@ def main() -> None:
     times = {s: {k: [] for k in kinds} for s in SIDES}
     losses = {}
     for side in SIDES:  # warm-up, not timed; the loss of each side
-        use_side(model, side)
+        use_side(model, side, attention)
         losses[side] = step()
 
     def timed(side: str, key: str, fn) -> None:
@@ -151,12 +160,19 @@ def main() -> None:
         times[side][key].append(time.perf_counter() - wall)
         times[side][key + "_cpu"].append(time.process_time() - cpu)
 
+    if args.profile:
+        use_side(model, "maximus", attention)
+        with torch.profiler.profile() as prof:
+            step()
+        print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
     for r in range(args.repeats):
         for side in SIDES[r % len(SIDES):] + SIDES[:r % len(SIDES)]:  # interleaved, the first side rotating
-            use_side(model, side)
+            use_side(model, side, attention)
             timed(side, "step", step)
             timed(side, "moe", blocks_only)
     tokens = args.batch * args.seq
+    print(f"attention: maximus {attention}, Transformers "
+          f"{'sdpa' if type(causal_lm_of(model))._supports_sdpa else 'eager'}")
     print(f"{args.family}: hidden {args.hidden}, {args.experts} experts top-{args.top_k}, expert intermediate "
           f"{args.intermediate}, {args.layers} layers, {tokens} tokens, LoRA r={args.rank} on all linears + experts, "
           f"fp32, {args.threads} thread(s), {args.repeats} rounds, load average {os.getloadavg()[0]:.1f} on "

@@ -7,9 +7,10 @@ encoder-decoder) is refused with one line that names its class and the nearest f
 
 Attention: Maximus asks for SDPA (and swaps it for its padding-free per-document SDPA when
 packing). A class that Transformers gives no SDPA path, because its attention is not plain
-softmax attention (Gemma 2's attention-logit soft-cap, gpt-oss's attention sinks), gets its own
-eager attention instead, with a notice: SDPA could not compute it, and forcing it would either
-fail or train a different model.
+softmax attention, gets its own eager attention instead, with a notice: SDPA could not compute
+it, and forcing it would either fail or train a different model (Gemma 2's attention-logit
+soft-cap). gpt-oss's attention sinks are the exception: one extra key per head computes them
+exactly through SDPA (`maximus.attention.sinks`).
 """
 from __future__ import annotations
 
@@ -99,11 +100,17 @@ def check_causal_lm(config: Any, source: str) -> None:
 
 
 def attention_implementation(config: Any) -> tuple[str, str | None]:
-    """(attn_implementation, notice or None): SDPA where the model's class has it, else the class's
-    own eager attention with a notice saying why."""
+    """(attn_implementation, notice or None): SDPA where the model's class has it; attention with
+    learned sinks (gpt-oss) through SDPA with a sink key (`maximus.attention.sinks`, exact); else
+    the class's own eager attention with a notice saying why."""
+    from maximus.attention.sinks import IMPLEMENTATION, SINK_MODEL_TYPES, register_sink_attention
+
     cls = causal_lm_class(config)
     if cls is None or getattr(cls, "_supports_sdpa", True):
         return "sdpa", None
+    if getattr(config, "model_type", None) in SINK_MODEL_TYPES:
+        register_sink_attention()
+        return IMPLEMENTATION, None
     return "eager", (f"notice: {cls.__name__} has no SDPA attention in Transformers (its attention is not plain "
                      "softmax attention); training with its own eager attention")
 

@@ -6,6 +6,8 @@ gradient checkpointing are in place and before DDP / FSDP2 wrap the model:
 - every mode first switches SDPA attention to padding-free attention over packed documents
   (`maximus.attention.varlen`: exact, plain PyTorch, no ``T x T`` mask, only ``sum(L_i^2)``
   attention FLOPs), when the model uses SDPA through Transformers' registry;
+- a model with attention sinks (gpt-oss) loaded with Transformers' eager attention switches to
+  the exact SDPA path with a sink key (`maximus.attention.sinks`; `load_model` chooses it already);
 - ``triton``: the fused Triton kernels of `maximus.kernels.triton` (RMSNorm, RoPE, SwiGLU, the
   QLoRA projection with fused NF4 dequantisation) on CUDA; where they cannot run (no CUDA, no
   triton) a one-line notice says so and the step stays eager;
@@ -162,6 +164,7 @@ def _lean_fallbacks(model, lean_lora: bool, lean_norm: bool) -> list[str]:
 
 
 def _apply_mode(model, mode: str, device: torch.device) -> KernelReport:
+    from maximus.attention.sinks import use_sink_attention
     from maximus.attention.varlen import use_varlen_attention
 
     from maximus.attention import kronecker_module_names
@@ -171,6 +174,8 @@ def _apply_mode(model, mode: str, device: torch.device) -> KernelReport:
         report.attention = "kronecker"  # detail + sketch attention (maximus.attention), installed by load_model
     elif use_varlen_attention(model):
         report.attention = "padding-free (per-document SDPA)"
+    elif use_sink_attention(model):
+        report.attention = "SDPA with attention sinks"
     else:
         from maximus.attention.varlen import sliding_window
         from maximus.structure import causal_lm_of

@@ -4,7 +4,7 @@ has the method and the figures.
 """
 from __future__ import annotations
 
-__all__ = ["DTYPE_BYTES", "DEVICE_FLOPS", "ATTENTION_PROBS", "LAYER_COEF", "KRONECKER_COEF", "DORA_OUT_BYTES",
+__all__ = ["DTYPE_BYTES", "DEVICE_FLOPS", "ATTENTION_PROBS", "ATTENTION_SINK_MASKS", "EXPERT_GATE_TENSORS", "LAYER_COEF", "KRONECKER_COEF", "DORA_OUT_BYTES",
            "DROPOUT_IN_BYTES"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -15,7 +15,21 @@ DEVICE_FLOPS = {"cuda": 300e12, "cpu": 0.83e12, "mps": 10e12}
 
 #: Attention tensors per layer of the classes without SDPA (maximus.families.attention_implementation)
 #: or kept on SDPA by a sliding window (attention.varlen.sliding_window); measured, family matrix.
-ATTENTION_PROBS = {"gemma2": 3, "gpt_oss": 5, "gemma3": 1, "gemma3_text": 1}
+#: gpt-oss keeps none: its attention with sinks runs on SDPA (maximus.attention.sinks), see below.
+ATTENTION_PROBS = {"gemma2": 3, "gemma3": 1, "gemma3_text": 1}
+
+#: Additive ``[rows, 1, T, T + 1]`` masks in the compute dtype that SDPA with attention sinks keeps
+#: for a step (maximus.attention.sinks: one per kind of layer, full and sliding, shared by the
+#: layers of the kind; present with padding, packed documents or a window shorter than the row).
+ATTENTION_SINK_MASKS = {"gpt_oss": 2}
+
+#: Intermediate-sized tensors (compute dtype) an expert's gate keeps per routed token beyond what
+#: SiLU(gate) x up keeps, by model type: (under maximus.kernels.grouped_experts, under Transformers'
+#: experts forward). gpt-oss's clamped SwiGLU: the grouped forward's one autograd function keeps only
+#: its input (-1); Transformers' operations keep the clamps, the sigmoid and the products (+3).
+#: Measured with saved_tensors_hooks against Mixtral of the same shape (the family matrix's tiny
+#: models, float32): -2.9 and +13.1 bytes per routed intermediate unit.
+EXPERT_GATE_TENSORS = {"gpt_oss": (-1, 3)}
 
 # Measured with saved_tensors_hooks on Transformers 5 LlamaDecoderLayer (SDPA), varying one
 # dimension at a time (docs/planner.md "Where the coefficients come from"):

@@ -32,7 +32,7 @@ from typing import Any, Literal, Sequence
 from maximus.errors import ConfigError, ModelError
 from maximus.gguf_base import gguf_config, is_gguf
 from maximus.memory.adapter_terms import AdapterTerms, adapter_terms
-from maximus.memory.coefficients import (ATTENTION_PROBS, DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF,  # noqa: F401
+from maximus.memory.coefficients import (ATTENTION_PROBS, ATTENTION_SINK_MASKS, EXPERT_GATE_TENSORS, DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF,  # noqa: F401
                                          LAYER_COEF)
 from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_note,
                                               optimizer_settings, optimizer_state_bytes, optimizer_step_bytes,
@@ -141,9 +141,15 @@ class ModelShape:
     #: (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``). Per-layer figures average them.
     moe_layers: int | None = None
     #: float32 heads x tokens x tokens attention tensors a layer holds for backward (0: SDPA without
-    #: them): Transformers' eager attention (Gemma 2, gpt-oss with its sinks) keeps scores, softmax and
+    #: them): Transformers' eager attention (Gemma 2) keeps scores, softmax and
     #: copies; a sliding-window model left on SDPA (Gemma 3) gets a materialised mask path.
     attention_probs: int = 0
+    #: Additive attention masks (rows x T x T in the compute dtype) a step keeps: SDPA with attention
+    #: sinks (gpt-oss, `maximus.attention.sinks`) shares one per kind of layer (full, sliding).
+    sink_masks: int = 0
+    #: Intermediate-sized tensors an expert's gate keeps beyond SiLU x up's: (grouped expert
+    #: forward, Transformers' forward); gpt-oss's clamped SwiGLU (`EXPERT_GATE_TENSORS`).
+    gate_tensors: tuple[int, int] = (0, 0)
     #: Norms per layer beyond the two of a Llama layer (Gemma's post-attention / post-MLP norms).
     extra_norms: int = 0
 
@@ -211,6 +217,11 @@ class ModelShape:
         if not lora_experts:
             per -= b * k * (h + self.expert_intermediate_size)
         return round(self.sparse_fraction * per)
+
+    def gate_bytes_per_token(self, dtype_bytes: int, grouped: bool) -> int:
+        """What the experts' gate keeps per token beyond SiLU x up (`gate_tensors`), averaged over the layers."""
+        tensors = self.gate_tensors[0 if grouped else 1]
+        return round(self.sparse_fraction * tensors * dtype_bytes * self.experts_per_token * self.expert_intermediate_size)
 
     def merged_expert_bytes(self, dtype_bytes: int) -> int:
         """One layer's expert weights as PEFT folds the adapters into them on every forward
@@ -317,7 +328,8 @@ def model_shape(model_config: Any) -> ModelShape:
     moe = dict(num_experts=experts, experts_per_token=int(_get(cfg, "num_experts_per_tok", default=2)),
                expert_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=inter)),
                moe_layers=_moe_layers(cfg, layers)) if experts > 1 else {}
-    return ModelShape(**moe, attention_probs=ATTENTION_PROBS.get(model_type, 0),
+    return ModelShape(**moe, attention_probs=ATTENTION_PROBS.get(model_type, 0), sink_masks=ATTENTION_SINK_MASKS.get(model_type, 0),
+                      gate_tensors=EXPERT_GATE_TENSORS.get(model_type, (0, 0)),
                       extra_norms=2 if model_type.startswith("gemma") else 0,vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=layers, num_heads=heads,
                       num_kv_heads=kv, head_dim=head_dim, tied_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
                       qkv_bias=qkv_bias, mlp_bias=bool(_get(cfg, "mlp_bias", default=False)))
@@ -1034,6 +1046,7 @@ def _layer_saved_bytes(spec: StepSpec, extras: AdapterTerms) -> tuple[float, flo
     if spec.masked_attention:  # the mask and the repeated keys / values, saved by SDPA
         per_off += masked_attention_bytes_per_token(shape, b, spec.seq_len)
         per_sel += masked_attention_bytes_per_token(shape, b, spec.seq_len)
+    per_off += shape.gate_bytes_per_token(b, spec.grouped_experts and spec.device_type == "cpu")
     if expert_adapters and not (spec.grouped_experts and spec.device_type == "cpu"):
         # PEFT's merged expert weights, kept per layer until its backward (a per-layer constant)
         per_off += shape.merged_expert_bytes(b) / T
@@ -1104,7 +1117,8 @@ def _layer_terms(spec: StepSpec, extras: AdapterTerms) -> LayerTerms:
     norm_work = 2 * b * h if spec.lean_norm else 5 * 4 * h + norm_copy + 2 * b * h
     # Embedding output, final norm (float32 copy) and the head's input; a float32 master model
     # keeps a float32 residual stream; the lean final norm keeps its input, not a float32 copy.
-    head_acts = (2 * wb + 4) * h + extras.stream_bytes_per_token - (norm_copy if spec.lean_norm else 0)
+    head_acts = ((2 * wb + 4) * h + extras.stream_bytes_per_token - (norm_copy if spec.lean_norm else 0)
+                 + shape.sink_masks * b * (spec.seq_len + 1))  # attention sinks' shared masks
     return LayerTerms(per_layer=per_layer, stored=stored, acts=int(T * (stored + head_acts)), host_acts=host_acts,
                       per_off=per_off, per_recomputed=tiled_layer_bytes_per_token(per_off, mlp_part, b, h, tile_fraction),
                       grad_work=grad_work, norm_moment=per_off - mlp_part + norm_work, tile_fraction=tile_fraction,
