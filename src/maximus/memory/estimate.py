@@ -859,6 +859,19 @@ def _policy(checkpointing: Any, num_layers: int) -> tuple[str, ...]:
     return tuple(modes[f] for f in flags)
 
 
+def _check_step(method: str, dtype: str, loss_mode: str, micro_batch: int, seq_len: int, world_size: int) -> None:
+    """`estimate_peak`'s ConfigErrors for a method, dtype, loss mode or size it does not know."""
+    if method not in ("full", "lora", "qlora"):
+        raise ConfigError(f"method must be full, lora or qlora for an estimate, got {method!r}",
+                          "the planner resolves method: auto")
+    if dtype not in DTYPE_BYTES:
+        raise ConfigError(f"unknown dtype {dtype!r}", "use bf16, fp16 or fp32")
+    if loss_mode not in ("naive", "exact", "ghost"):
+        raise ConfigError(f"unknown loss mode {loss_mode!r}", "use exact, naive or ghost")
+    if micro_batch < 1 or seq_len < 1 or world_size < 1:
+        raise ConfigError("micro_batch, seq_len and world_size must be positive", "check training.* keys")
+
+
 def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16", micro_batch: int = 1,
               seq_len: int = 2048, checkpointing: Any = "off", offload_activations: bool = False,
               offload_optimizer: bool = False, loss_mode: LossMode = "exact", optimizer: str = "adamw",
@@ -875,15 +888,7 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
               completion_tokens: int | None = None) -> StepSpec:
     """The `StepSpec` of `estimate_peak`'s arguments (documented there); raises its ConfigErrors."""
     shape = model_shape(model_config)
-    if method not in ("full", "lora", "qlora"):
-        raise ConfigError(f"method must be full, lora or qlora for an estimate, got {method!r}",
-                          "the planner resolves method: auto")
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"unknown dtype {dtype!r}", "use bf16, fp16 or fp32")
-    if loss_mode not in ("naive", "exact", "ghost"):
-        raise ConfigError(f"unknown loss mode {loss_mode!r}", "use exact, naive or ghost")
-    if micro_batch < 1 or seq_len < 1 or world_size < 1:
-        raise ConfigError("micro_batch, seq_len and world_size must be positive", "check training.* keys")
+    _check_step(method, dtype, loss_mode, micro_batch, seq_len, world_size)
     _check_techniques(loss_mode, attention, objective, dpo_reference, matryoshka_token_fraction)
     layout = kronecker_layout(kronecker) if attention == "kronecker" else None
     adapter = method != "full"
@@ -953,13 +958,18 @@ def _weight_bytes(spec: StepSpec, notes: list[str]) -> tuple[int, int, int]:
     return weights_dev - streamed, streamed, whole
 
 
-def _static_terms(spec: StepSpec) -> StaticTerms:
-    """Weights, adapters (with the sketch and `adapter_terms`), gradients and optimizer state."""
+def _mlp_targets(targets: Sequence[str]) -> int:
+    """How many of the targeted linears are MLP projections (which reach a mixture's experts)."""
+    return sum(1 for t in targets if t in ("gate_proj", "up_proj", "down_proj"))
+
+
+def _trainable_terms(spec: StepSpec, notes: list[str]) -> tuple[int, int, AdapterTerms]:
+    """(device bytes of the adapters, trainable parameters, `adapter_terms`): the LoRA matrices,
+    the Kronecker sketch, `lora.modules_to_save` copies and DoRA magnitudes (no tower)."""
     shape, shard, adapter = spec.shape, spec.shard, spec.adapter
-    L, lin, r, notes = shape.num_layers, shape.linear_shapes(), spec.lora_r, []
-    weights_dev, streamed, whole = _weight_bytes(spec, notes)
+    L, lin, r = shape.num_layers, shape.linear_shapes(), spec.lora_r
     n_adapter = L * sum(r * (lin[t][0] + lin[t][1]) for t in spec.targets)
-    if any(t in ("gate_proj", "up_proj", "down_proj") for t in spec.targets):  # lora.experts: every expert's adapter
+    if _mlp_targets(spec.targets):  # lora.experts: every expert's adapter
         n_adapter += L * shape.expert_lora_params(r, experts=spec.lora_experts)
     adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
     trainable = n_adapter if adapter else shape.num_params
@@ -975,16 +985,23 @@ def _static_terms(spec: StepSpec) -> StaticTerms:
     notes.extend(extras.notes)
     adapters += 4 * extras.trainable_params // shard
     trainable += extras.trainable_params
-    vision = None
-    if spec.vision is not None:  # the tower and the projector (maximus.memory.vision_terms)
-        from maximus.memory.vision_terms import vision_terms
+    return adapters, trainable, extras
 
-        vision = vision_terms(spec.vision, rows=spec.T // spec.seq_len, seq_len=spec.seq_len, text=shape,
-                              method=spec.method, dtype_bytes=spec.b, lora_r=r, checkpointing=spec.checkpointing,
-                              grad_accum=spec.grad_accum)
-        weights_dev += vision.weights
-        adapters += vision.adapters if adapter else 0
-        trainable += vision.trainable
+
+def _vision_static(spec: StepSpec):
+    """The tower and the projector of a VLM (`maximus.memory.vision_terms.VisionTerms`); None for text."""
+    if spec.vision is None:
+        return None
+    from maximus.memory.vision_terms import vision_terms
+
+    return vision_terms(spec.vision, rows=spec.T // spec.seq_len, seq_len=spec.seq_len, text=spec.shape,
+                        method=spec.method, dtype_bytes=spec.b, lora_r=spec.lora_r, checkpointing=spec.checkpointing,
+                        grad_accum=spec.grad_accum)
+
+
+def _optimizer_terms(spec: StepSpec, trainable: int, whole: int, notes: list[str]) -> tuple[int, int, int, int]:
+    """(gradients, optimizer state on the device, the step's temporaries, host optimizer bytes), per rank."""
+    shape, shard, adapter = spec.shape, spec.shard, spec.adapter
     p_bytes = 4 if adapter else spec.weight_bytes
     opt = dict(full=not adapter, trainable=trainable, p_bytes=p_bytes)
     # Per trainable parameter, on average (maximus.memory.optimizer_state: one row per optimizer).
@@ -1008,10 +1025,23 @@ def _static_terms(spec: StepSpec) -> StaticTerms:
     # `OffloadedAdamW` keeps, per trainable parameter, a float32 master, a float32 gradient buffer
     # and the moments in host memory.
     host_opt = int(per_rank_trainable * 8) + states if spec.offload_optimizer else 0
-    return StaticTerms(weights_dev=weights_dev, adapters=adapters, opt_dev=0 if spec.offload_optimizer else states,
-                       grads=grads, step_temporaries=step_temporaries, host_opt=host_opt, streamed=streamed,
-                       trainable=trainable, trainable_head=not adapter or extras.trains_head, extras=extras,
-                       notes=notes, vision=vision)
+    return grads, 0 if spec.offload_optimizer else states, step_temporaries, host_opt
+
+
+def _static_terms(spec: StepSpec) -> StaticTerms:
+    """Weights, adapters (with the sketch and `adapter_terms`), gradients and optimizer state."""
+    notes: list[str] = []
+    weights_dev, streamed, whole = _weight_bytes(spec, notes)
+    adapters, trainable, extras = _trainable_terms(spec, notes)
+    vision = _vision_static(spec)
+    if vision is not None:
+        weights_dev += vision.weights
+        adapters += vision.adapters if spec.adapter else 0
+        trainable += vision.trainable
+    grads, opt_dev, step_temporaries, host_opt = _optimizer_terms(spec, trainable, whole, notes)
+    return StaticTerms(weights_dev=weights_dev, adapters=adapters, opt_dev=opt_dev, grads=grads,
+                       step_temporaries=step_temporaries, host_opt=host_opt, streamed=streamed, trainable=trainable,
+                       trainable_head=not spec.adapter or extras.trains_head, extras=extras, notes=notes, vision=vision)
 
 
 @dataclass(frozen=True)
@@ -1032,97 +1062,118 @@ class LayerTerms:
 
 def _layer_saved_bytes(spec: StepSpec, extras: AdapterTerms) -> tuple[float, float, float, float]:
     """(off, full, selective, attention work): bytes per token one layer keeps per recompute mode."""
-    shape, method, b, r, T = spec.shape, spec.method, spec.b, spec.lora_r, spec.T
-    lin, h, targets = shape.linear_shapes(), shape.hidden_size, spec.targets
-    n_t, n_mlp_t = len(targets), sum(1 for t in targets if t in ("gate_proj", "up_proj", "down_proj"))
-    act = shape.active_shape()  # mixture of experts: each token's activations go through top-k experts
-    per_off = layer_activation_bytes_per_token(act, method, b, r, n_t, "off", spec.lean, n_mlp_t)
-    per_full = layer_activation_bytes_per_token(act, method, b, r, n_t, "full")
-    per_sel = layer_activation_bytes_per_token(act, method, b, r, n_t, "selective")
-    expert_adapters = spec.adapter and spec.lora_experts and n_mlp_t > 0
-    extra_layer = shape_extra_bytes_per_token(shape, b, spec.seq_len, expert_adapters) + extras.layer_bytes_per_token
-    per_off += extra_layer
-    per_sel += extra_layer
+    n_t, n_mlp_t = len(spec.targets), _mlp_targets(spec.targets)
+    act = spec.shape.active_shape()  # mixture of experts: each token's activations go through top-k experts
+    per_off = layer_activation_bytes_per_token(act, spec.method, spec.b, spec.lora_r, n_t, "off", spec.lean, n_mlp_t)
+    per_full = layer_activation_bytes_per_token(act, spec.method, spec.b, spec.lora_r, n_t, "full")
+    per_sel = layer_activation_bytes_per_token(act, spec.method, spec.b, spec.lora_r, n_t, "selective")
+    for term, selective_too in _layer_saved_extras(spec, extras):
+        per_off += term
+        if selective_too:
+            per_sel += term
+    return per_off, per_full, per_sel, _sketch_backward_bytes(spec)
+
+
+def _layer_saved_extras(spec: StepSpec, extras: AdapterTerms):
+    """What a layer not fully recomputed keeps beyond its projections and attention, in order:
+    (bytes per token, whether a selectively recomputed layer keeps it too)."""
+    shape, b, r, T, lin, targets = spec.shape, spec.b, spec.lora_r, spec.T, spec.shape.linear_shapes(), spec.targets
+    expert_adapters = spec.adapter and spec.lora_experts and _mlp_targets(targets) > 0
+    yield shape_extra_bytes_per_token(shape, b, spec.seq_len, expert_adapters) + extras.layer_bytes_per_token, True
     if spec.masked_attention:  # the mask and the repeated keys / values, saved by SDPA
-        per_off += masked_attention_bytes_per_token(shape, b, spec.seq_len)
-        per_sel += masked_attention_bytes_per_token(shape, b, spec.seq_len)
-    per_off += shape.gate_bytes_per_token(b, spec.grouped_experts and spec.device_type == "cpu")
+        yield masked_attention_bytes_per_token(shape, b, spec.seq_len), True
+    yield shape.gate_bytes_per_token(b, spec.grouped_experts and spec.device_type == "cpu"), False
     if expert_adapters and not (spec.grouped_experts and spec.device_type == "cpu"):
         # PEFT's merged expert weights, kept per layer until its backward (a per-layer constant)
-        per_off += shape.merged_expert_bytes(b) / T
-    if spec.lean_norm:  # the lean norm keeps its input, not Transformers' float32 copy (16-bit steps)
-        per_off -= 4 * h if b < 4 else 0
+        yield shape.merged_expert_bytes(b) / T, False
+    if spec.lean_norm and b < 4:  # the lean norm keeps its input, not Transformers' float32 copy (16-bit steps)
+        yield -4 * shape.hidden_size, False
     if spec.adapter and b < 4 and not spec.lean:
         # Autocast caches a 16-bit copy of each float32 adapter weight per forward, saved for
         # backward: a per-layer constant (measured; it dominates short sequences).
-        cast_copies = 2 * sum(r * (lin[t][0] + lin[t][1]) for t in targets) / T
-        per_off += cast_copies
-        per_sel += cast_copies
+        yield 2 * sum(r * (lin[t][0] + lin[t][1]) for t in targets) / T, True
     if spec.master:  # autocast's 16-bit copies of the float32 linear weights, saved for backward
-        per_off += 2 * shape.layer_linear_params / T
-        per_sel += 2 * shape.layer_linear_params / T
-    attn_work = 0.0
+        yield 2 * shape.layer_linear_params / T, True
     if spec.layout is not None:
-        extra = kronecker_saved_bytes_per_token(shape, method, b, spec.layout, spec.seq_len)
         # Selective recompute keeps the attention's outputs; for the sketch that is bounded by
         # everything it saves (its probabilities are the attention's output here).
-        per_off += extra
-        per_sel += extra
-        # In backward each gradient of the sketch (probabilities, logits, gathered keys) mostly
-        # replaces a saved tensor that its node frees as it runs: nothing extra in float32; in
-        # 16-bit the casts' gradients add ~3 bytes per head and softmax column (measured with
-        # the meter on real trainer steps, full recompute, 2 x 1,024 tokens).
-        attn_work = (3.0 * shape.num_heads * spec.layout.columns * _block_padding(spec.seq_len, spec.layout.block)
-                     if b < 4 else 0.0)
-    return per_off, per_full, per_sel, attn_work
+        yield kronecker_saved_bytes_per_token(shape, spec.method, b, spec.layout, spec.seq_len), True
+
+
+def _sketch_backward_bytes(spec: StepSpec) -> float:
+    """What the Kronecker sketch's backward adds per token to a layer's backward."""
+    if spec.layout is None or spec.b >= 4:
+        return 0.0
+    # In backward each gradient of the sketch (probabilities, logits, gathered keys) mostly
+    # replaces a saved tensor that its node frees as it runs: nothing extra in float32; in
+    # 16-bit the casts' gradients add ~3 bytes per head and softmax column (measured with
+    # the meter on real trainer steps, full recompute, 2 x 1,024 tokens).
+    return 3.0 * spec.shape.num_heads * spec.layout.columns * _block_padding(spec.seq_len, spec.layout.block)
+
+
+def _kept_by_policy(spec: StepSpec, kept: dict[str, float]) -> tuple[tuple[float, ...], float, int]:
+    """(what each layer keeps under its policy, 0 when offloaded; all layers plus an offloaded
+    layer in flight; bytes on the host), from the bytes per token `kept` per recompute mode."""
+    policy, offload = spec.policy, spec.offload_activations
+    per_layer = tuple(0.0 if (p == "full" and offload) else kept[p] for p in policy)  # offloaded: on host
+    host_acts = int(spec.T * kept["full"] * sum(1 for p in policy if p == "full")) if offload else 0
+    in_flight = 2 * kept["full"] if (offload and any(p != "off" for p in policy)) else 0.0  # prefetch one layer ahead
+    return per_layer, sum(per_layer) + in_flight, host_acts
+
+
+def _tile_fraction(spec: StepSpec) -> float:
+    """Tiling: the share of the tokens a fully recomputed layer's MLP holds at once (1: untiled)."""
+    if spec.tile_tokens is not None and "full" in spec.policy:
+        return min(1.0, max(1, int(spec.tile_tokens)) / spec.T)
+    return 1.0
+
+
+def _mlp_saved_bytes(spec: StepSpec) -> float:
+    """Bytes per token the MLP of a layer keeps for backward (what tiling divides)."""
+    shape, b, h = spec.shape, spec.b, spec.shape.hidden_size
+    n_mlp_t = _mlp_targets(spec.targets)
+    if spec.lean:
+        return lean_layer_bytes_per_token(shape, b, spec.lora_r, len(spec.targets), n_mlp_t)[1]
+    # PEFT: gate and up each keep a float32 copy of the input (adapters) or share it (full)
+    return 4 * b * shape.active_shape().intermediate_size + (8 * h + 12 * spec.lora_r * n_mlp_t if spec.adapter else b * h)
+
+
+def _norm_work_bytes(spec: StepSpec) -> int:
+    """A later moment of a layer's backward: its post-attention RMSNorm, after the MLP's tensors
+    are gone. Transformers' norm computes in float32: five float32 hidden-size temporaries in its
+    backward, plus its float32 copy of the input (16-bit steps) and the incoming and residual
+    gradients (measured at the peak with the CPU meter, reference shape, bf16, 16k-32k tokens).
+    Untiled, the MLP moment is larger; tiled, this one sets the peak unless the norm is lean
+    (`maximus.kernels.lean_norm`, or the Triton one): float32 work for one block of rows, the input kept once."""
+    b, h = spec.b, spec.shape.hidden_size
+    norm_copy = 4 * h if b < 4 else 0
+    return 2 * b * h if spec.lean_norm else 5 * 4 * h + norm_copy + 2 * b * h
 
 
 def _layer_terms(spec: StepSpec, extras: AdapterTerms) -> LayerTerms:
     """What the layers keep for backward under the policy (offloaded, tiled), and a layer's backward."""
-    shape, b, T, policy = spec.shape, spec.b, spec.T, spec.policy
+    shape, b, T = spec.shape, spec.b, spec.T
     h, wb, notes = shape.hidden_size, spec.weight_bytes, []
     per_off, per_full, per_sel, attn_work = _layer_saved_bytes(spec, extras)
     if spec.layout is not None and "selective" in policy_names(spec.checkpointing):
         notes.append("selective recompute with Kronecker Sketching: bounded by everything the sketch saves")
-    kept = {"off": per_off, "full": per_full, "selective": per_sel}
-    offload = spec.offload_activations
-    per_layer = tuple(0.0 if (p == "full" and offload) else kept[p] for p in policy)  # offloaded: on host
-    host_acts = int(T * per_full * sum(1 for p in policy if p == "full")) if offload else 0
-    in_flight = 2 * per_full if (offload and any(p != "off" for p in policy)) else 0.0  # prefetch one layer ahead
-    stored = sum(per_layer) + in_flight
-    # Tiling: a fully recomputed layer's MLP holds one tile of its intermediate tensors.
-    tile_fraction = 1.0
-    if spec.tile_tokens is not None and "full" in policy:
-        tile_fraction = min(1.0, max(1, int(spec.tile_tokens)) / T)
-    act = shape.active_shape()
-    if spec.lean:
-        n_t, n_mlp_t = len(spec.targets), sum(1 for t in spec.targets if t in ("gate_proj", "up_proj", "down_proj"))
-        mlp_part = lean_layer_bytes_per_token(shape, b, spec.lora_r, n_t, n_mlp_t)[1]
-    else:  # PEFT: gate and up each keep a float32 copy of the input (adapters) or share it (full)
-        n_mlp_t = sum(1 for t in spec.targets if t in ("gate_proj", "up_proj", "down_proj"))
-        mlp_part = 4 * b * act.intermediate_size + (8 * h + 12 * spec.lora_r * n_mlp_t if spec.adapter else b * h)
+    per_layer, stored, host_acts = _kept_by_policy(spec, {"off": per_off, "full": per_full, "selective": per_sel})
+    tile_fraction = _tile_fraction(spec)
+    mlp_part = _mlp_saved_bytes(spec)
     # Backward of one layer also holds the gradients flowing through it (hidden and MLP
     # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
     # incoming hidden-state gradient; tiled, the intermediate part exists for one tile.
-    grad_work = (2 * b * (h + act.intermediate_size * tile_fraction) + 2 * h * b + attn_work
+    grad_work = (2 * b * (h + shape.active_shape().intermediate_size * tile_fraction) + 2 * h * b + attn_work
                  + eager_attention_bytes_per_token(shape, spec.seq_len))
-    # A later moment of the same layer's backward: its post-attention RMSNorm, after the MLP's
-    # tensors are gone. Transformers' norm computes in float32: five float32 hidden-size
-    # temporaries in its backward, plus its float32 copy of the input (16-bit steps) and the
-    # incoming and residual gradients (measured at the peak with the CPU meter, reference shape,
-    # bf16, 16k-32k tokens). Untiled, the MLP moment is larger; tiled, this one sets the peak
-    # unless the norm is lean (`maximus.kernels.lean_norm`, or the Triton one): float32 work for
-    # one block of rows, the input kept once.
-    norm_copy = 4 * h if b < 4 else 0
-    norm_work = 2 * b * h if spec.lean_norm else 5 * 4 * h + norm_copy + 2 * b * h
     # Embedding output, final norm (float32 copy) and the head's input; a float32 master model
     # keeps a float32 residual stream; the lean final norm keeps its input, not a float32 copy.
+    norm_copy = 4 * h if b < 4 else 0
     head_acts = ((2 * wb + 4) * h + extras.stream_bytes_per_token - (norm_copy if spec.lean_norm else 0)
                  + shape.sink_masks * b * (spec.seq_len + 1))  # attention sinks' shared masks
     return LayerTerms(per_layer=per_layer, stored=stored, acts=int(T * (stored + head_acts)), host_acts=host_acts,
                       per_off=per_off, per_recomputed=tiled_layer_bytes_per_token(per_off, mlp_part, b, h, tile_fraction),
-                      grad_work=grad_work, norm_moment=per_off - mlp_part + norm_work, tile_fraction=tile_fraction,
-                      notes=notes)
+                      grad_work=grad_work, norm_moment=per_off - mlp_part + _norm_work_bytes(spec),
+                      tile_fraction=tile_fraction, notes=notes)
 
 
 def _backward_walk(spec: StepSpec, layers: LayerTerms) -> float:
