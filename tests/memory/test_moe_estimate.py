@@ -15,6 +15,8 @@ from tiny import build_family_model_dir, one_thread, tiny_config, write_prompt_c
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
+ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
+
 
 @pytest.fixture(scope="module")
 def dirs(tmp_path_factory):
@@ -55,6 +57,24 @@ def test_lora_experts_false_has_no_expert_lora_state(dirs):
     assert with_experts.breakdown["adapters"] > estimate.breakdown["adapters"]
 
 
+def test_lora_experts_true_with_attention_targets_counts_every_expert_adapter(dirs):
+    """`lora.experts: true` adapts the experts whatever `target_modules` names: the planner counts
+    exactly the adapters the model trains (none at the dense shape of an MLP it does not target)."""
+    from maximus.config import Config
+    from maximus.memory.estimate import technique_kwargs
+    from maximus.models import load_model
+
+    cfg = Config.from_dict({"model": str(dirs["qwen3_moe"]), "dataset": "unused.jsonl", "method": "lora", "device": "cpu",
+                            "lora": {"r": 4, "alpha": 8, "experts": True, "target_modules": ATTENTION},
+                            "training": {"dtype": "fp32"}})
+    model, _ = load_model(cfg)
+    trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    assert any(".experts." in n for n, p in model.named_parameters() if p.requires_grad)
+    estimate = estimate_peak(dirs["qwen3_moe"], method="lora", dtype="fp32", lora_r=4, device="cpu", lora_targets=ATTENTION,
+                             lora_experts=technique_kwargs(cfg)["lora_experts"])
+    assert estimate.breakdown["adapters"] == 4 * trainable
+
+
 def test_peft_cannot_adapt_the_dense_mlp_layers_of_qwen3_moe_and_says_so(dirs):
     from maximus.config import Config
     from maximus.errors import ModelError
@@ -72,15 +92,8 @@ def test_peft_cannot_adapt_the_dense_mlp_layers_of_qwen3_moe_and_says_so(dirs):
         "with lora.experts: true to train the experts))")
 
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
-
-UNDER_PREDICTED = pytest.mark.xfail(strict=True, reason="known: attention-only targets with expert LoRA on Qwen3-MoE's "
-                                   "dense-layer model are predicted -11 % of the measured peak (not yet modelled)")
-
-
-@pytest.mark.parametrize("model_type, experts", [("mixtral", False), pytest.param("qwen3_moe", True, marks=UNDER_PREDICTED),
-                                                 ("qwen3_moe", False)])
+@pytest.mark.parametrize("model_type, experts", [("mixtral", False), ("qwen3_moe", True), ("qwen3_moe", False)])
 def test_the_plan_predicts_the_measured_peak_within_10_percent(dirs, model_type, experts):
     from maximus.config import Config
     from maximus.train.trainer import Trainer

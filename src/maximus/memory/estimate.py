@@ -184,15 +184,17 @@ class ModelShape:
         sparse = dense - mlp + self.num_experts * 3 * h * self.expert_intermediate_size + h * self.num_experts
         return round(self.sparse_fraction * sparse + (1 - self.sparse_fraction) * dense)
 
-    def expert_lora_params(self, r: int, experts: bool = True) -> int:
+    def expert_lora_params(self, r: int, experts: bool = True, dense_targets: int = 3) -> int:
         """LoRA parameters of one layer's experts (fused gate_up and down, one adapter per expert)
-        minus what the dense gate/up/down adapters would count, averaged over the layers; with
-        `experts` False (``lora.experts: false``) the expert layers have no MLP adapters at all."""
+        minus what the `dense_targets` gate/up/down adapters counted at the dense shape would,
+        averaged over the layers; with `experts` False (``lora.experts: false``) the expert layers
+        have no MLP adapters at all. `lora.experts: true` adapts the experts even when
+        ``target_modules`` names no MLP projection (`maximus.models.lora_targets`)."""
         if not self.num_experts:
             return 0
         h, e, i = self.hidden_size, self.expert_intermediate_size, self.intermediate_size
         routed = self.num_experts * r * ((h + 2 * e) + (e + h)) if experts else 0
-        return round(self.sparse_fraction * (routed - r * 3 * (h + i)))
+        return round(self.sparse_fraction * (routed - r * dense_targets * (h + i)))
 
     def active_shape(self) -> "ModelShape":
         """The shape one token's activations see: top-k experts' intermediate side by side (the
@@ -969,8 +971,9 @@ def _trainable_terms(spec: StepSpec, notes: list[str]) -> tuple[int, int, Adapte
     shape, shard, adapter = spec.shape, spec.shard, spec.adapter
     L, lin, r = shape.num_layers, shape.linear_shapes(), spec.lora_r
     n_adapter = L * sum(r * (lin[t][0] + lin[t][1]) for t in spec.targets)
-    if _mlp_targets(spec.targets):  # lora.experts: every expert's adapter
-        n_adapter += L * shape.expert_lora_params(r, experts=spec.lora_experts)
+    dense_mlp = _mlp_targets(spec.targets)
+    if dense_mlp or spec.lora_experts:  # lora.experts: every expert's adapter, whatever target_modules says
+        n_adapter += L * shape.expert_lora_params(r, experts=spec.lora_experts, dense_targets=dense_mlp)
     adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
     trainable = n_adapter if adapter else shape.num_params
     if spec.layout is not None:
@@ -1078,7 +1081,7 @@ def _layer_saved_extras(spec: StepSpec, extras: AdapterTerms):
     """What a layer not fully recomputed keeps beyond its projections and attention, in order:
     (bytes per token, whether a selectively recomputed layer keeps it too)."""
     shape, b, r, T, lin, targets = spec.shape, spec.b, spec.lora_r, spec.T, spec.shape.linear_shapes(), spec.targets
-    expert_adapters = spec.adapter and spec.lora_experts and _mlp_targets(targets) > 0
+    expert_adapters = spec.adapter and spec.lora_experts and shape.num_experts > 0  # whatever the MLP targets
     yield shape_extra_bytes_per_token(shape, b, spec.seq_len, expert_adapters) + extras.layer_bytes_per_token, True
     if spec.masked_attention:  # the mask and the repeated keys / values, saved by SDPA
         yield masked_attention_bytes_per_token(shape, b, spec.seq_len), True
