@@ -78,7 +78,8 @@ def run_ours(steps: int, out: Path, seed: int) -> list[dict]:
     return points
 
 
-def run_trl(steps: int, out: Path, seed: int) -> list[dict]:
+def run_trl(steps: int, out: Path, seed: int, callbacks=()) -> list[dict]:
+    """TRL's side: its points (step, wall seconds, reward); `callbacks`: more TrainerCallbacks."""
     from transformers import TrainerCallback
 
     from _grpo_sides import trl_grpo_trainer
@@ -107,9 +108,10 @@ def run_trl(steps: int, out: Path, seed: int) -> list[dict]:
             if logs and "reward" in logs:
                 points.append({"step": state.global_step, "wall_s": clock["wall"], "reward": logs["reward"]})
 
-    trainer = trl_grpo_trainer(materialize(cfg["model"]), rows, out, prompts=t["batch_size"], group=g["group_size"],
+    trainer = trl_grpo_trainer(materialize(cfg["model"]), rows, out, prompts=t["batch_size"] // g.get("steps_per_generation", 1),
+                               group=g["group_size"],
                                completion=g["max_completion_tokens"], max_steps=steps,
-                               reward_funcs=[exact_answer, reversed_words], callbacks=[Clock()],
+                               reward_funcs=[exact_answer, reversed_words], callbacks=[Clock(), *callbacks],
                                gradient_checkpointing=False, adapter=ROOT / cfg["init_adapter"],
                                learning_rate=t["learning_rate"], lr_lambda=lambda step: lr_factor(step, training, steps),
                                temperature=g["temperature"], scale_rewards=g["scale_rewards"],

@@ -5,7 +5,8 @@ import torch
 
 import maximus
 from maximus.errors import BudgetError
-from maximus.memory.generation import check_generation, generation_peak_bytes, kv_cache_bytes, rollout_rows
+from maximus.memory.generation import (check_generation, generation_peak_bytes, kv_cache_bytes, merged_weight_bytes,
+                                       rollout_rows)
 from maximus.memory.planner import plan_for_budget
 from tiny import build_tiny_model_dir
 
@@ -38,16 +39,28 @@ def test_rollout_rows_and_the_generation_budget_check(model_dir, tmp_path):
     plan = plan_for_budget(model_dir, None, batch_size=8, seq_len=128, micro_batch_size=1, dtype="fp32", device="cpu")
     parts = check_generation(model_dir, plan, cfg, budget=None)
     resident = plan.breakdown["weights"] + plan.breakdown["adapters"] + plan.breakdown["optimizer"]
-    # No budget: all 3 prompts x 64 completions in one decode loop.
-    assert parts == {**generation_peak_bytes(model_dir, resident_bytes=resident, group_size=64, tokens=4100,
-                                             dtype_bytes=4, prompts=3), "prompts_at_once": 3}
+    # No budget: all 3 prompts x 64 completions in one decode loop, LoRA merged into a float32
+    # copy of the projections for sampling (merged_weight_bytes: every q/k/v/o/gate/up/down weight).
+    merged = merged_weight_bytes(model_dir)
+    plain = generation_peak_bytes(model_dir, resident_bytes=resident, group_size=64, tokens=4100, dtype_bytes=4, prompts=3)
+    assert parts == {**plain, "prompts_at_once": 3, "merge_lora": True, "merged_weights": merged,
+                     "total": plain["total"] + merged}
+    from transformers import AutoModelForCausalLM
+
+    names = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    model = AutoModelForCausalLM.from_pretrained(model_dir)
+    assert merged == sum(4 * p.numel() for n, p in model.named_parameters() if n.split(".")[-2] in names)
     one = 2 * 2 * 2 * 16 * 64 * 4100 * 4  # layers x kv heads x head_dim x tokens, K and V, for one group
     assert parts["kv_cache"] == 3 * one
     # One [rows, V] float32 logits tensor at a time (tests/train/test_grpo_sampling.py measures it)
-    assert parts["logits"] == 3 * 64 * 300 * 4 and parts["total"] == resident + parts["kv_cache"] + parts["logits"]
-    # A budget between two and three groups' caches: two prompts at once.
+    assert parts["logits"] == 3 * 64 * 300 * 4 and plain["total"] == resident + parts["kv_cache"] + parts["logits"]
+    # A budget between two and three groups' caches: two prompts at once, merged if the copy fits too.
     budget = resident + 2 * one + 2 * 64 * 300 * 4 + 2**20
+    assert merged < 2**20
     assert check_generation(model_dir, plan, cfg, budget=budget)["prompts_at_once"] == 2
+    assert check_generation(model_dir, plan, cfg, budget=budget)["merge_lora"]
+    tight = resident + 3 * one + 3 * 64 * 300 * 4  # all three groups exactly: no room for the copy
+    assert check_generation(model_dir, plan, cfg, budget=tight) == {**plain, "prompts_at_once": 3, "merge_lora": False}
     with pytest.raises(BudgetError, match=r"^GRPO generation needs about 129.\d\d MiB \(KV cache 128.12 MiB for 64 x 4100 "
                                           r"tokens, on top of .* of weights and optimizer state\), over the budget of "
                                           r"32.00 MiB \(hint: lower grpo.group_size"):

@@ -394,6 +394,81 @@ def test_steps_per_generation_splits_one_generation_batch_over_several_steps(tin
     assert torch.equal(shares[1][0]["advantages"], gen.advantages[G:])
 
 
+def test_the_kept_old_log_probs_drawn_by_the_sampler_equal_the_separate_pass(tiny, tmp_path):
+    """In float32 the sampling policy's log-probs kept for the clipped ratio are the sampler's
+    own (no extra pass): equal, position by position, to the no-grad pass over the rows that
+    bf16 / fp16 runs keep using, and to zero off the completion tokens."""
+    from maximus.memory.generation import sampler_records_logps
+    from maximus.train.trainer import Trainer
+
+    cfg = maximus.Config.from_dict(config(tiny, tmp_path / "run", grpo={"steps_per_generation": 2, "temperature": 0.7,
+                                                                        "max_completion_tokens": 12},
+                                          training={"batch_size": 3, "micro_batch_size": 3}))
+    trainer = Trainer(cfg)
+    trainer.setup()
+    objective, model = trainer.objective, trainer.model
+    assert sampler_records_logps(cfg, "fp32") and not sampler_records_logps(cfg, "bf16")
+    assert not sampler_records_logps(maximus.Config.from_dict(config(tiny, tmp_path / "b")), "fp32")  # on-policy: none kept
+    torch.manual_seed(2)
+    with torch.no_grad():  # a trained-looking adapter, and EOS now and then: rows of several lengths
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+        model.get_output_embeddings().weight[trainer.tokenizer.eos_token_id] *= 25.0
+    gen = objective._generate(trainer, 0)
+    assert len({len(r["input_ids"]) for r in gen.rows}) > 1
+    passed = objective._logps_of_rows(trainer, gen)
+    for row, drawn, scored in zip(gen.rows, gen.old_logps, passed, strict=True):
+        assert drawn.shape == scored.shape == (len(row["input_ids"]),)
+        labelled = torch.tensor([label != -100 for label in row["labels"][1:]] + [False])
+        assert torch.equal(drawn[~labelled], torch.zeros(int((~labelled).sum())))
+        torch.testing.assert_close(drawn, scored, rtol=0, atol=2e-5)
+
+
+def test_sampling_with_lora_merged_into_float32_weights_equals_the_unmerged_sampler(tiny, tmp_path):
+    """With room for the copy, float32 LoRA samples with W + s B A formed once per generation
+    (`merged_for_sampling`): the same completions and log-probs (to float32 rounding) as the
+    unmerged sampler; calls with gradients inside the block, and every call after it, take the
+    unmerged path bit for bit."""
+    from maximus.kernels.lean_lora import merged_for_sampling
+    from maximus.train.trainer import Trainer
+
+    trainer = Trainer(maximus.Config.from_dict(config(tiny, tmp_path / "run", grpo={"max_completion_tokens": 12},
+                                                      training={"batch_size": 3, "micro_batch_size": 3})))
+    trainer.setup()
+    objective, model = trainer.objective, trainer.model
+    assert trainer.plan.generation["merge_lora"]
+    torch.manual_seed(3)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0.0, 0.05)
+        model.get_output_embeddings().weight[trainer.tokenizer.eos_token_id] *= 25.0
+    prompts = [p["prompt_ids"] for p in trainer.rows_for_step(1)]
+    runs = []
+    for merge in (True, False):
+        objective.plan.generation["merge_lora"] = merge
+        with objective._generating(model), torch.no_grad():
+            runs.append(objective.sample(trainer, prompts, 0, record_logps=True))
+    merged, plain = runs
+    assert merged.completions == plain.completions
+    for a, b in zip(merged.logps, plain.logps, strict=True):
+        for x, y in zip(a, b, strict=True):
+            torch.testing.assert_close(x, y, rtol=0, atol=1e-5)
+    ids = torch.tensor([prompts[0]])
+    with torch.no_grad():
+        before = model(input_ids=ids).logits
+    with merged_for_sampling(model) as count:
+        assert count == sum(hasattr(m, "lora_A") for m in model.modules()) > 0  # every adapted projection
+        with torch.no_grad():
+            inside = model(input_ids=ids).logits
+        with_grad = model(input_ids=ids).logits.detach()
+    with torch.no_grad():
+        after = model(input_ids=ids).logits
+    assert torch.equal(before, after) and torch.equal(before, with_grad) and not torch.equal(before, inside)
+    torch.testing.assert_close(inside, before, rtol=0, atol=1e-5)
+
+
 def test_a_steps_per_generation_that_does_not_divide_the_generation_batch_is_one_line(tiny, tmp_path):
     cfg = config(tiny, tmp_path / "run", grpo={"steps_per_generation": 3})
     with pytest.raises(ConfigError, match=r"^config: grpo.steps_per_generation 3 does not divide the generation batch "
@@ -423,8 +498,9 @@ def test_async_generation_samples_the_next_batch_with_the_weights_before_the_upd
             if p.requires_grad:
                 p.copy_(before[k])
         prompts = trainer.rows_for_step(2)
-        expected = objective.sample(trainer, [p["prompt_ids"] for p in prompts], 1).completions
-        old = objective.build_generation(trainer, 1, prompts, expected).old_logps
+        sampled = objective.sample(trainer, [p["prompt_ids"] for p in prompts], 1, record_logps=True)
+        expected = sampled.completions
+        old = objective.build_generation(trainer, 1, prompts, expected, sampled_logps=sampled.logps).old_logps
         for k, p in model.named_parameters():
             if p.requires_grad:
                 p.copy_(after[k])

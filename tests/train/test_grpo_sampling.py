@@ -148,13 +148,15 @@ def test_the_untracked_decode_loop_reports_the_peak_the_tracker_sees(lm, top_p):
     assert abs(untracked_peak / tracked_peak - 1) < 0.1, (untracked_peak, tracked_peak)
 
 
-@pytest.mark.parametrize("top_p", [1.0, 0.9])
-def test_the_sampler_holds_the_logit_copies_the_planner_charges(top_p):
+@pytest.mark.parametrize("top_p, record_logps", [(1.0, False), (0.9, False), (1.0, True)])
+def test_the_sampler_holds_the_logit_copies_the_planner_charges(top_p, record_logps):
     """Fully tracked, the sampler's peak beyond its KV cache is SAMPLER_LOGIT_COPIES [rows, V]
-    float32 tensors (+ TOP_P_LOGIT_COPIES with top-p): a vocabulary large enough that they dominate."""
+    float32 tensors (+ TOP_P_LOGIT_COPIES with top-p, + LOGPS_LOGIT_COPIES recording the
+    log-probs): a vocabulary large enough that they dominate."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from maximus.memory.generation import SAMPLER_LOGIT_COPIES, TOP_P_LOGIT_COPIES, kv_cache_bytes
+    from maximus.memory.generation import (LOGPS_LOGIT_COPIES, SAMPLER_LOGIT_COPIES, TOP_P_LOGIT_COPIES,
+                                           kv_cache_bytes)
     from maximus.memory.meter import MemoryMeter
 
     vocab, group, new = 32000, 8, 8
@@ -168,9 +170,9 @@ def test_the_sampler_holds_the_logit_copies_the_planner_charges(top_p):
         before = meter.current_bytes()
         meter.reset_peak()
         sample_groups(model, prompts, group_size=group, max_new_tokens=new, eos_token_id=vocab + 1, pad_token_id=0,
-                      top_p=top_p, generator=torch.Generator().manual_seed(0))
+                      top_p=top_p, generator=torch.Generator().manual_seed(0), record_logps=record_logps)
         peak = meter.peak_bytes() - before
     rows = len(prompts) * group
     copies = (peak - kv_cache_bytes(config, sequences=rows, tokens=12 + new, dtype_bytes=4)) / (rows * vocab * 4)
-    expected = SAMPLER_LOGIT_COPIES + (TOP_P_LOGIT_COPIES if top_p < 1 else 0)
+    expected = SAMPLER_LOGIT_COPIES + (TOP_P_LOGIT_COPIES if top_p < 1 else 0) + (LOGPS_LOGIT_COPIES if record_logps else 0)
     assert abs(copies - expected) < 0.1, copies

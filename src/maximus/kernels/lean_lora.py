@@ -25,14 +25,18 @@ and float32 (QLoRA): tests/fused/test_lean_lora.py.
 """
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 import torch.nn.functional as F
 
 from maximus.kernels.forward_override import install_forward_override, remove_forward_overrides
 
-__all__ = ["install_lean_lora", "uninstall_lean_lora", "lean_lora_linear"]
+__all__ = ["install_lean_lora", "uninstall_lean_lora", "lean_lora_linear", "merged_for_sampling"]
 
 _MARK = "_maximus_lean_lora"
+#: The (merged weight, bias) a projection samples with inside `merged_for_sampling`.
+_MERGED = "_maximus_merged_for_sampling"
 
 
 def _rows(t: torch.Tensor) -> torch.Tensor:
@@ -150,6 +154,9 @@ def _plain_adapter(layer, args, kwargs) -> str | None:
 
 
 def _lean_forward(self, x, *args, **kwargs):
+    merged = self.__dict__.get(_MERGED)
+    if merged is not None and not args and not kwargs and not torch.is_grad_enabled() and not self.disable_adapters:
+        return F.linear(x, *merged)  # inside `merged_for_sampling`: W + s B A, one matmul
     name = _plain_adapter(self, args, kwargs)
     if name is None:
         return type(self).forward(self, x, *args, **kwargs)
@@ -162,6 +169,45 @@ def _lean_forward(self, x, *args, **kwargs):
 
 
 setattr(_lean_forward, _MARK, True)
+
+
+def _mergeable(module: torch.nn.Module) -> str | None:
+    """The adapter of a lean-routed PEFT LoRA linear whose merged weight `merged_for_sampling`
+    can form: plain LoRA on a dense float32 base (not 4-bit), else None."""
+    current = module.__dict__.get("forward")
+    if current is None or not getattr(current, _MARK, False):
+        return None
+    name = _plain_adapter(module, (), {})
+    base = module.get_base_layer() if name is not None else None
+    if base is None or base.weight.dtype != torch.float32 or getattr(base.weight, "quant_state", None) is not None:
+        return None
+    return name if module.lora_A[name].weight.dtype == torch.float32 else None
+
+
+@contextmanager
+def merged_for_sampling(model: torch.nn.Module):
+    """Within: every lean-routed plain LoRA projection on a float32 base runs its no-grad calls
+    (sampling) as one matmul with ``W + s * B @ A``, formed here once (a copy of each adapted
+    weight), instead of the base matmul, the two rank-r ones, the scale and the add per call.
+    Float32 only: the values differ from the unmerged sum by float32 rounding (1e-7 relative),
+    where a bf16 merged weight would round far more. Calls with gradients, with the adapter
+    disabled, and everything outside the block take the usual path. Yields how many projections
+    were merged."""
+    merged = []
+    with torch.no_grad():
+        for module in model.modules():
+            name = _mergeable(module)
+            if name is None:
+                continue
+            base = module.get_base_layer()
+            delta = module.lora_B[name].weight @ module.lora_A[name].weight
+            module.__dict__[_MERGED] = (torch.add(base.weight, delta, alpha=float(module.scaling[name])), base.bias)
+            merged.append(module)
+    try:
+        yield len(merged)
+    finally:
+        for module in merged:
+            module.__dict__.pop(_MERGED, None)
 
 
 def _lora_linear_classes() -> tuple[type, ...]:

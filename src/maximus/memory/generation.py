@@ -20,7 +20,9 @@ A GRPO step (`objective: grpo`, `maximus.train.objectives.grpo`) has two phases 
 
 The step's peak is the larger of the two (their sum under `async_generation`, where the next
 batch is sampled during the backward); `check_generation` picks the largest `prompts_at_once`
-(up to `training.batch_size`) whose generation fits the budget, or the free memory.
+(up to `training.batch_size`) whose generation fits the budget, or the free memory, and then
+whether LoRA on float32 weights samples merged (`merge_lora`: a float32 copy of the adapted
+projections for the generation, `merged_weight_bytes`) when that copy fits too.
 """
 from __future__ import annotations
 
@@ -34,6 +36,37 @@ SAMPLER_LOGIT_COPIES = 1
 #: What top-p adds, in the same units: the sorted logits (4 bytes per entry), their order (8), the
 #: softmax's cumulative sums (4) and two boolean masks (1 + 1): 4.5. Measured: 5.50 in all at top_p 0.9.
 TOP_P_LOGIT_COPIES = 4.5
+#: What recording the sampled tokens' log-probs adds (`sampler_records_logps`): the tempered
+#: logits kept to read them from. Measured: 2.00 in all with them at top_p 1.
+LOGPS_LOGIT_COPIES = 1
+
+
+def sampler_records_logps(cfg, dtype: str) -> bool:
+    """Whether GRPO keeps the sampling policy's log-probs (a step may train on completions its
+    weights did not sample: `steps_per_generation` or `updates_per_generation` > 1, or
+    `async_generation`) and takes them from the batched sampler, which draws them anyway: in
+    float32 (`dtype` "fp32"), where they equal the loss pass's to float32 rounding."""
+    g = cfg.grpo
+    keeps = g.steps_per_generation * g.updates_per_generation > 1 or g.async_generation
+    return keeps and g.generation == "batched" and dtype == "fp32"
+
+
+def merged_weight_bytes(model_config: Any) -> int:
+    """A float32 copy of every decoder projection LoRA can adapt (q, k, v, o, gate, up, down:
+    all seven charged, whichever are targeted), what `merged_for_sampling` forms for sampling."""
+    from maximus.memory.estimate import model_shape
+
+    shape = model_shape(model_config)
+    attention = 2 * shape.hidden_size * shape.head_dim * (shape.num_heads + shape.num_kv_heads)
+    return 4 * shape.num_layers * (attention + 3 * shape.hidden_size * shape.intermediate_size)
+
+
+def can_merge_lora(cfg, dtype: str) -> bool:
+    """Whether sampling may run LoRA merged into a float32 copy of the weights
+    (`maximus.kernels.lean_lora.merged_for_sampling`): LoRA on float32 weights, the batched
+    sampler, and no second thread (`async_generation` samples while the step trains)."""
+    g = cfg.grpo
+    return cfg.method == "lora" and dtype == "fp32" and g.generation == "batched" and not g.async_generation
 
 
 def rollout_rows(cfg) -> tuple[int, int]:
@@ -54,16 +87,18 @@ def kv_cache_bytes(model_config: Any, *, sequences: int, tokens: int, dtype_byte
 
 
 def generation_peak_bytes(model_config: Any, *, resident_bytes: int, group_size: int, tokens: int,
-                          dtype_bytes: int, prompts: int = 1, top_p: float = 1.0) -> dict[str, int]:
+                          dtype_bytes: int, prompts: int = 1, top_p: float = 1.0,
+                          record_logps: bool = False) -> dict[str, int]:
     """Phase 1 of the module doc: {"resident", "kv_cache", "logits", "total"} in bytes, for
     `prompts` groups of `group_size` sequences of up to `tokens` (prompt + completion) tokens
-    sampled in one decode loop (`top_p` < 1: with nucleus sampling's scratch)."""
+    sampled in one decode loop (`top_p` < 1: with nucleus sampling's scratch; `record_logps`:
+    with the kept logits the sampled tokens' log-probs are read from)."""
     from maximus.memory.estimate import model_shape
 
     shape = model_shape(model_config)
     rows = prompts * group_size
     kv = kv_cache_bytes(shape, sequences=rows, tokens=tokens, dtype_bytes=dtype_bytes)
-    copies = SAMPLER_LOGIT_COPIES + (TOP_P_LOGIT_COPIES if top_p < 1.0 else 0)
+    copies = SAMPLER_LOGIT_COPIES + (TOP_P_LOGIT_COPIES if top_p < 1.0 else 0) + (LOGPS_LOGIT_COPIES if record_logps else 0)
     logits = int(copies * rows * shape.vocab_size * 4)
     return {"resident": resident_bytes, "kv_cache": kv, "logits": logits, "total": resident_bytes + kv + logits}
 
@@ -91,7 +126,8 @@ def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dic
 
     def parts_for(prompts: int) -> dict[str, int]:
         parts = generation_peak_bytes(shape, resident_bytes=resident, group_size=g.group_size, tokens=tokens,
-                                      dtype_bytes=DTYPE_BYTES[plan.dtype], prompts=prompts, top_p=g.top_p)
+                                      dtype_bytes=DTYPE_BYTES[plan.dtype], prompts=prompts, top_p=g.top_p,
+                                      record_logps=sampler_records_logps(cfg, plan.dtype))
         if g.async_generation:  # sampled while the backward runs: on top of the training step
             parts["total"] = max(parts["total"], (plan.peak_bytes or resident) + parts["kv_cache"] + parts["logits"])
         return {**parts, "prompts_at_once": prompts}
@@ -102,6 +138,11 @@ def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dic
         while prompts > 1 and parts_for(prompts)["total"] > limit:
             prompts -= 1
     parts = parts_for(prompts)
+    parts["merge_lora"] = False
+    if can_merge_lora(cfg, plan.dtype):  # when the copy fits beside the chosen generation
+        merged = merged_weight_bytes(shape)
+        if limit is None or parts["total"] + merged <= limit:
+            parts.update(merge_lora=True, merged_weights=merged, total=parts["total"] + merged)
     if budget is not None and parts["total"] > budget:
         raise BudgetError(f"GRPO generation needs about {format_bytes(parts['total'])} (KV cache "
                           f"{format_bytes(parts['kv_cache'])} for {g.group_size} x {tokens} tokens, on top of "

@@ -150,7 +150,7 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
         out.forwards += 1
         rows, width = len(chunk) * group_size, mask.shape[1]
         tokens: list[list[int]] = [[] for _ in range(rows)]
-        logps: list[list[torch.Tensor]] = [[] for _ in range(rows)]
+        logps: list[list[float]] = [[] for _ in range(rows)]
         # The mask of every position the loop can reach, filled once: each step passes a prefix
         # of it (a view), instead of growing a copy by one column per token.
         full_mask = torch.cat([mask, mask.new_ones(rows, max_new_tokens)], dim=1)
@@ -168,7 +168,8 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
             group = tokens[p * group_size:(p + 1) * group_size]
             out.completions.append(group)
             if record_logps:
-                out.logps.append([torch.stack(logps[r]) for r in range(p * group_size, (p + 1) * group_size)])
+                out.logps.append([torch.tensor(logps[r], dtype=torch.float32)
+                                  for r in range(p * group_size, (p + 1) * group_size)])
     return out
 
 
@@ -185,8 +186,8 @@ def _decode(model, cache, cache_kw, first, full_mask, last, tokens, logps, *, wi
         for row, token in zip(alive.tolist(), values):
             tokens[row].append(token)
         if record_logps:
-            for row, lp in zip(alive.tolist(), new_logps.float().cpu()):
-                logps[row].append(lp)
+            for row, lp in zip(alive.tolist(), new_logps.float().tolist()):
+                logps[row].append(lp)  # float32 values: exact as Python floats
         if t == max_new_tokens - 1:
             break
         keep = new != eos_token_id

@@ -43,6 +43,7 @@ import torch
 from maximus.errors import ConfigError
 from maximus.losses.grpo import group_advantages, grpo_loss_sum
 from maximus.losses.token_outputs import label_log_probs
+from maximus.memory.generation import sampler_records_logps
 from maximus.memory.plan import Plan
 from maximus.forward import IGNORE_INDEX, autocast_for, hidden_states, output_head, shift_labels, through_head
 from maximus.structure import peft_model_of
@@ -264,10 +265,12 @@ class GRPOObjective(Objective):
         prompts = trainer.rows_for_step(index + 1)
         started = time.perf_counter()
         mode = nullcontext() if in_thread else self._generating(trainer.model)
+        record = sampler_records_logps(self.cfg, self.plan.dtype)  # the kept old log-probs, drawn with the tokens
         with mode, torch.no_grad(), autocast_for(trainer.device, trainer.dtype):
-            sampled = self.sample(trainer, [p["prompt_ids"] for p in prompts], index)
+            sampled = self.sample(trainer, [p["prompt_ids"] for p in prompts], index, record_logps=record)
         generation_s = time.perf_counter() - started
-        gen = self.build_generation(trainer, index, prompts, sampled.completions, reference=not in_thread)
+        gen = self.build_generation(trainer, index, prompts, sampled.completions, reference=not in_thread,
+                                    sampled_logps=sampled.logps if record else None)
         gen.metrics.update(generation_s=generation_s, generation_tokens_per_s=sampled.tokens / max(generation_s, 1e-9),
                            generation_prefill_s=sampled.prefill_s, generation_decode_s=sampled.decode_s)
         return gen
@@ -285,12 +288,16 @@ class GRPOObjective(Objective):
 
                 self._vllm = VllmSampler(self.cfg, trainer)
             return self._vllm.sample(trainer.model, prompt_ids, seed=seed % 2**31, eos_token_id=tok.eos_token_id)
+        from maximus.kernels.lean_lora import merged_for_sampling
+
         generator = torch.Generator(device=device).manual_seed(seed)
         extra.setdefault("meter", getattr(trainer, "meter", None))  # the decode loop runs untracked (sampling.py)
-        return sample_groups(trainer.model, prompt_ids, group_size=g.group_size, max_new_tokens=g.max_completion_tokens,
-                             eos_token_id=tok.eos_token_id, pad_token_id=self.pad_token_id,
-                             temperature=g.temperature, top_p=g.top_p, generator=generator,
-                             prompts_at_once=self.prompts_at_once, **extra)
+        merged = merged_for_sampling(trainer.model) if (self.plan.generation or {}).get("merge_lora") else nullcontext()
+        with merged:
+            return sample_groups(trainer.model, prompt_ids, group_size=g.group_size,
+                                 max_new_tokens=g.max_completion_tokens, eos_token_id=tok.eos_token_id,
+                                 pad_token_id=self.pad_token_id, temperature=g.temperature, top_p=g.top_p,
+                                 generator=generator, prompts_at_once=self.prompts_at_once, **extra)
 
     @property
     def prompts_at_once(self) -> int | None:
@@ -298,9 +305,10 @@ class GRPOObjective(Objective):
         return (self.plan.generation or {}).get("prompts_at_once")
 
     def build_generation(self, trainer, index: int, prompts: list[dict], completions: list[list[list[int]]], *,
-                         reference: bool = True) -> Generation:
+                         reference: bool = True, sampled_logps: list[list[torch.Tensor]] | None = None) -> Generation:
         """Score the sampled `completions[p][i]` (token ids, cut after EOS) of each prompt row,
-        and take the reference (`reference`) and sampling-policy log-probs the steps need (module doc)."""
+        and take the reference (`reference`) and sampling-policy log-probs the steps need (module
+        doc): the sampler's `sampled_logps[p][i]` when given, else a no-grad pass over the rows."""
         g, eos = self.g, trainer.tokenizer.eos_token_id
         rows, totals, per_function, truncated, dropped = [], [], [], 0, 0
         step = index * self.steps_per_generation_batch + 1
@@ -326,7 +334,8 @@ class GRPOObjective(Objective):
         if reference:
             self._reference_logps(trainer, gen)
         if self.keeps_old_logps:
-            gen.old_logps = self._logps_of_rows(trainer, gen)
+            gen.old_logps = (self._logps_of_rows(trainer, gen) if sampled_logps is None
+                             else _aligned_logps(prompts, sampled_logps))
         return gen
 
     def _reference_logps(self, trainer, gen: Generation) -> None:
@@ -427,6 +436,19 @@ class _PendingGeneration:
         if self._error is not None:
             raise self._error
         return self._result
+
+
+def _aligned_logps(prompts: list[dict], sampled: list[list[torch.Tensor]]) -> list[torch.Tensor]:
+    """The sampler's log-probs of each completion's tokens, placed as `completion_logps` places
+    them in the row prompt + completion: token j at position len(prompt) + j - 1, zeros elsewhere."""
+    out = []
+    for prompt, group in zip(prompts, sampled):
+        start = len(prompt["prompt_ids"]) - 1
+        for logps in group:
+            row = torch.zeros(start + 1 + len(logps))
+            row[start:start + len(logps)] = logps
+            out.append(row)
+    return out
 
 
 def _nanmean(x: torch.Tensor) -> float | None:
