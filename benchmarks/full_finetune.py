@@ -10,7 +10,9 @@ and data order for every variant. The variants run one after the other in round-
     python benchmarks/full_finetune.py --seq 256 --steps 16 --layers 8 --out docs/benchmarks/full_finetune.json
 
 `--alone --only NAME --rows FILE` runs one variant per process (several side by side, each row
-appended as it finishes); `--table FILE` prints the markdown of those rows.
+appended as it finishes); `--table FILE` prints the markdown of those rows. `--progress DIR...` prints, for run directories
+kept with `--keep` (finished or still running), the steps done, the peak of the metered steps so
+far, the median tokens/s and every held-out loss logged so far.
 
 Markdown for docs/benchmarks/full_finetune.md is printed at the end.
 """
@@ -125,6 +127,22 @@ def markdown(results: dict[str, dict], args) -> str:
     return "\n".join(lines)
 
 
+def progress(run_dir: Path) -> dict:
+    """What a kept run directory holds so far (the run may still be going): steps done, the peak
+    of its metered steps, the plan's prediction, the median tokens/s from step 2 on, the held-out
+    losses by step."""
+    rows = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steps = [r for r in rows if r.get("loss") is not None]
+    plan = json.loads((run_dir / "plan.json").read_text())["plan"]
+    timed = steps[1:] or steps
+    return {"run": run_dir.name, "steps": len(steps),
+            "peak_bytes": max((r.get("peak_memory_bytes") or 0 for r in steps), default=0),
+            "predicted_bytes": plan["peak_bytes"],
+            "tokens_per_s": statistics.median(r["tokens_per_s"] for r in timed) if timed else None,
+            "eval": {r["step"]: r["eval_loss"] for r in rows if r.get("eval_loss") is not None},
+            "train_loss": {r["step"]: r["loss"] for r in steps}}
+
+
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--seq", type=int, default=256)
@@ -143,7 +161,12 @@ def main(argv=None) -> int:
                    help="run exactly the --only variants (no AdamW baseline): one process per variant, "
                         "their --rows gathered by --table")
     p.add_argument("--table", type=Path, help="print the markdown of a --rows file and exit")
+    p.add_argument("--progress", type=Path, nargs="+", help="print what kept run directories hold so far and exit")
     args = p.parse_args(argv)
+    if args.progress:
+        for run_dir in args.progress:
+            print(json.dumps(progress(run_dir)))
+        return 0
     if args.table:
         rows = [json.loads(line) for line in args.table.read_text().splitlines() if line.strip()]
         args.steps = rows[0]["steps"]
@@ -180,7 +203,8 @@ def main(argv=None) -> int:
             "date": time.strftime("%Y-%m-%d"), "torch": torch.__version__}
     if args.out:
         args.out.write_text(json.dumps({"meta": meta, "results": results}, indent=2))
-    print(markdown(results, args))
+    if "adamw" in results:  # --alone without AdamW: the rows file holds the result
+        print(markdown(results, args))
     return 0
 
 

@@ -168,6 +168,30 @@ def test_torchao_step_in_row_chunks_equals_the_whole_tensor_step(tiny_llama, mon
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
+def test_torchao_step_compiled_on_cpu_equals_the_eager_step_and_the_meter_sees_it_eager(monkeypatch):
+    """A large tensor's torchao step on a CPU is compiled (inductor) outside the memory meter and
+    eager under it; both give the same update (float32 rounding)."""
+    import maximus.train.optimizers as optimizers
+    from maximus.memory.meter import MemoryMeter
+
+    monkeypatch.setattr(optimizers, "CPU_COMPILE_MIN_VALUES", 4096)  # a small tensor: a quick compile
+    g = torch.Generator().manual_seed(0)
+    start = torch.randn(64, 64, generator=g)
+    weights = [torch.nn.Parameter(start.clone()) for _ in range(2)]
+    grads = [torch.randn(64, 64, generator=g) for _ in range(3)]
+    opts = [optimizers._torchao_class(four_bit=True)([w], lr=1e-2) for w in weights]
+    for grad in grads:
+        for w, opt in zip(weights, opts):
+            w.grad = grad.clone()
+        opts[0].step()
+        with MemoryMeter("cpu").track(None, opts[1]):
+            assert not optimizers._compiles(weights[1])
+            opts[1].step()
+    assert optimizers._compiles(weights[0]) and optimizers._cpu_compile["works"]
+    torch.testing.assert_close(weights[0], weights[1], rtol=1e-6, atol=1e-7)
+    assert (weights[0] - start).abs().min() > 0  # every value moved
+
+
 def _cfg(**training):
     return Config.from_dict({"model": "x", "dataset": "y", "method": training.pop("method", "full"),
                              "training": training})
@@ -206,6 +230,22 @@ def test_refused_combinations(training, message):
     with pytest.raises(ConfigError) as err:
         require_packages(_cfg(**training))
     assert err.value.message == message
+
+
+def test_matryoshka_with_a_head_stepped_in_the_loss_backward_is_refused_at_config_read():
+    def cfg(matryoshka):
+        return Config.from_dict({"model": "x", "dataset": "y", "method": "full",
+                                 "optimization": {"matryoshka": matryoshka},
+                                 "training": {"optimizer": "apollo_mini", "embedding_optimizer": "adamw_4bit",
+                                              "optimizer_in_backward": True, "max_grad_norm": None}})
+
+    with pytest.raises(ConfigError) as err:
+        require_packages(cfg({"dims": [16]}))
+    assert err.value.message == (
+        "training.optimizer_in_backward: true updates each weight as soon as its gradient is ready: with "
+        "training.embedding_optimizer: adamw_4bit the head is updated block by block inside the loss's backward, "
+        "and optimization.matryoshka's prefix losses would give it a second gradient in the same step")
+    require_packages(cfg(None))  # the same setting without matryoshka is accepted
 
 
 def test_trainer_runs_in_backward_and_reports_the_gradient_norm(tiny_llama, pc_data, tmp_path):

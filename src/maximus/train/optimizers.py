@@ -39,6 +39,7 @@ from __future__ import annotations
 import functools
 import importlib.util
 import math
+import warnings
 from collections import defaultdict
 from typing import Any, Callable, Iterable
 
@@ -117,6 +118,26 @@ def check_in_backward(cfg, *, grad_accum: int | None = None, world_size: int = 1
     if cfg.optimization.offload.optimizer == "on":
         raise ConfigError(f"{why}: the offloaded AdamW steps once per optimizer step on the host",
                           "set optimization.offload.optimizer: off, or optimizer_in_backward: false")
+    head = _head_on_torchao(cfg)
+    if head and cfg.optimization.matryoshka is not None and cfg.objective == "sft":
+        raise ConfigError(f"{why}: with {head} the head is updated block by block inside the loss's backward, "
+                          f"and optimization.matryoshka's prefix losses would give it a second gradient in the same step",
+                          "remove optimization.matryoshka, or set optimizer_in_backward: false")
+
+
+def _head_on_torchao(cfg) -> str | None:
+    """The setting that puts a full fine-tune's head on torchao's step (which updates it block by
+    block inside the backward when `optimizer_in_backward`), or None."""
+    t = cfg.training
+    if cfg.method != "full":
+        return None
+    if t.optimizer == "adamw_4bit":
+        return "training.optimizer: adamw_4bit"
+    if t.optimizer == "adamw" and t.master_weights == "bf16":
+        return "training.master_weights: bf16"
+    if t.embedding_optimizer == "adamw_4bit" and t.optimizer in EMBEDDING_ON_ADAMW:
+        return "training.embedding_optimizer: adamw_4bit"
+    return None
 
 
 # --------------------------------------------------------------------------------------------- which weights
@@ -349,13 +370,52 @@ def _state_rows(state: torch.Tensor, rows: slice, p: torch.Tensor) -> torch.Tens
                           state.qmap, state.signed, (stop - start, *p.shape[1:]), dtype=state.dtype)
 
 
+#: On a CPU, torchao's step is compiled (inductor's C++ kernels, one graph per chunk shape, a few
+#: seconds each) for a tensor of at least this many values, where the eager step's hundred passes
+#: over each chunk cost most (the embedding and head: ~4x less CPU time, measured); a smaller tensor,
+#: and every step under a dispatch mode (the CPU memory meter, which a compiled graph cannot be
+#: traced under), runs eagerly. Both compute the same update (to float32 rounding).
+CPU_COMPILE_MIN_VALUES = 1 << 17
+
+
 @functools.cache
 def _torchao_update(compiled: bool):
     """torchao's per-tensor Adam update: compiled as torchao does on CUDA (one graph per chunk
-    shape), eager elsewhere."""
+    shape), else eager."""
     from torchao.optim.adam import single_param_adam
 
     return torch.compile(single_param_adam, fullgraph=True, dynamic=False) if compiled else single_param_adam
+
+
+#: False once compiling failed on this machine (no C++ compiler for inductor, say): eager from then on.
+_cpu_compile = {"works": True}
+
+
+def _compiles(p: torch.Tensor) -> bool:
+    """Whether `p`'s torchao step runs compiled: on CUDA always; on a CPU for a large tensor,
+    outside any dispatch mode, where compiling works."""
+    if p.is_cuda:
+        return True
+    from torch.utils._python_dispatch import _get_current_dispatch_mode
+
+    return (p.numel() >= CPU_COMPILE_MIN_VALUES and _cpu_compile["works"]
+            and _get_current_dispatch_mode() is None)
+
+
+def _run_update(p: torch.Tensor, *args) -> None:
+    """torchao's update of (a chunk of) `p`, compiled where `_compiles`; a failed CPU compile (it
+    fails before any value is written) falls back to the eager step for the rest of the run."""
+    if _compiles(p):
+        try:
+            with torch._dynamo.utils.disable_cache_limit():
+                return _torchao_update(compiled=True)(*args)
+        except Exception as exc:  # noqa: BLE001 - inductor's errors have no common class
+            if p.is_cuda:
+                raise
+            _cpu_compile["works"] = False
+            warnings.warn(f"torchao's optimizer step could not be compiled on the CPU ({type(exc).__name__}); "
+                          f"it runs eagerly (slower, same update)", stacklevel=2)
+    return _torchao_update(compiled=False)(*args)
 
 
 def _torchao_class(four_bit: bool):
@@ -364,11 +424,10 @@ def _torchao_class(four_bit: bool):
     class TorchaoAdamW(_QuantizedState, AdamW4bit if four_bit else _AdamW):
         @torch.no_grad()
         def step(self, closure=None):
-            """torchao's step function, on the row chunks of each tensor (`_row_chunks`). On CUDA
-            it is compiled as torchao does (one graph per chunk shape: at most two per tensor
-            shape); elsewhere it runs eagerly: torch.compile on a CPU costs tens of seconds per
-            shape and cannot trace under the CPU memory meter's dispatch mode. A sharded
-            parameter (FSDP2's DTensor) takes torchao's own step."""
+            """torchao's step function, on the row chunks of each tensor (`_row_chunks`),
+            compiled as torchao does (one graph per chunk shape: at most two per tensor shape)
+            on CUDA, and on a CPU for large tensors outside the memory meter (`_compiles`). A
+            sharded parameter (FSDP2's DTensor) takes torchao's own step."""
             params = [p for g in self.param_groups for p in g["params"]]
             if any(type(p.data) is not torch.Tensor for p in params):
                 return super().step(closure)
@@ -392,13 +451,11 @@ def _torchao_class(four_bit: bool):
             state["step"] += 1
 
         def _update_rows(self, p: torch.Tensor, group: dict, rows: slice, grad: torch.Tensor) -> None:
-            update = _torchao_update(compiled=p.is_cuda)
             state = self.state[p]
             sr = self.bf16_stochastic_round and p.dtype is torch.bfloat16
-            with torch._dynamo.utils.disable_cache_limit():
-                update(p.detach()[rows], grad, state["step"], _state_rows(state["exp_avg"], rows, p),
-                       _state_rows(state["exp_avg_sq"], rows, p), None, group["lr"], group["betas"][0],
-                       group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw, sr)
+            _run_update(p, p.detach()[rows], grad, state["step"], _state_rows(state["exp_avg"], rows, p),
+                        _state_rows(state["exp_avg_sq"], rows, p), None, group["lr"], group["betas"][0],
+                        group["betas"][1], group["weight_decay"], group["eps"], self.is_adamw, sr)
 
         @torch.no_grad()
         def step_rows(self, p: torch.Tensor, rows: slice, grad: torch.Tensor, first: bool) -> None:
