@@ -1,34 +1,43 @@
 """examples/grpo.yaml's reward against wall time: ours and TRL's GRPOTrainer (no vLLM) side by side.
 
 Both sides run at the same time, each in its own process with the same intra-op threads
-(`--threads`, 1 by default: the two share the machine evenly), from the same start: the
-quickstart's adapter (trained first when `runs/quickstart/adapter` is missing) on
-`builtin:tiny-llama`, the example's prompts, rewards (`exact_answer` + `reversed_words`, weights
-1 + 1), 4 prompts x group 8, 32 new tokens, temperature 1, beta 0, loss_type dapo, rewards scaled
-per group, learning rate 1e-4 with 5 warm-up steps then constant, no gradient checkpointing,
-`--steps` optimizer steps each, seeded by `--seed` (ours: `training.seed`; TRL: `seed`, which
-orders its prompts and seeds its sampling):
+(`--threads`, 1 by default: the processes share the machine evenly), every seed of `--seeds` at
+once (two processes per seed), from the same start: the quickstart's adapter (trained first when
+`runs/quickstart/adapter` is missing) on `builtin:tiny-llama`, the example's prompts, rewards
+(`exact_answer` + `reversed_words`, weights 1 + 1), 4 prompts x group 8 per optimizer step, 32
+new tokens, temperature 1, beta 0, loss_type dapo, rewards scaled per group, learning rate 1e-4
+with 5 warm-up steps then constant, no gradient checkpointing, `--steps` optimizer steps each,
+seeded by the seed (ours: `training.seed`; TRL: `seed`, which orders its prompts and seeds its
+sampling):
 
 - ours: `maximus.Trainer` on examples/grpo.yaml as shipped (only `output_dir`, `max_steps` and
   `eval` changed: no held-out evaluation, so both sides train on every prompt and nothing but
-  steps runs beside the other side);
-- TRL: `GRPOTrainer` with the same settings (`_grpo_sides.trl_grpo_trainer`), the same adapter
-  loaded trainable (LoRA + the saved embedding and head), and our learning-rate schedule
-  (`maximus.train.trainer.lr_factor`: Transformers' `constant_with_warmup` would start at 0 and
-  climb by 1/5 per step, ours starts at 1/6), with torch AdamW as Transformers builds it.
+  steps runs beside the other side). The example samples 8 prompts x 8 at once and trains them
+  as two steps of 4 prompts (`steps_per_generation: 2`);
+- TRL: `GRPOTrainer` with the same settings per optimizer step (`_grpo_sides.trl_grpo_trainer`:
+  `batch_size / steps_per_generation` = 4 prompts x 8 per step, sampled every step, TRL's
+  default), the same adapter loaded trainable (LoRA + the saved embedding and head), and our
+  learning-rate schedule (`maximus.train.trainer.lr_factor`: Transformers' `constant_with_warmup`
+  would start at 0 and climb by 1/5 per step, ours starts at 1/6), with torch AdamW as
+  Transformers builds it.
 
-Each side records, per optimizer step, the mean reward of its sampled completions and the wall
-seconds its steps took so far (ours: metrics.jsonl `step_time_s`; TRL: step begin to step end).
-The plot draws both against wall time (faint: each step; bold: the mean of the last 10 steps),
-and the table compares them at equal wall times.
+Each side records, per optimizer step, the mean reward of its sampled completions, the wall
+seconds its steps took so far (ours: metrics.jsonl `step_time_s`; TRL: step begin to step end)
+and the process's CPU seconds over the same spans. The plot draws each seed's trailing mean (the
+last 10 steps) against wall time, faint, and the mean over seeds bold; the tables compare the
+sides at eight equal wall times and eight equal CPU times (shares of the shortest run), as the
+mean over seeds with the seeds' range.
 
-    python benchmarks/grpo_reward_time.py [--steps 120] [--seed 0] [--threads 1] [--out docs/benchmarks/grpo_reward_time.png]
+    python benchmarks/grpo_reward_time.py [--steps 120] [--seeds 0,1,2] [--threads 1] [--json points.json]
+                                          [--out docs/benchmarks/grpo_reward_time.png]
+    python benchmarks/grpo_reward_time.py --replot points.json   # tables and plot again
 """
 from __future__ import annotations
 
 import argparse
 import json
 import os
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -68,13 +77,24 @@ def run_ours(steps: int, out: Path, seed: int) -> list[dict]:
     cfg["training"]["log_every"] = 1
     cfg["training"]["save_every"] = steps
     cfg["eval"] = {"enabled": False, "split": 0.0}
-    maximus.Trainer(maximus.Config.from_dict(cfg)).train()
+    trainer = maximus.Trainer(maximus.Config.from_dict(cfg))
+    measured, cpu = trainer._measured_step, {}
+
+    def step(step, run):  # the process's CPU seconds of each step, beside metrics.jsonl's wall seconds
+        begin = time.process_time()
+        try:
+            return measured(step, run)
+        finally:
+            cpu[step] = time.process_time() - begin
+
+    trainer._measured_step = step
+    trainer.train()
     rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     rows = [r for r in rows if r.get("reward") is not None and "step_time_s" in r]
-    wall, points = 0.0, []
+    wall, cpu_s, points = 0.0, 0.0, []
     for r in rows:
-        wall += r["step_time_s"]
-        points.append({"step": r["step"], "wall_s": wall, "reward": r["reward"]})
+        wall, cpu_s = wall + r["step_time_s"], cpu_s + cpu[r["step"]]
+        points.append({"step": r["step"], "wall_s": wall, "cpu_s": cpu_s, "reward": r["reward"]})
     return points
 
 
@@ -95,18 +115,20 @@ def run_trl(steps: int, out: Path, seed: int, callbacks=()) -> list[dict]:
     g, t = cfg["grpo"], cfg["training"]
     training = Config.from_dict(cfg).training
     rows = [json.loads(line) for line in (ROOT / cfg["dataset"]["path"]).read_text().splitlines() if line.strip()]
-    points, clock = [], {"wall": 0.0, "begin": 0.0}
+    points, clock = [], {"wall": 0.0, "cpu": 0.0, "begin": 0.0, "begin_cpu": 0.0}
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
-            clock["begin"] = time.perf_counter()
+            clock["begin"], clock["begin_cpu"] = time.perf_counter(), time.process_time()
 
         def on_step_end(self, args, state, control, **kw):
             clock["wall"] += time.perf_counter() - clock["begin"]
+            clock["cpu"] += time.process_time() - clock["begin_cpu"]
 
         def on_log(self, args, state, control, logs=None, **kw):
             if logs and "reward" in logs:
-                points.append({"step": state.global_step, "wall_s": clock["wall"], "reward": logs["reward"]})
+                points.append({"step": state.global_step, "wall_s": clock["wall"], "cpu_s": clock["cpu"],
+                               "reward": logs["reward"]})
 
     trainer = trl_grpo_trainer(materialize(cfg["model"]), rows, out, prompts=t["batch_size"] // g.get("steps_per_generation", 1),
                                group=g["group_size"],
@@ -120,22 +142,40 @@ def run_trl(steps: int, out: Path, seed: int, callbacks=()) -> list[dict]:
     return points
 
 
-def reward_at(points: list[dict], wall_s: float) -> float | None:
-    """The trailing mean reward of the last step finished by `wall_s` (None before the first)."""
+SIDES = ("ours (maximus)", "TRL GRPOTrainer")
+#: The equal-time points of the tables: these shares of the shortest run.
+SHARES = tuple(k / 8 for k in range(1, 9))
+
+
+def reward_at(points: list[dict], at: float, axis: str = "wall_s") -> float | None:
+    """The trailing mean reward of the last step finished by `at` seconds of `axis` (None before the first)."""
     smooth = trailing_mean([p["reward"] for p in points])
-    done = [s for p, s in zip(points, smooth) if p["wall_s"] <= wall_s]
+    done = [s for p, s in zip(points, smooth) if p[axis] <= at]
     return done[-1] if done else None
 
 
-def plot(curves: dict[str, list[dict]], out: Path, title: str) -> None:
+def horizon(runs: dict, axis: str) -> float:
+    """The shortest run's last time on `axis`: every side of every seed got that far."""
+    return min(curves[side][-1][axis] for curves in runs.values() for side in SIDES)
+
+
+def plot(runs: dict, out: Path, title: str) -> None:
+    """Each seed faint (the trailing mean), the mean over seeds bold, on wall time."""
     fig, ax = reward_axes((7.5, 3.8))
-    for (name, points), color in zip(curves.items(), ("tab:blue", "tab:orange")):
-        wall, values = [p["wall_s"] for p in points], [p["reward"] for p in points]
-        ax.plot(wall, values, color=color, linewidth=0.7, alpha=0.3)
-        ax.plot(wall, trailing_mean(values), color=color, linewidth=1.8,
-                label=f"{name}: {len(points)} steps in {wall[-1]:.0f} s (bold: mean of the last {WINDOW} steps)")
+    end = horizon(runs, "wall_s")
+    grid = [end * k / 100 for k in range(1, 101)]
+    for side, color in zip(SIDES, ("tab:blue", "tab:orange")):
+        for curves in runs.values():
+            points = curves[side]
+            ax.plot([p["wall_s"] for p in points], trailing_mean([p["reward"] for p in points]), color=color,
+                    linewidth=0.7, alpha=0.35)
+        at = [(t, [reward_at(c[side], t) for c in runs.values()]) for t in grid]
+        at = [(t, sum(v) / len(v)) for t, v in at if None not in v]
+        steps = statistics.mean(len(c[side]) / c[side][-1]["wall_s"] for c in runs.values())
+        ax.plot([t for t, _ in at], [v for _, v in at], color=color, linewidth=2.0,
+                label=f"{side}: mean of {len(runs)} seeds, {1 / steps:.2f} s a step (faint: each seed)")
     ax.set_xlabel("training wall time (s, sum of step times)")
-    ax.set_ylabel("mean reward of the sampled completions")
+    ax.set_ylabel(f"reward of the sampled completions\n(mean of the last {WINDOW} steps)")
     ax.set_title(title, fontsize=9)
     ax.legend(fontsize=8, loc="lower right")
     save_plot(fig, ax, out)
@@ -144,12 +184,14 @@ def plot(curves: dict[str, list[dict]], out: Path, title: str) -> None:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=120)
-    parser.add_argument("--seed", type=int, default=0, help="both sides' seed (prompt order and sampling)")
+    parser.add_argument("--seeds", default="0", help="comma-separated seeds, each run by both sides (prompt order and "
+                                                      "sampling); all of them at once")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each side")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "grpo_reward_time.png")
     parser.add_argument("--json", type=Path, help="also write both sides' points here")
     parser.add_argument("--replot", type=Path, help="only redraw (and tabulate) the points of an earlier --json")
     parser.add_argument("--side", choices=["ours", "trl"], help=argparse.SUPPRESS)  # one side, in its own process
+    parser.add_argument("--seed", type=int, default=0, help=argparse.SUPPRESS)
     parser.add_argument("--points", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.side:
@@ -168,42 +210,61 @@ def main() -> None:
 
     print(cpu_report(), flush=True)
     env = dict(os.environ, OMP_NUM_THREADS=str(args.threads), MKL_NUM_THREADS=str(args.threads))
+    seeds = [int(x) for x in args.seeds.split(",")]
     with tempfile.TemporaryDirectory() as tmp:
-        files = {side: Path(tmp) / f"{side}.json" for side in ("ours", "trl")}
-        procs = {side: subprocess.Popen([sys.executable, __file__, "--side", side, "--steps", str(args.steps),
-                                         "--seed", str(args.seed), "--threads", str(args.threads),
-                                         "--points", str(path)], cwd=ROOT, env=env,
-                                        stdout=subprocess.DEVNULL)
-                 for side, path in files.items()}
-        for side, proc in procs.items():
+        files = {(seed, side): Path(tmp) / f"{side}{seed}.json" for seed in seeds for side in ("ours", "trl")}
+        procs = {key: subprocess.Popen([sys.executable, __file__, "--side", key[1], "--steps", str(args.steps),
+                                        "--seed", str(key[0]), "--threads", str(args.threads), "--points", str(path)],
+                                       cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
+                 for key, path in files.items()}
+        for key, proc in procs.items():
             if proc.wait() != 0:
-                raise SystemExit(f"the {side} side failed (exit {proc.returncode})")
-        curves = {"ours (maximus)": json.loads(files["ours"].read_text()),
-                  "TRL GRPOTrainer": json.loads(files["trl"].read_text())}
+                raise SystemExit(f"the {key[1]} side of seed {key[0]} failed (exit {proc.returncode})")
+        runs = {str(seed): {SIDES[0]: json.loads(files[seed, "ours"].read_text()),
+                            SIDES[1]: json.loads(files[seed, "trl"].read_text())} for seed in seeds}
     if args.json:
-        args.json.write_text(json.dumps(curves, indent=1))
-    report(curves, args)
+        args.json.write_text(json.dumps({"args": {"steps": args.steps, "seeds": args.seeds, "threads": args.threads},
+                                         "runs": runs}, indent=1))
+    report({"args": {"steps": args.steps, "seeds": args.seeds, "threads": args.threads}, "runs": runs}, args)
 
 
-def report(curves: dict[str, list[dict]], args) -> None:
-    """The table at equal wall times and the plot."""
-    ours, trl = curves.values()
-    horizon = min(ours[-1]["wall_s"], trl[-1]["wall_s"])
-    print(f"\n{args.steps} steps each, seed {args.seed}, {args.threads} thread(s) per side, both at once")
-    print("| wall time (s) | ours: steps done | ours: reward (mean of last 10) | TRL: steps done | TRL: reward |")
-    print("|---:|---:|---:|---:|---:|")
-    for share in (0.25, 0.5, 0.75, 1.0):
-        at = share * horizon
-        cells = []
-        for points in (ours, trl):
-            reward = reward_at(points, at)
-            cells += [str(sum(p["wall_s"] <= at for p in points)), "-" if reward is None else f"{reward:.3f}"]
-        print(f"| {at:.0f} | " + " | ".join(cells) + " |")
-    for name, points in curves.items():
-        print(f"{name}: {len(points)} steps in {points[-1]['wall_s']:.1f} s, {points[-1]['wall_s'] / len(points):.2f} s/step, "
-              f"final mean of last {WINDOW}: {trailing_mean([p['reward'] for p in points])[-1]:.3f}")
-    plot(curves, args.out, f"examples/grpo.yaml, ours vs TRL GRPOTrainer (no vLLM), run side by side, {args.threads} thread "
-                           f"each\n2-core AMD EPYC (AVX2, loaded), 2026-12-02, benchmarks/grpo_reward_time.py --steps {args.steps} --seed {args.seed}")
+def report(data: dict, args) -> None:
+    """Per seed and as the mean over seeds: the reward at equal wall times and at equal CPU
+    seconds, the seconds a step; then the plot."""
+    runs, run_args = data["runs"], data["args"]
+    print(f"\n{run_args['steps']} steps each, seeds {run_args['seeds']}, {run_args['threads']} thread(s) per side, "
+          "all processes at once")
+    for side in SIDES:
+        for seed, curves in runs.items():
+            points = curves[side]
+            print(f"{side}, seed {seed}: {len(points)} steps in {points[-1]['wall_s']:.1f} s wall "
+                  f"({points[-1]['wall_s'] / len(points):.2f} s a step), {points[-1]['cpu_s']:.1f} CPU s "
+                  f"({points[-1]['cpu_s'] / len(points):.3f} a step), final mean of last {WINDOW}: "
+                  f"{trailing_mean([p['reward'] for p in points])[-1]:.3f}")
+    for axis, label in (("wall_s", "wall time (s)"), ("cpu_s", "CPU time (s)")):
+        end = horizon(runs, axis)
+        print(f"\n| {label} | ours: steps | ours: reward, mean (seed range) | TRL: steps | TRL: reward, mean (seed range) "
+              f"| ours - TRL, mean (seed range) |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for share in SHARES:
+            at, cells, per_side = share * end, [], []
+            for side in SIDES:
+                values = [reward_at(c[side], at, axis) for c in runs.values()]
+                steps = [sum(p[axis] <= at for p in c[side]) for c in runs.values()]
+                per_side.append(values)
+                if None in values:
+                    cells += [f"{statistics.mean(steps):.0f}", "-"]
+                    continue
+                cells += [f"{statistics.mean(steps):.0f}", f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"]
+            if None in per_side[0] or None in per_side[1]:
+                cells.append("-")
+            else:
+                gaps = [a - b for a, b in zip(*per_side)]
+                cells.append(f"{statistics.mean(gaps):+.3f} ({min(gaps):+.3f} to {max(gaps):+.3f})")
+            print(f"| {at:.1f} | " + " | ".join(cells) + " |")
+    plot(runs, args.out, f"examples/grpo.yaml, ours vs TRL GRPOTrainer (no vLLM), run side by side, {run_args['threads']} "
+                         f"thread each\n2-core AMD EPYC (AVX512-BF16), 2026-12-02, benchmarks/grpo_reward_time.py "
+                         f"--steps {run_args['steps']} --seeds {run_args['seeds']}")
 
 
 if __name__ == "__main__":
