@@ -182,11 +182,11 @@ def _decode(model, cache, cache_kw, first, full_mask, last, tokens, logps, *, wi
     record_logps = sampling["want_logps"]
     alive = torch.arange(len(tokens), device=new.device)
     for t in range(max_new_tokens):
-        values = new.tolist()
-        for row, token in zip(alive.tolist(), values):
+        rows = alive.tolist()
+        for row, token in zip(rows, new.tolist()):
             tokens[row].append(token)
         if record_logps:
-            for row, lp in zip(alive.tolist(), new_logps.float().tolist()):
+            for row, lp in zip(rows, new_logps.float().tolist()):
                 logps[row].append(lp)  # float32 values: exact as Python floats
         if t == max_new_tokens - 1:
             break
