@@ -53,6 +53,8 @@ VARIANTS = {
                                                    **_IN_BACKWARD},
     BEST: {"optimizer": "apollo_mini", "embedding_optimizer": "adamw_4bit", **_IN_BACKWARD,
            "optimization": {"gradient_checkpointing": "full", "loss_chunk_size": 64}},
+    "adamw_4bit, in backward, recompute": {"optimizer": "adamw_4bit", **_IN_BACKWARD,
+                                           "optimization": {"gradient_checkpointing": "full", "loss_chunk_size": 64}},
     "adamw, bf16 weights (SR)": {"optimizer": "adamw", "master_weights": "bf16"},
     "adamw, fp32 master, bf16 compute": {"optimizer": "adamw", "dtype": "bf16"},
 }
