@@ -55,6 +55,9 @@ VARIANTS = {
            "optimization": {"gradient_checkpointing": "full", "loss_chunk_size": 64}},
     "adamw_4bit, in backward, recompute": {"optimizer": "adamw_4bit", **_IN_BACKWARD,
                                            "optimization": {"gradient_checkpointing": "full", "loss_chunk_size": 64}},
+    "adamw_8bit_torchao, in backward (clipped), recompute": {
+        "optimizer": "adamw_8bit_torchao", "optimizer_in_backward": True,
+        "optimization": {"gradient_checkpointing": "full", "loss_chunk_size": 64}},
     "adamw, bf16 weights (SR)": {"optimizer": "adamw", "master_weights": "bf16"},
     "adamw, fp32 master, bf16 compute": {"optimizer": "adamw", "dtype": "bf16"},
 }

@@ -16,7 +16,7 @@ from tiny import one_thread, tiny_config  # noqa: F401
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
-NEW = ("adamw_4bit", "apollo", "apollo_mini", "galore", "adam_mini", "muon")
+NEW = ("adamw_4bit", "adamw_8bit_torchao", "apollo", "apollo_mini", "galore", "adam_mini", "muon")
 #: The optimizers that leave embedding and head to AdamW, with torchao's 4-bit moments there instead.
 FOUR_BIT_EMBEDDING = {"embedding_optimizer": "adamw_4bit"}
 
@@ -55,7 +55,8 @@ def _eager_torchao(optimizer: str):
     shape on CPU); here the same function runs eagerly, on the same 4-bit tensor subclasses."""
     from unittest import mock
 
-    return mock.patch.object(torch, "compile", lambda fn, **kw: fn) if optimizer == "adamw_4bit" else torch.enable_grad()
+    return mock.patch.object(torch, "compile", lambda fn, **kw: fn) if optimizer in ("adamw_4bit", "adamw_8bit_torchao") \
+        else torch.enable_grad()
 
 
 @pytest.mark.parametrize("in_backward", [False, True], ids=["step", "in_backward"])
@@ -150,9 +151,10 @@ def test_4bit_embedding_takes_embedding_and_head(optimizer, own, tiny_llama):
     assert rest == sorted(id(p) for p in model.parameters() if id(p) not in outer)
 
 
-def test_torchao_step_in_row_chunks_equals_the_whole_tensor_step(tiny_llama, monkeypatch):
-    """torchao's step over row chunks (4-bit blocks kept whole) == over the whole tensor, bit for
-    bit: the update is elementwise and the quantisation per block of 128."""
+@pytest.mark.parametrize("optimizer", ["adamw_4bit", "adamw_8bit_torchao"])
+def test_torchao_step_in_row_chunks_equals_the_whole_tensor_step(optimizer, tiny_llama, monkeypatch):
+    """torchao's step over row chunks (4-bit and 8-bit blocks kept whole) == over the whole tensor,
+    bit for bit: the update is elementwise and the quantisation per block of 128 (256)."""
     import maximus.train.optimizers as optimizers
 
     models = []
@@ -161,14 +163,17 @@ def test_torchao_step_in_row_chunks_equals_the_whole_tensor_step(tiny_llama, mon
             monkeypatch.setattr(optimizers, "TORCHAO_CHUNK_VALUES", chunk)
         model = _model(tiny_llama)
         assert chunk is None or any(len(optimizers._row_chunks(p)) > 2 for p in model.parameters())
-        opt = build_optimizer(model, _training("adamw_4bit"))
+        opt = build_optimizer(model, _training(optimizer))
         _run(model, opt, _batches(3, model.config.vocab_size))
+        assert type(opt.state[model.get_input_embeddings().weight]["exp_avg"]).__name__ == (
+            "OptimState4bit" if optimizer == "adamw_4bit" else "OptimState8bit")
         models.append(model)
     for (name, a), b in zip(models[0].named_parameters(), models[1].parameters()):
         torch.testing.assert_close(b, a, rtol=0, atol=0, msg=name)
 
 
-def test_torchao_step_compiled_on_cpu_equals_the_eager_step_and_the_meter_sees_it_eager(monkeypatch):
+@pytest.mark.parametrize("bits", [4, 8])
+def test_torchao_step_compiled_on_cpu_equals_the_eager_step_and_the_meter_sees_it_eager(bits, monkeypatch):
     """A large tensor's torchao step on a CPU is compiled (inductor) outside the memory meter and
     eager under it; both give the same update (float32 rounding)."""
     import maximus.train.optimizers as optimizers
@@ -179,7 +184,7 @@ def test_torchao_step_compiled_on_cpu_equals_the_eager_step_and_the_meter_sees_i
     start = torch.randn(64, 64, generator=g)
     weights = [torch.nn.Parameter(start.clone()) for _ in range(2)]
     grads = [torch.randn(64, 64, generator=g) for _ in range(3)]
-    opts = [optimizers._torchao_class(four_bit=True)([w], lr=1e-2) for w in weights]
+    opts = [optimizers._torchao_class(bits)([w], lr=1e-2) for w in weights]
     for grad in grads:
         for w, opt in zip(weights, opts):
             w.grad = grad.clone()
@@ -213,14 +218,12 @@ def test_rank_larger_than_a_weight_names_the_weight(tiny_llama):
 
 
 @pytest.mark.parametrize("training, message", [
-    ({"optimizer_in_backward": True}, "training.optimizer_in_backward: true updates each weight as soon as its "
-     "gradient is ready, before the global gradient norm is known: it cannot clip (training.max_grad_norm: 1.0)"),
     ({"optimizer_in_backward": True, "max_grad_norm": None, "batch_size": 4, "micro_batch_size": 2},
      "training.optimizer_in_backward: true updates each weight as soon as its gradient is ready: it cannot "
      "accumulate gradients over micro-batches (training.batch_size 4, micro_batch_size 2)"),
     ({"optimizer": "apollo", "method": "lora"}, "training.optimizer: apollo applies to method: full only (method is lora)"),
-    ({"master_weights": "bf16", "optimizer": "muon"}, "training.master_weights: bf16 needs training.optimizer adamw or "
-     "adamw_4bit (torchao's stochastic rounding), or apollo / apollo_mini / galore with optimizer_in_backward: true and "
+    ({"master_weights": "bf16", "optimizer": "muon"}, "training.master_weights: bf16 needs training.optimizer adamw, "
+     "adamw_4bit or adamw_8bit_torchao (torchao's stochastic rounding), or apollo / apollo_mini / galore with optimizer_in_backward: true and "
      "embedding_optimizer: adamw_4bit, not muon"),
     ({"embedding_optimizer": "adamw_4bit", "optimizer": "adam_mini"}, "training.embedding_optimizer: adamw_4bit "
      "applies to the embedding and head that apollo / apollo_mini / galore / muon leave to AdamW in method: full "
@@ -256,6 +259,34 @@ def test_trainer_runs_in_backward_and_reports_the_gradient_norm(tiny_llama, pc_d
     rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [r["grad_norm"] > 0 for r in rows if "loss" in r] == [True, True]
     assert summary["plan"]["optimizer"] == "apollo_mini"
+
+
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_8bit_torchao"])
+def test_clipping_inside_the_backward_equals_clip_grad_norm_then_step(optimizer, tiny_llama, pc_data, tmp_path, capsys):
+    """optimizer_in_backward with max_grad_norm: two backwards per step (the first measures the
+    norm), the same weights, losses and logged norms as clip_grad_norm_ + the step after the
+    backward; the clip really bites (every norm above max_grad_norm), and the run says so."""
+    from safetensors.torch import load_file
+
+    runs = {}
+    for in_backward in (False, True):
+        out = tmp_path / f"run-{in_backward}"
+        cfg = tiny_config(tiny_llama, pc_data, out, method="full", eval={"enabled": False},
+                          training={"optimizer": optimizer, "optimizer_in_backward": in_backward, "max_grad_norm": 0.5,
+                                    "micro_batch_size": 4, "max_steps": 3, "learning_rate": 1e-3})
+        with _eager_torchao(optimizer):
+            Trainer(Config.from_dict(cfg)).train()
+        rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+        runs[in_backward] = ([r for r in rows if r.get("loss") is not None], load_file(str(out / "model" / "model.safetensors")))
+    (ref, ref_w), (ib, ib_w) = runs[False], runs[True]
+    assert [r["loss"] for r in ib] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
+    assert [r["grad_norm"] for r in ib] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
+    assert min(r["grad_norm"] for r in ref) > 0.5
+    for name, w in ref_w.items():
+        torch.testing.assert_close(ib_w[name], w, rtol=0, atol=1e-6, msg=name)
+    assert ("notice: training.optimizer_in_backward with max_grad_norm 0.5: each step runs its backward twice (the "
+            "first measures the gradient norm, the second steps on clipped gradients); set training.max_grad_norm: "
+            "null for one backward, unclipped") in "".join(capsys.readouterr())
 
 
 def test_plan_with_grad_accumulation_is_refused_in_backward(tiny_llama, pc_data, tmp_path):
@@ -299,8 +330,9 @@ def test_bf16_weights_with_apollo_mini_in_backward_round_stochastically(tiny_lla
     assert bf16[-1] == pytest.approx(fp32[-1], rel=0.02)
 
 
-@pytest.mark.parametrize("training", [{"optimizer": "adamw_4bit"}, {"optimizer": "apollo_mini", **FOUR_BIT_EMBEDDING}],
-                         ids=["adamw_4bit", "apollo_mini+4bit_embedding"])
+@pytest.mark.parametrize("training", [{"optimizer": "adamw_4bit"}, {"optimizer": "adamw_8bit_torchao"},
+                                      {"optimizer": "apollo_mini", **FOUR_BIT_EMBEDDING}],
+                         ids=["adamw_4bit", "adamw_8bit_torchao", "apollo_mini+4bit_embedding"])
 def test_head_and_embedding_stepped_row_by_row_equal_the_whole_gradient_step(training, tiny_llama, monkeypatch):
     """Inside the backward, the head updated block of vocabulary rows by block inside the chunked
     loss's backward, and the embedding inside its own, never hold a whole gradient, and equal the

@@ -6,7 +6,8 @@ The figures follow the optimizers' own code (the packages named in `OPTIMIZERS`)
 * AdamW keeps two moments of the parameter's size and dtype; bitsandbytes' 8-bit AdamW two uint8
   moments with a float32 absmax per block of 256 (~2 bytes); torchao's 4-bit AdamW two 4-bit
   moments with a scale per block of 128 for tensors of at least 4,096 values (~1.06 bytes), the
-  small ones in full precision.
+  small ones in full precision; torchao's 8-bit AdamW (`adamw_8bit_torchao`) two uint8 moments
+  with a scale per block of 256 (~2.03 bytes), under the same rule.
 * APOLLO / APOLLO-Mini / GaLore project the gradient of each 2-D decoder weight (out x in) onto
   ``rank`` directions: the two moments are ``rank x max(out, in)`` and the projection
   ``rank x min(out, in)``; the embedding, the head and the norms get plain AdamW moments.
@@ -16,7 +17,7 @@ The figures follow the optimizers' own code (the packages named in `OPTIMIZERS`)
   updated by AdamW (two moments), as Muon's authors prescribe.
 * `training.embedding_optimizer: adamw_4bit` gives the embedding and the head of those four
   (APOLLO, APOLLO-Mini, GaLore, Muon) torchao's 4-bit moments instead of float32 AdamW ones.
-* torchao's step (`adamw_4bit`, and AdamW with bf16 weights) runs on row chunks of at most
+* torchao's step (`adamw_4bit`, `adamw_8bit_torchao`, and AdamW with bf16 weights) runs on row chunks of at most
   `TORCHAO_CHUNK_VALUES` values (`maximus.train.optimizers`): its float32 copies of the weight,
   the gradient and the moments are those of one chunk, not of the whole embedding.
 
@@ -29,7 +30,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["OPTIMIZERS", "OptimizerSpec", "PROJECTED", "EMBEDDING_ON_ADAMW", "TORCHAO_CHUNK_VALUES", "optimizer_state_bytes", "optimizer_step_bytes",
+__all__ = ["OPTIMIZERS", "OptimizerSpec", "PROJECTED", "EMBEDDING_ON_ADAMW", "TORCHAO_ADAMW", "TORCHAO_CHUNK_VALUES", "optimizer_state_bytes", "optimizer_step_bytes",
            "in_backward_gradient_bytes", "steps_outer_rows", "row_block_rows", "head_block_bytes", "projection_settings", "optimizer_note", "uses_bf16_weights", "optimizer_kwargs",
            "optimizer_settings"]
 
@@ -50,6 +51,9 @@ OPTIMIZERS: dict[str, OptimizerSpec] = {s.name: s for s in (
     OptimizerSpec("adamw_8bit", "bitsandbytes", "bitsandbytes", True, "bitsandbytes 8-bit AdamW"),
     OptimizerSpec("paged_adamw_8bit", "bitsandbytes", "bitsandbytes", True, "bitsandbytes paged 8-bit AdamW"),
     OptimizerSpec("adamw_4bit", "torchao", "torchao", True, "torchao 4-bit AdamW (4-bit moments, blocks of 128)"),
+    OptimizerSpec("adamw_8bit_torchao", "torchao", "torchao", True,
+                  "torchao 8-bit AdamW (8-bit moments, blocks of 256); inside the backward its embedding and head "
+                  "step row block by row block, which bitsandbytes' adamw_8bit cannot"),
     OptimizerSpec("apollo", "apollo_torch", "apollo-torch", False,
                   "APOLLO: AdamW moments of a random rank-256 projection scale the raw gradient per channel"),
     OptimizerSpec("apollo_mini", "apollo_torch", "apollo-torch", False,
@@ -73,6 +77,9 @@ PROJECTED: dict[str, dict[str, Any]] = {
 #: `training.embedding_optimizer` may give the embedding and the head 4-bit moments instead.
 EMBEDDING_ON_ADAMW = ("apollo", "apollo_mini", "galore", "muon")
 
+#: torchao's quantised AdamW choices -> the bits of their moments.
+TORCHAO_ADAMW = {"adamw_4bit": 4, "adamw_8bit_torchao": 8}
+
 #: torchao's step runs on row chunks of at most this many values (a multiple of its block of 128).
 TORCHAO_CHUNK_VALUES = 1 << 20
 
@@ -88,6 +95,10 @@ _ROUNDED_STEP_BYTES = 25
 #: torchao's 4-bit moments: 4 bits each plus a scale per block of 128 (`torchao.optim.AdamW4bit`),
 #: only for tensors of at least 4,096 values.
 _FOUR_BIT_BYTES = 2 * (0.5 + 4 / 128)
+
+#: torchao's 8-bit moments: a uint8 code each plus a scale per block of 256 (`torchao.optim.AdamW8bit`),
+#: only for tensors of at least 4,096 values.
+_EIGHT_BIT_BYTES = 2 * (1 + 4 / 256)
 
 
 def uses_bf16_weights(cfg: Any) -> bool:
@@ -123,9 +134,10 @@ def _other_params(shape: Any) -> int:
     return shape.num_params - shape.num_layers * shape.layer_linear_params
 
 
-def _quantisable(n: int) -> bool:
-    """torchao keeps 4-bit moments for tensors of at least 4,096 values in whole blocks of 128."""
-    return n >= 4096 and n % 128 == 0
+def _quantisable(n: int, block: int = 128) -> bool:
+    """torchao keeps quantised moments for tensors of at least 4,096 values in whole blocks
+    (128 values for 4-bit, 256 for 8-bit)."""
+    return n >= 4096 and n % block == 0
 
 
 def _outer_matrices(shape: Any) -> list[int]:
@@ -144,10 +156,15 @@ def optimizer_state_bytes(shape: Any, optimizer: str, *, full: bool, trainable: 
     optimizers in `EMBEDDING_ON_ADAMW` (`training.embedding_optimizer`)."""
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
         return 2 * trainable  # uint8 moments (absmax and code books: < 2 % on a real model)
-    if optimizer == "adamw_4bit":
-        # torchao quantises only tensors of at least 4,096 values, in whole blocks of 128.
-        quantised = sum(n for n in _matrix_sizes(shape) if _quantisable(n)) if full else trainable
-        return int(_FOUR_BIT_BYTES * quantised + 2 * p_bytes * (trainable - quantised))
+    if optimizer in TORCHAO_ADAMW:
+        # torchao quantises only tensors of at least 4,096 values, in whole blocks of 128 (256).
+        eight = TORCHAO_ADAMW[optimizer] == 8
+        block, per_value = (256, _EIGHT_BIT_BYTES) if eight else (128, _FOUR_BIT_BYTES)
+        tensors = [n for n in _matrix_sizes(shape) if _quantisable(n, block)] if full else []
+        quantised = sum(tensors) if full else trainable
+        # Each quantised moment also holds its code book: 2**bits float32 values.
+        books = 2 * len(tensors) * 4 * 2 ** TORCHAO_ADAMW[optimizer]
+        return int(per_value * quantised + books + 2 * p_bytes * (trainable - quantised))
     if optimizer == "adamw":
         return 2 * p_bytes * trainable
     if optimizer == "adam_mini":
@@ -192,7 +209,7 @@ def optimizer_step_bytes(shape: Any, optimizer: str, *, full: bool, trainable: i
         return 4 * p_bytes * max(o * n for o, n in _hidden_matrices(shape))
     if optimizer in ("adamw_8bit", "paged_adamw_8bit"):
         return 0  # bitsandbytes updates in place, block by block
-    torchao = optimizer == "adamw_4bit" or (optimizer == "adamw" and master_weights == "bf16" and full)
+    torchao = optimizer in TORCHAO_ADAMW or (optimizer == "adamw" and master_weights == "bf16" and full)
     if optimizer == "adamw" and device == "cuda" and not torchao:
         return trainable * p_bytes
     if not full:
@@ -230,9 +247,9 @@ def steps_outer_rows(shape: Any, optimizer: str, *, full: bool, in_backward: boo
                      embedding_optimizer: str = "adamw") -> bool:
     """Whether the embedding and an untied head are updated row block by row block where their
     gradients are formed, inside the backward (`maximus.train.optimizers.InBackwardOptimizer`):
-    full fine-tuning inside the backward with torchao's step on them (`adamw_4bit`, AdamW with
-    bf16 weights, or a 4-bit `embedding_optimizer`)."""
-    torchao = (optimizer == "adamw_4bit" or (optimizer == "adamw" and master_weights == "bf16")
+    full fine-tuning inside the backward with torchao's step on them (`adamw_4bit`,
+    `adamw_8bit_torchao`, AdamW with bf16 weights, or a 4-bit `embedding_optimizer`)."""
+    torchao = (optimizer in TORCHAO_ADAMW or (optimizer == "adamw" and master_weights == "bf16")
                or (optimizer in EMBEDDING_ON_ADAMW and embedding_optimizer == "adamw_4bit"))
     return bool(full and in_backward and torchao and not shape.tied_embeddings)
 

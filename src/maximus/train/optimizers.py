@@ -6,6 +6,7 @@ values only, so the checkpoint writes it to safetensors + JSON).
 |---|---|---|
 | adamw, adamw_8bit, paged_adamw_8bit | torch, bitsandbytes | full, LoRA, QLoRA |
 | adamw_4bit | torchao `AdamW4bit` | full, LoRA, QLoRA |
+| adamw_8bit_torchao | torchao `AdamW8bit` (steps row block by row block inside the backward) | full, LoRA, QLoRA |
 | apollo, apollo_mini | apollo-torch `APOLLOAdamW` (random projection) | full only |
 | galore | galore-torch `GaLoreAdamW` (SVD projection) | full only |
 | adam_mini | adam-mini `Adam_mini` | full, LoRA, QLoRA |
@@ -28,6 +29,9 @@ each: its float32 copies are those of one chunk (the same elementwise update, bl
 `training.optimizer_in_backward: true` builds one optimizer per parameter and steps it from the
 parameter's post-accumulate-grad hook, then frees the gradient (`InBackwardOptimizer`): the whole
 set of gradients never exists at once. What that excludes is refused by `check_in_backward`.
+With `training.max_grad_norm` set, each step's backward runs twice: the first only sums the
+squared gradients (`measuring`), the second steps every weight on its gradient times the clip
+coefficient that norm gives (`clip_to`): exactly `clip_grad_norm_` followed by the step.
 
 Raises `ConfigError` (one line): a package that is not installed (with the pip command, checked by
 `require_packages` before the model loads), a rank larger than a weight's smaller side (naming
@@ -36,6 +40,7 @@ be wrong.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib.util
 import math
@@ -46,8 +51,8 @@ from typing import Any, Callable, Iterable
 import torch
 
 from maximus.errors import ConfigError
-from maximus.memory.optimizer_state import (EMBEDDING_ON_ADAMW, OPTIMIZERS, PROJECTED, TORCHAO_CHUNK_VALUES,
-                                            projection_settings)
+from maximus.memory.optimizer_state import (EMBEDDING_ON_ADAMW, OPTIMIZERS, PROJECTED, TORCHAO_ADAMW,
+                                            TORCHAO_CHUNK_VALUES, projection_settings)
 
 __all__ = ["build_optimizer", "require_packages", "check_in_backward", "CompositeOptimizer", "InBackwardOptimizer"]
 
@@ -82,8 +87,8 @@ def require_packages(cfg) -> None:
                               "adapters train in float32 already; remove training.master_weights")
         rounded_in_backward = (t.optimizer in PROJECTED and t.optimizer_in_backward
                                and t.embedding_optimizer == "adamw_4bit")
-        if t.optimizer not in ("adamw", "adamw_4bit") and not rounded_in_backward:
-            raise ConfigError(f"training.master_weights: bf16 needs training.optimizer adamw or adamw_4bit "
+        if t.optimizer not in ("adamw", *TORCHAO_ADAMW) and not rounded_in_backward:
+            raise ConfigError(f"training.master_weights: bf16 needs training.optimizer adamw, adamw_4bit or adamw_8bit_torchao "
                               f"(torchao's stochastic rounding), or {' / '.join(PROJECTED)} with "
                               f"optimizer_in_backward: true and embedding_optimizer: adamw_4bit, not {t.optimizer}",
                               "set training.optimizer: adamw or adamw_4bit, or master_weights: fp32")
@@ -96,10 +101,6 @@ def check_in_backward(cfg, *, grad_accum: int | None = None, world_size: int = 1
     if not t.optimizer_in_backward:
         return
     why = "training.optimizer_in_backward: true updates each weight as soon as its gradient is ready"
-    if t.max_grad_norm is not None:
-        raise ConfigError(f"{why}, before the global gradient norm is known: it cannot clip "
-                          f"(training.max_grad_norm: {t.max_grad_norm})",
-                          "set training.max_grad_norm: null, or optimizer_in_backward: false")
     if isinstance(t.micro_batch_size, int) and t.micro_batch_size * world_size != t.batch_size:
         raise ConfigError(f"{why}: it cannot accumulate gradients over micro-batches (training.batch_size "
                           f"{t.batch_size}, micro_batch_size {t.micro_batch_size})",
@@ -131,8 +132,8 @@ def _head_on_torchao(cfg) -> str | None:
     t = cfg.training
     if cfg.method != "full":
         return None
-    if t.optimizer == "adamw_4bit":
-        return "training.optimizer: adamw_4bit"
+    if t.optimizer in TORCHAO_ADAMW:
+        return f"training.optimizer: {t.optimizer}"
     if t.optimizer == "adamw" and t.master_weights == "bf16":
         return "training.master_weights: bf16"
     if t.embedding_optimizer == "adamw_4bit" and t.optimizer in EMBEDDING_ON_ADAMW:
@@ -319,7 +320,8 @@ def _galore_class():
 # --------------------------------------------------------------------------------------------- torchao
 class _QuantizedState:
     """torchao's quantized moments (tensor subclasses) as their inner tensors plus attributes:
-    ``<key>/<tensor>`` entries and ``<key>/meta`` = [signed, shape]."""
+    ``<key>/<tensor>`` entries and ``<key>/meta`` = [signed, shape, bits] (4 or 8; a checkpoint
+    written before 8-bit moments existed has [signed, shape]: 4-bit)."""
 
     def flat_state(self, p, st: dict) -> dict:
         out = {}
@@ -328,44 +330,58 @@ class _QuantizedState:
                 names, attrs = value.__tensor_flatten__()
                 for name in names:
                     out[f"{key}/{name}"] = getattr(value, name)
-                out[f"{key}/meta"] = [bool(attrs[0]), list(attrs[1])]
+                out[f"{key}/meta"] = [bool(attrs[0]), list(value.shape), _state_bits(value)]
             else:
                 out[key] = value
         return out
 
     def unflat_state(self, p, live: dict, extra: dict) -> None:
         from torchao.optim.subclass_4bit import OptimState4bit
+        from torchao.optim.subclass_8bit import OptimState8bit
 
         keys = {k.split("/", 1)[0] for k in extra}
         for key in keys:
-            signed, shape = extra[f"{key}/meta"]
+            signed, shape, bits = (*extra[f"{key}/meta"], 4)[:3]
             inner = {n: extra[f"{key}/{n}"].to(p.device) for n in OptimState4bit.tensor_attrs}
-            live[key] = OptimState4bit(inner["codes"], inner["scale"], inner["qmap"], signed, tuple(shape))
+            if bits == 8:
+                live[key] = OptimState8bit(inner["codes"], inner["scale"], inner["qmap"], signed, dtype=p.dtype)
+            else:
+                live[key] = OptimState4bit(inner["codes"], inner["scale"], inner["qmap"], signed, tuple(shape))
+
+
+def _state_bits(state: torch.Tensor) -> int:
+    """8 for torchao's 8-bit moment (one uint8 code per value), else 4."""
+    return 8 if state.codes.numel() == state.numel() else 4
 
 
 def _row_chunks(p: torch.Tensor) -> list[slice]:
     """Slices of `p`'s first dimension of at most `TORCHAO_CHUNK_VALUES` values each, every one
-    whole 4-bit blocks (128 values); one slice for a small or 1-D tensor."""
+    whole blocks of torchao's 4-bit (128 values) and 8-bit (256 values) moments; one slice for a
+    small or 1-D tensor."""
     if p.ndim < 2 or p.numel() <= TORCHAO_CHUNK_VALUES:
         return [slice(None)]
     row = p[0].numel()
-    unit = 128 // math.gcd(row, 128)  # rows per whole number of blocks
+    unit = 256 // math.gcd(row, 256)  # rows per whole number of blocks (of 128 and of 256)
     rows = max(unit, TORCHAO_CHUNK_VALUES // row // unit * unit)
     return [slice(a, min(a + rows, p.shape[0])) for a in range(0, p.shape[0], rows)]
 
 
 def _state_rows(state: torch.Tensor, rows: slice, p: torch.Tensor) -> torch.Tensor:
-    """The rows `rows` of a moment of `p`: a view, plain or torchao's 4-bit tensor (its codes and
-    scales sliced block for block), so the update writes into the whole moment."""
+    """The rows `rows` of a moment of `p`: a view, plain or torchao's 4-bit or 8-bit tensor (its
+    codes and scales sliced block for block), so the update writes into the whole moment."""
     if rows == slice(None):
         return state
     if type(state) is torch.Tensor:
         return state[rows]
     from torchao.optim.subclass_4bit import OptimState4bit
+    from torchao.optim.subclass_8bit import OptimState8bit
 
     row = p[0].numel()
     start, stop, _ = rows.indices(p.shape[0])
     a, b = start * row, stop * row
+    if _state_bits(state) == 8:  # codes shaped as the weight
+        return OptimState8bit(state.codes[rows], state.scale[a // state.block_size:b // state.block_size],
+                              state.qmap, state.signed, dtype=state.dtype)
     return OptimState4bit(state.codes[a // 2:b // 2], state.scale[a // state.block_size:b // state.block_size],
                           state.qmap, state.signed, (stop - start, *p.shape[1:]), dtype=state.dtype)
 
@@ -418,10 +434,11 @@ def _run_update(p: torch.Tensor, *args) -> None:
     return _torchao_update(compiled=False)(*args)
 
 
-def _torchao_class(four_bit: bool):
-    from torchao.optim import AdamW4bit, _AdamW
+def _torchao_class(bits: int | None):
+    """torchao's AdamW with `bits`-bit moments (4 or 8), or float32 ones (None)."""
+    from torchao.optim import AdamW4bit, AdamW8bit, _AdamW
 
-    class TorchaoAdamW(_QuantizedState, AdamW4bit if four_bit else _AdamW):
+    class TorchaoAdamW(_QuantizedState, {4: AdamW4bit, 8: AdamW8bit, None: _AdamW}[bits]):
         @torch.no_grad()
         def step(self, closure=None):
             """torchao's step function, on the row chunks of each tensor (`_row_chunks`),
@@ -497,8 +514,8 @@ def _factories(model, name: str, t, *, offload: bool, bf16_weights: bool) -> lis
 
         return [(lambda g: build_adamw(g, name, lr=lr, betas=betas, weight_decay=wd, offload=offload),
                  _param_groups(model, wd))]
-    if name in ("adamw", "adamw_4bit"):
-        cls = _torchao_class(four_bit=name == "adamw_4bit")
+    if name in ("adamw", *TORCHAO_ADAMW):
+        cls = _torchao_class(TORCHAO_ADAMW.get(name))
         return [(lambda g: cls(g, lr=lr, betas=betas, eps=eps, weight_decay=wd, bf16_stochastic_round=bf16_weights),
                  _param_groups(model, wd))]
     if name in PROJECTED:
@@ -553,7 +570,7 @@ def _outer_part(model, t, matrices: set[int], bf16_weights: bool = False
     if t.embedding_optimizer != "adamw_4bit":
         return set(), []
     ids = {id(p) for p in model.parameters() if p.requires_grad and p.ndim == 2 and id(p) not in matrices}
-    cls = _torchao_class(four_bit=True)
+    cls = _torchao_class(4)
     make = lambda g: cls(g, lr=t.learning_rate, betas=tuple(t.betas), eps=1e-8, weight_decay=t.weight_decay,  # noqa: E731
                          bf16_stochastic_round=bf16_weights)
     return ids, [(make, _param_groups(model, t.weight_decay, ids=ids))]
@@ -598,6 +615,10 @@ class InBackwardOptimizer(CompositeOptimizer):
     the gradients are summed as they pass, so `grad_norm()` is the step's (unclipped) global norm."""
 
     steps_in_backward = True
+    #: True during a step's first backward when clipping (`measuring`): the hooks only sum squares.
+    _measuring = False
+    #: The clip coefficient of the step's gradients (`clip_to`), 1.0 when not clipping.
+    _coef = 1.0
 
     def __init__(self, model, parts: list[tuple[Callable, list[dict]]], *, row_steps: bool = True):
         optimizers = []
@@ -651,7 +672,11 @@ class InBackwardOptimizer(CompositeOptimizer):
                                "in the same step (a second loss on the head?): set optimizer_in_backward: false")
         square = float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)) ** 2
         self._square_sum += square
-        if math.isfinite(square):
+        if self._measuring:
+            pass
+        elif math.isfinite(square):
+            if self._coef != 1.0:
+                grad.mul_(self._coef)
             opt = self._by_param[id(p)]
             if p.dtype is torch.bfloat16 and not getattr(opt, "bf16_stochastic_round", False):
                 _step_rounded(p, opt)
@@ -662,10 +687,30 @@ class InBackwardOptimizer(CompositeOptimizer):
         p.grad = None
 
     def begin_step(self) -> None:
-        """Start a new optimizer step's accounting (norm, non-finite count)."""
+        """Start a new optimizer step's accounting (norm, non-finite count); no clipping."""
         self._square_sum = 0.0
         self.nonfinite = 0
         self._row_stepped.clear()
+        self._coef = 1.0
+
+    @contextlib.contextmanager
+    def measuring(self):
+        """A backward whose hooks only sum the gradients' squares (and free them): no weight
+        changes. `grad_norm()` is then the step's global norm, for `clip_to`."""
+        self.begin_step()
+        self._measuring = True
+        try:
+            yield
+        finally:
+            self._measuring = False
+
+    def clip_to(self, max_norm: float) -> float:
+        """After a `measuring` backward: the next backward steps every weight on its gradient times
+        `clip_grad_norm_`'s coefficient, min(1, max_norm / (norm + 1e-6)). Returns the norm."""
+        norm = self.grad_norm()
+        self.begin_step()
+        self._coef = min(1.0, max_norm / (norm + 1e-6))
+        return norm
 
     def grad_norm(self) -> float:
         return math.sqrt(self._square_sum) if math.isfinite(self._square_sum) else float("nan")
@@ -702,8 +747,11 @@ class _RowStep:
             self.owner._row_stepped.add(id(self.weight))
         square = float(torch.linalg.vector_norm(grad, dtype=torch.float32)) ** 2
         self.owner._square_sum += square
+        if self.owner._measuring:
+            return
         if math.isfinite(square):
-            self.optimizer.step_rows(self.weight, rows, grad, first)
+            coef = self.owner._coef
+            self.optimizer.step_rows(self.weight, rows, grad * coef if coef != 1.0 else grad, first)
         else:
             self.owner.nonfinite += 1
 

@@ -117,6 +117,10 @@ class Trainer:
         self.plan = plan_run(cfg, device=self.device, world_size=self.dist.world_size, lengths=self.lengths)
         self.method = self.plan.method
         check_in_backward(cfg, grad_accum=self.plan.grad_accum, world_size=self.dist.world_size)
+        if cfg.training.optimizer_in_backward and cfg.training.max_grad_norm:
+            self.dist.say(f"notice: training.optimizer_in_backward with max_grad_norm {cfg.training.max_grad_norm}: "
+                          f"each step runs its backward twice (the first measures the gradient norm, the second "
+                          f"steps on clipped gradients); set training.max_grad_norm: null for one backward, unclipped")
         self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
         self.checkpointing = self._apply_checkpointing()
@@ -231,9 +235,45 @@ class Trainer:
             batches = [flatten(c) if self._flatten(c) else collate(c, self.tokenizer.pad_token_id) for c in chunks]
         units = self.dist.all_reduce_int(sum(obj.count(b) for b in batches))
         tokens = sum(obj.tokens(b) for b in batches)
+        scale = self.dist.world_size / max(units, 1)
+        max_norm = self.cfg.training.max_grad_norm
+        measured = None
+        if in_backward and max_norm:
+            # Clipping inside the backward: a first backward sums the global norm (no weight
+            # changes; the same random draws as the second, which steps on clipped gradients).
+            devices = [self.device] if self.device.type == "cuda" else []
+            with torch.random.fork_rng(devices=devices), self.optimizer.measuring():
+                self._backward(batches, scale)
+            measured = self.optimizer.clip_to(max_norm)
+        if measured is not None and not math.isfinite(measured):
+            loss_total, sums = torch.tensor(float("nan"), dtype=torch.float64), {}  # no weight changed
+        else:
+            loss_total, sums = self._backward(batches, scale)
+        obj.after_backward(self, step)  # GRPO: an asynchronous generation finishes before the weights change
+        if "after_backward" in self.hooks:
+            self.hooks["after_backward"](self, step)
+        loss_total = self.dist.all_reduce_sum(loss_total)
+        loss = float(loss_total) / max(units, 1)
+        params = [p for p in self.model.parameters() if p.requires_grad]
+        if in_backward:  # every weight stepped already; the norm was summed as the gradients passed
+            grad_norm = torch.tensor(self.optimizer.grad_norm() if measured is None else measured)
+        else:
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
+        finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
+        if finite:
+            self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.scheduler.step()
+        extra = {k: v / max(units, 1) for k, v in sums.items()}
+        extra.update(obj.step_metrics())
+        return {"loss": loss if finite else None, "grad_norm": float(grad_norm) if finite else None,
+                "finite": finite, "tokens": tokens * self.dist.world_size, "units": units, "metrics": extra}
+
+    def _backward(self, batches: list[dict], scale: float) -> tuple[torch.Tensor, dict[str, float]]:
+        """Forward and backward of the step's micro-batches (losses times `scale`): the summed loss
+        and metric sums."""
         loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
         sums: dict[str, float] = {}
-        scale = self.dist.world_size / max(units, 1)
         for i, batch in enumerate(batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
             # DDP: gradients are all-reduced once per optimizer step, on the last micro-batch.
@@ -246,26 +286,7 @@ class Trainer:
             loss_total += loss_sum.detach().double()
             for k, v in metric_sums.items():
                 sums[k] = sums.get(k, 0.0) + float(v)
-        obj.after_backward(self, step)  # GRPO: an asynchronous generation finishes before the weights change
-        if "after_backward" in self.hooks:
-            self.hooks["after_backward"](self, step)
-        loss_total = self.dist.all_reduce_sum(loss_total)
-        loss = float(loss_total) / max(units, 1)
-        params = [p for p in self.model.parameters() if p.requires_grad]
-        max_norm = self.cfg.training.max_grad_norm
-        if in_backward:  # every weight stepped already; the norm was summed as the gradients passed
-            grad_norm = torch.tensor(self.optimizer.grad_norm())
-        else:
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, max_norm if max_norm else float("inf"))
-        finite = math.isfinite(loss) and bool(torch.isfinite(grad_norm))
-        if finite:
-            self.optimizer.step()
-        self.optimizer.zero_grad(set_to_none=True)
-        self.scheduler.step()
-        extra = {k: v / max(units, 1) for k, v in sums.items()}
-        extra.update(obj.step_metrics())
-        return {"loss": loss if finite else None, "grad_norm": float(grad_norm) if finite else None,
-                "finite": finite, "tokens": tokens * self.dist.world_size, "units": units, "metrics": extra}
+        return loss_total, sums
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
