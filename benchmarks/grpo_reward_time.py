@@ -16,7 +16,8 @@ sampling):
   as two steps of 4 prompts (`steps_per_generation: 2`);
 - TRL: `GRPOTrainer` with the same settings per optimizer step (`_grpo_sides.trl_grpo_trainer`:
   `batch_size / steps_per_generation` = 4 prompts x 8 per step, sampled every step, TRL's
-  default), the same adapter loaded trainable (LoRA + the saved embedding and head), and our
+  default `steps_per_generation` 1; `--trl-steps-per-generation 2` samples 8 prompts for two
+  steps, as the example does), the same adapter loaded trainable (LoRA + the saved embedding and head), and our
   learning-rate schedule (`maximus.train.trainer.lr_factor`: Transformers' `constant_with_warmup`
   would start at 0 and climb by 1/5 per step, ours starts at 1/6), with torch AdamW as
   Transformers builds it.
@@ -25,10 +26,12 @@ Each side records, per optimizer step, the mean reward of its sampled completion
 seconds its steps took so far (ours: metrics.jsonl `step_time_s`; TRL: step begin to step end)
 and the process's CPU seconds over the same spans. The plot draws each seed's trailing mean (the
 last 10 steps) against wall time, faint, and the mean over seeds bold; the tables compare the
-sides at eight equal wall times and eight equal CPU times (shares of the shortest run), as the
-mean over seeds with the seeds' range.
+sides at eight equal wall times and eight equal CPU times (shares of the shortest run), seed by
+seed and pooled (the mean over seeds, with the seeds' range), after each side's seconds a step
+(and ours / TRL's, the median over seeds) and how many of our steps ran under the memory meter.
 
     python benchmarks/grpo_reward_time.py [--steps 120] [--seeds 0,1,2] [--threads 1] [--json points.json]
+                                          [--trl-steps-per-generation 1]
                                           [--out docs/benchmarks/grpo_reward_time.png]
     python benchmarks/grpo_reward_time.py --replot points.json   # tables and plot again
 """
@@ -94,12 +97,14 @@ def run_ours(steps: int, out: Path, seed: int) -> list[dict]:
     wall, cpu_s, points = 0.0, 0.0, []
     for r in rows:
         wall, cpu_s = wall + r["step_time_s"], cpu_s + cpu[r["step"]]
-        points.append({"step": r["step"], "wall_s": wall, "cpu_s": cpu_s, "reward": r["reward"]})
+        points.append({"step": r["step"], "wall_s": wall, "cpu_s": cpu_s, "reward": r["reward"],
+                       "metered": "peak_memory_bytes" in r})
     return points
 
 
-def run_trl(steps: int, out: Path, seed: int, callbacks=()) -> list[dict]:
-    """TRL's side: its points (step, wall seconds, reward); `callbacks`: more TrainerCallbacks."""
+def run_trl(steps: int, out: Path, seed: int, callbacks=(), steps_per_generation: int = 1) -> list[dict]:
+    """TRL's side: its points (step, wall seconds, reward); `callbacks`: more TrainerCallbacks;
+    `steps_per_generation`: TRL's (1, its default: sampled every step)."""
     from transformers import TrainerCallback
 
     from _grpo_sides import trl_grpo_trainer
@@ -137,7 +142,8 @@ def run_trl(steps: int, out: Path, seed: int, callbacks=()) -> list[dict]:
                                gradient_checkpointing=False, adapter=ROOT / cfg["init_adapter"],
                                learning_rate=t["learning_rate"], lr_lambda=lambda step: lr_factor(step, training, steps),
                                temperature=g["temperature"], scale_rewards=g["scale_rewards"],
-                               reward_weights=g["reward_weights"], seed=seed)
+                               reward_weights=g["reward_weights"], seed=seed,
+                               steps_per_generation=steps_per_generation)
     trainer.train()
     return points
 
@@ -187,6 +193,9 @@ def main() -> None:
     parser.add_argument("--seeds", default="0", help="comma-separated seeds, each run by both sides (prompt order and "
                                                       "sampling); all of them at once")
     parser.add_argument("--threads", type=int, default=1, help="intra-op threads of each side")
+    parser.add_argument("--trl-steps-per-generation", type=int, default=1,
+                        help="TRL's steps_per_generation (1, its default: it samples every step; 2: one generation "
+                             "of 8 prompts for two steps, as the example does)")
     parser.add_argument("--out", type=Path, default=ROOT / "docs" / "benchmarks" / "grpo_reward_time.png")
     parser.add_argument("--json", type=Path, help="also write both sides' points here")
     parser.add_argument("--replot", type=Path, help="only redraw (and tabulate) the points of an earlier --json")
@@ -199,7 +208,9 @@ def main() -> None:
 
         torch.set_num_threads(args.threads)
         with tempfile.TemporaryDirectory() as tmp:
-            points = (run_ours if args.side == "ours" else run_trl)(args.steps, Path(tmp) / args.side, args.seed)
+            out = Path(tmp) / args.side
+            points = (run_ours(args.steps, out, args.seed) if args.side == "ours" else
+                      run_trl(args.steps, out, args.seed, steps_per_generation=args.trl_steps_per_generation))
         args.points.write_text(json.dumps(points))
         return
     if args.replot:
@@ -214,7 +225,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         files = {(seed, side): Path(tmp) / f"{side}{seed}.json" for seed in seeds for side in ("ours", "trl")}
         procs = {key: subprocess.Popen([sys.executable, __file__, "--side", key[1], "--steps", str(args.steps),
-                                        "--seed", str(key[0]), "--threads", str(args.threads), "--points", str(path)],
+                                        "--seed", str(key[0]), "--threads", str(args.threads), "--points", str(path),
+                                        "--trl-steps-per-generation", str(args.trl_steps_per_generation)],
                                        cwd=ROOT, env=env, stdout=subprocess.DEVNULL)
                  for key, path in files.items()}
         for key, proc in procs.items():
@@ -222,10 +234,38 @@ def main() -> None:
                 raise SystemExit(f"the {key[1]} side of seed {key[0]} failed (exit {proc.returncode})")
         runs = {str(seed): {SIDES[0]: json.loads(files[seed, "ours"].read_text()),
                             SIDES[1]: json.loads(files[seed, "trl"].read_text())} for seed in seeds}
+    run_args = {"steps": args.steps, "seeds": args.seeds, "threads": args.threads, "machine": machine(),
+                "trl_steps_per_generation": args.trl_steps_per_generation,
+                "date": time.strftime("%Y-%m-%d", time.gmtime())}
     if args.json:
-        args.json.write_text(json.dumps({"args": {"steps": args.steps, "seeds": args.seeds, "threads": args.threads},
-                                         "runs": runs}, indent=1))
-    report({"args": {"steps": args.steps, "seeds": args.seeds, "threads": args.threads}, "runs": runs}, args)
+        args.json.write_text(json.dumps({"args": run_args, "runs": runs}, indent=1))
+    report({"args": run_args, "runs": runs}, args)
+
+
+def equal_time_table(runs: dict, axis: str, label: str, end: float) -> None:
+    """A Markdown table: each side's steps done and reward (mean of the last WINDOW steps) at the
+    SHARES of `end` seconds of `axis`, and ours minus TRL's; over several seeds the mean, with the
+    seeds' range."""
+    pooled = len(runs) > 1
+
+    def cell(values, fmt):
+        text = format(statistics.mean(values), fmt)
+        return f"{text} ({format(min(values), fmt)} to {format(max(values), fmt)})" if pooled else text
+
+    print(f"| {label} | ours: steps | ours: reward | TRL: steps | TRL: reward | ours - TRL |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    for share in SHARES:
+        at, cells, per_side = share * end, [], []
+        for side in SIDES:
+            values = [reward_at(c[side], at, axis) for c in runs.values()]
+            steps = [sum(p[axis] <= at for p in c[side]) for c in runs.values()]
+            per_side.append(values)
+            cells += [f"{statistics.mean(steps):.0f}", "-" if None in values else cell(values, ".3f")]
+        if None in per_side[0] or None in per_side[1]:
+            cells.append("-")
+        else:
+            cells.append(cell([a - b for a, b in zip(*per_side)], "+.3f"))
+        print(f"| {at:.1f} | " + " | ".join(cells) + " |")
 
 
 def report(data: dict, args) -> None:
@@ -240,31 +280,39 @@ def report(data: dict, args) -> None:
             print(f"{side}, seed {seed}: {len(points)} steps in {points[-1]['wall_s']:.1f} s wall "
                   f"({points[-1]['wall_s'] / len(points):.2f} s a step), {points[-1]['cpu_s']:.1f} CPU s "
                   f"({points[-1]['cpu_s'] / len(points):.3f} a step), final mean of last {WINDOW}: "
-                  f"{trailing_mean([p['reward'] for p in points])[-1]:.3f}")
+                  f"{trailing_mean([p['reward'] for p in points])[-1]:.3f}"
+                  + (f"; {sum(p['metered'] for p in points)} steps metered" if "metered" in points[0] else ""))
+    per_step = {side: [(c[side][-1]["wall_s"] / len(c[side]), c[side][-1]["cpu_s"] / len(c[side])) for c in runs.values()]
+                for side in SIDES}
+    for i, unit in enumerate(("wall s", "CPU s")):
+        ours, trl = ([v[i] for v in per_step[side]] for side in SIDES)
+        ratios = [a / b for a, b in zip(ours, trl)]
+        print(f"{unit} a step, median over seeds: ours {statistics.median(ours):.3f}, TRL {statistics.median(trl):.3f}; "
+              f"ours / TRL {statistics.median(ratios):.2f}x (seeds {', '.join(f'{r:.2f}' for r in ratios)})")
     for axis, label in (("wall_s", "wall time (s)"), ("cpu_s", "CPU time (s)")):
         end = horizon(runs, axis)
-        print(f"\n| {label} | ours: steps | ours: reward, mean (seed range) | TRL: steps | TRL: reward, mean (seed range) "
-              f"| ours - TRL, mean (seed range) |")
-        print("|---:|---:|---:|---:|---:|---:|")
-        for share in SHARES:
-            at, cells, per_side = share * end, [], []
-            for side in SIDES:
-                values = [reward_at(c[side], at, axis) for c in runs.values()]
-                steps = [sum(p[axis] <= at for p in c[side]) for c in runs.values()]
-                per_side.append(values)
-                if None in values:
-                    cells += [f"{statistics.mean(steps):.0f}", "-"]
-                    continue
-                cells += [f"{statistics.mean(steps):.0f}", f"{statistics.mean(values):.3f} ({min(values):.3f}-{max(values):.3f})"]
-            if None in per_side[0] or None in per_side[1]:
-                cells.append("-")
-            else:
-                gaps = [a - b for a, b in zip(*per_side)]
-                cells.append(f"{statistics.mean(gaps):+.3f} ({min(gaps):+.3f} to {max(gaps):+.3f})")
-            print(f"| {at:.1f} | " + " | ".join(cells) + " |")
+        for seed in runs:
+            print(f"\nseed {seed}, at equal {label.split(' (')[0]}:")
+            equal_time_table({seed: runs[seed]}, axis, label, end)
+        if len(runs) > 1:
+            print(f"\nall seeds pooled (mean over seeds, the seeds' range in brackets), at equal {label.split(' (')[0]}:")
+            equal_time_table(runs, axis, label, end)
     plot(runs, args.out, f"examples/grpo.yaml, ours vs TRL GRPOTrainer (no vLLM), run side by side, {run_args['threads']} "
-                         f"thread each\n2-core AMD EPYC (AVX512-BF16), 2026-12-02, benchmarks/grpo_reward_time.py "
-                         f"--steps {run_args['steps']} --seeds {run_args['seeds']}")
+                         f"thread each\n{run_args.get('machine', machine())}, {run_args.get('date', '?')}, "
+                         f"benchmarks/grpo_reward_time.py --steps {run_args['steps']} --seeds {run_args['seeds']}")
+
+
+def machine() -> str:
+    """The CPU in a few words for the plot's title: its cores and widest vector unit."""
+    try:
+        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
+        model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1]
+    except (OSError, StopIteration):
+        return f"{os.cpu_count()}-core CPU"
+    vendor = "AMD EPYC" if "EPYC" in model else model.strip()
+    unit = ("AVX512-BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags
+            else "AVX2 only" if "avx2" in flags else "no AVX2")
+    return f"{os.cpu_count()}-core {vendor} ({unit})"
 
 
 if __name__ == "__main__":
