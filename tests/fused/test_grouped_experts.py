@@ -119,8 +119,46 @@ def test_clamped_swiglu_equals_gpt_oss_gate_at_and_beyond_its_limits(moe_dirs):
     gate_up.requires_grad_(True)
     grad = torch.randn(40, experts.intermediate_size, generator=torch.Generator().manual_seed(1))
     theirs = experts._apply_gate(gate_up)
-    ours = grouped._gate(experts, gate_up)
+    ours = grouped._gate(experts, gate_up, grouped._silu_gate(experts))
     assert ours.grad_fn.name().endswith("_ClampedSwiGLUBackward")
     assert torch.equal(ours, theirs)
     torch.testing.assert_close(torch.autograd.grad(ours, gate_up, grad)[0], torch.autograd.grad(theirs, gate_up, grad)[0],
                                rtol=1e-6, atol=1e-6)
+    wide = gate_up.detach()[1:].double().requires_grad_(True)  # off the bounds, where the gate is differentiable
+    assert torch.autograd.gradcheck(lambda x: grouped._ClampedSwiGLU.apply(x, float(experts.alpha), float(experts.limit)),
+                                    (wide,))
+
+
+@pytest.mark.parametrize("model_type", ["mixtral", "qwen3_moe"])
+def test_silu_gate_equals_the_default_gate(moe_dirs, model_type):
+    from transformers import AutoModelForCausalLM
+
+    experts = AutoModelForCausalLM.from_pretrained(moe_dirs[model_type]).model.layers[0].mlp.experts
+    assert grouped._silu_gate(experts)
+    gate_up = (torch.randn(40, 2 * experts.intermediate_dim, generator=torch.Generator().manual_seed(0)) * 4).requires_grad_(True)
+    grad = torch.randn(40, experts.intermediate_dim, generator=torch.Generator().manual_seed(1))
+    theirs = experts._apply_gate(gate_up)
+    ours = grouped._gate(experts, gate_up, True)
+    assert ours.grad_fn.name().endswith("_SiluGateBackward")
+    assert torch.equal(ours, theirs)
+    torch.testing.assert_close(torch.autograd.grad(ours, gate_up, grad)[0], torch.autograd.grad(theirs, gate_up, grad)[0],
+                               rtol=1e-6, atol=1e-6)
+    wide = gate_up.detach().double().requires_grad_(True)
+    assert torch.autograd.gradcheck(grouped._SiluGate.apply, (wide,))
+
+
+def test_combine_equals_weighted_index_add_and_passes_gradcheck():
+    g = torch.Generator().manual_seed(0)
+    tokens, k, hidden = 7, 2, 5
+    # 12 of the 14 (token, slot) pairs routed (two sentinel slots), rows in expert order
+    token = torch.tensor([0, 3, 5, 6, 1, 2, 3, 4, 0, 1, 2, 6])
+    rows = torch.randn(12, hidden, generator=g, dtype=torch.float64, requires_grad=True)
+    weights = torch.rand(12, generator=g, dtype=torch.float64, requires_grad=True)
+    ours = grouped._Combine.apply(rows, weights, token, tokens)
+    theirs = torch.zeros(tokens, hidden, dtype=torch.float64).index_add(0, token, rows * weights[:, None])
+    assert torch.equal(ours, theirs)
+    assert torch.equal(ours[5], rows[2] * weights[2])  # a token with one routed row
+    grad = torch.randn(tokens, hidden, generator=g, dtype=torch.float64)
+    for a, b in zip(torch.autograd.grad(ours, (rows, weights), grad), torch.autograd.grad(theirs, (rows, weights), grad)):
+        torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
+    assert torch.autograd.gradcheck(lambda r, w: grouped._Combine.apply(r, w, token, tokens), (rows, weights))

@@ -116,21 +116,84 @@ class _ClampedSwiGLU(torch.autograd.Function):
         raw_gate, raw_up = gate_up[..., ::2], gate_up[..., 1::2]
         gate = raw_gate.clamp(max=limit)
         up = raw_up.clamp(-limit, limit)
-        sig = torch.sigmoid(gate * alpha)
+        scaled = gate * alpha
         out = torch.empty_like(gate_up)
-        # clamp passes the gradient where its input lies within the bounds, bounds included
-        torch.mul(grad * (gate * sig), (raw_up.abs() <= limit), out=out[..., 1::2])
-        d_gate = grad * (up + 1)
-        d_gate *= sig * (1 + gate * alpha * (1 - sig))
-        torch.mul(d_gate, raw_gate <= limit, out=out[..., ::2])
+        # clamp passes the gradient where its input lies within the bounds, bounds included (where
+        # clamping left it unchanged; NaN compares unequal, as in clamp's backward)
+        d_up = grad * (gate * torch.sigmoid(scaled))
+        torch.mul(d_up, up == raw_up, out=out[..., 1::2])
+        # d/dg g sigmoid(a g) = silu'(a g): SiLU's own backward kernel at a g
+        d_glu = grad * (up + 1)
+        d_glu.mul_(gate == raw_gate)
+        torch.ops.aten.silu_backward.grad_input(d_glu, scaled, grad_input=out[..., ::2])
         return out, None, None
 
 
-def _gate(experts, gate_up: torch.Tensor) -> torch.Tensor:
+class _SiluGate(torch.autograd.Function):
+    """Transformers' default gate (`_default_apply_gate` with a SiLU ``act_fn``: Mixtral, Qwen3-MoE)
+    on concatenated ``[gate | up]`` columns: ``silu(gate) * up``, the same float32 operations
+    forward; backward from the saved input alone, written into the two halves of one gradient
+    (autograd's version keeps ``silu(gate)`` beside the input and concatenates the halves'
+    gradients)."""
+
+    @staticmethod
+    def forward(ctx, gate_up):
+        ctx.save_for_backward(gate_up)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return torch.nn.functional.silu(gate) * up
+
+    @staticmethod
+    def backward(ctx, grad):
+        (gate_up,) = ctx.saved_tensors
+        gate, up = gate_up.chunk(2, dim=-1)
+        out = torch.empty_like(gate_up)
+        d_gate, d_up = out.chunk(2, dim=-1)
+        torch.mul(grad, torch.nn.functional.silu(gate), out=d_up)
+        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)  # SiLU's own backward kernel
+        return out
+
+
+class _Combine(torch.autograd.Function):
+    """The routed rows back to their tokens: ``out[t] = sum of w_i * rows_i over the rows i of token
+    t``, for `rows [N, H]` in expert order with their routing weights ``weights [N]`` and tokens
+    ``token [N]`` (one ``index_add_`` forward, in expert order as Transformers' experts add them);
+    backward gathers the output's gradient once (``index_select``) for both inputs' gradients, and
+    keeps the rows as they are (no permuted copy, no per-token batched matmul)."""
+
+    @staticmethod
+    def forward(ctx, rows, weights, token, tokens: int):
+        ctx.save_for_backward(rows, weights, token)
+        out = rows.new_zeros(tokens, rows.shape[-1])
+        return out.index_add_(0, token, rows * weights.unsqueeze(-1))
+
+    @staticmethod
+    def backward(ctx, grad):
+        rows, weights, token = ctx.saved_tensors
+        g = grad.index_select(0, token)
+        d_weights = torch.linalg.vecdot(g, rows) if ctx.needs_input_grad[1] else None
+        d_rows = g.mul_(weights.unsqueeze(-1)) if ctx.needs_input_grad[0] else None
+        return d_rows, d_weights, None, None
+
+
+def _silu_gate(experts) -> bool:
+    """Whether `experts` gates with Transformers' default ``act_fn(gate) * up`` and a SiLU."""
+    try:
+        from transformers.activations import SiLUActivation
+        from transformers.integrations.moe import _default_apply_gate
+    except ImportError:
+        return False
+    gate = getattr(type(experts), "_apply_gate", None)
+    return gate is _default_apply_gate and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU))
+
+
+def _gate(experts, gate_up: torch.Tensor, silu: bool) -> torch.Tensor:
     """The experts' gate on one expert's ``gate_up`` rows: gpt-oss's clamped SwiGLU through
-    `_ClampedSwiGLU`, every other family through its own `_apply_gate`."""
+    `_ClampedSwiGLU`, the default SiLU gate through `_SiluGate` (`silu`: `_silu_gate`), any
+    other through the module's own `_apply_gate`."""
     if type(experts).__name__ == "GptOssExperts" and hasattr(experts, "alpha") and hasattr(experts, "limit"):
         return _ClampedSwiGLU.apply(gate_up, float(experts.alpha), float(experts.limit))
+    if silu:
+        return _SiluGate.apply(gate_up)
     return experts._apply_gate(gate_up)
 
 
@@ -158,24 +221,20 @@ def grouped_experts(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k
     order = torch.argsort(flat, stable=True)
     # Index num_experts is Transformers' expert-parallel sentinel ("no expert here"): sorted last, skipped.
     counts = torch.bincount(flat, minlength=num_experts + 1)[:num_experts].tolist()
-    routed = sum(counts)
-    expert_rows = _expert_rows(experts, hidden_states[order[:routed] // k], counts, flat.numel(), transposed, has_bias,
-                               adapters)
-    # Back to (token, slot) order, then each token's k rows weighted and summed in one batched
-    # matmul: autograd keeps the permuted rows (for the routing weights' gradient) and the
-    # permutation; the expert-order rows are freed here, not kept beside them.
-    inverse = torch.empty_like(order)
-    inverse[order] = torch.arange(order.numel(), device=order.device)
-    slots = expert_rows[inverse].view(-1, k, expert_rows.shape[-1])
-    del expert_rows
-    return torch.bmm(top_k_weights.to(hidden_states.dtype).unsqueeze(1), slots).squeeze(1)
+    routed = order[:sum(counts)]
+    token = routed // k
+    expert_rows = _expert_rows(experts, hidden_states.index_select(0, token), counts, transposed, has_bias, adapters)
+    # Each row weighted and added to its token's output in expert order (`_Combine`); autograd keeps
+    # the expert-order rows, their weights and tokens: no permuted copy of the rows.
+    weights = top_k_weights.to(hidden_states.dtype).reshape(-1).index_select(0, routed)
+    return _Combine.apply(expert_rows, weights, token, hidden_states.shape[0])
 
 
-def _expert_rows(experts, rows: torch.Tensor, counts: list[int], slots: int, transposed: bool, has_bias: bool,
+def _expert_rows(experts, rows: torch.Tensor, counts: list[int], transposed: bool, has_bias: bool,
                  adapters: dict) -> torch.Tensor:
-    """The experts' outputs for `rows` (the routed tokens in expert order, `counts` per expert),
-    padded with zero rows for the sentinel slots to `slots` rows. A function of its own so that
-    the gathered rows and the per-expert outputs die when it returns (autograd keeps what it needs)."""
+    """The experts' outputs for `rows` (the routed tokens in expert order, `counts` per expert). A
+    function of its own so that the gathered rows and the per-expert outputs die when it returns
+    (autograd keeps what it needs)."""
     gate_up_w = experts.gate_up_proj.unbind(0)
     down_w = experts.down_proj.unbind(0)
     gate_up_b = experts.gate_up_proj_bias.unbind(0) if has_bias else None
@@ -185,16 +244,16 @@ def _expert_rows(experts, rows: torch.Tensor, counts: list[int], slots: int, tra
     # Per-expert views with `split` and one `cat` of the outputs: one autograd node each way (slicing
     # would give each expert's backward a zero-filled rows-sized gradient, writing into a buffer one
     # copy of the whole buffer's gradient per expert).
+    silu = _silu_gate(experts)
     outputs = []
     for e, x in enumerate(rows.split(counts)):
         if not counts[e]:
             continue
         h = _projection(x, gate_up_w[e], gate_up_b[e] if has_bias else None, transposed, lora_gate_up[e])
-        h = _gate(experts, h)
+        h = _gate(experts, h, silu)
         outputs.append(_projection(h, down_w[e], down_b[e] if has_bias else None, transposed, lora_down[e]))
-    if rows.shape[0] < slots:  # sentinel slots: zero rows
-        outputs.append(rows.new_zeros(slots - rows.shape[0], rows.shape[-1]))
     return torch.cat(outputs) if outputs else rows.new_zeros(0, rows.shape[-1])
+
 
 def _grouped_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     unwrapped = _unwrap(self)

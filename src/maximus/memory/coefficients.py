@@ -24,12 +24,14 @@ ATTENTION_PROBS = {"gemma2": 3, "gemma3": 1, "gemma3_text": 1}
 ATTENTION_SINK_MASKS = {"gpt_oss": 2}
 
 #: Intermediate-sized tensors (compute dtype) an expert's gate keeps per routed token beyond what
-#: SiLU(gate) x up keeps, by model type: (under maximus.kernels.grouped_experts, under Transformers'
-#: experts forward). gpt-oss's clamped SwiGLU: the grouped forward's one autograd function keeps only
-#: its input (-1); Transformers' operations keep the clamps, the sigmoid and the products (+3).
-#: Measured with saved_tensors_hooks against Mixtral of the same shape (the family matrix's tiny
-#: models, float32): -2.9 and +13.1 bytes per routed intermediate unit.
-EXPERT_GATE_TENSORS = {"gpt_oss": (-1, 3)}
+#: SiLU(gate) x up keeps (its input and SiLU(gate)), by model type: (under
+#: maximus.kernels.grouped_experts, under Transformers' experts forward). The grouped forward's gates
+#: are one autograd function each that keeps only its input (-1): gpt-oss's clamped SwiGLU, and
+#: Mixtral's and Qwen3-MoE's SiLU(gate) x up; Transformers' operations for gpt-oss keep the clamps,
+#: the sigmoid and the products (+3). Measured with saved_tensors_hooks against Mixtral under
+#: Transformers' forward, same shape (the family matrix's tiny models, float32): -2.9 and +13.1
+#: bytes per routed intermediate unit for gpt-oss.
+EXPERT_GATE_TENSORS = {"gpt_oss": (-1, 3), "mixtral": (-1, 0), "qwen3_moe": (-1, 0)}
 
 # Measured with saved_tensors_hooks on Transformers 5 LlamaDecoderLayer (SDPA), varying one
 # dimension at a time (docs/planner.md "Where the coefficients come from"):
