@@ -304,12 +304,13 @@ def report(data: dict, args) -> None:
 
 def machine() -> str:
     """The CPU in a few words for the plot's title: its cores and widest vector unit."""
-    try:
-        flags = next(line for line in open("/proc/cpuinfo") if line.startswith("flags")).split()
-        model = next(line for line in open("/proc/cpuinfo") if line.startswith("model name")).split(":", 1)[1]
-    except (OSError, StopIteration):
+    from _grpo_sides import cpuinfo
+
+    info = cpuinfo("flags", "model name")
+    if len(info) < 2:
         return f"{os.cpu_count()}-core CPU"
-    vendor = "AMD EPYC" if "EPYC" in model else model.strip()
+    flags, model = info["flags"].split(), info["model name"]
+    vendor = "AMD EPYC" if "EPYC" in model else model
     unit = ("AVX512-BF16" if "avx512_bf16" in flags else "AVX512" if "avx512f" in flags
             else "AVX2 only" if "avx2" in flags else "no AVX2")
     return f"{os.cpu_count()}-core {vendor} ({unit})"

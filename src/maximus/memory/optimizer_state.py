@@ -158,12 +158,12 @@ def optimizer_state_bytes(shape: Any, optimizer: str, *, full: bool, trainable: 
         return 2 * trainable  # uint8 moments (absmax and code books: < 2 % on a real model)
     if optimizer in TORCHAO_ADAMW:
         # torchao quantises only tensors of at least 4,096 values, in whole blocks of 128 (256).
-        eight = TORCHAO_ADAMW[optimizer] == 8
-        block, per_value = (256, _EIGHT_BIT_BYTES) if eight else (128, _FOUR_BIT_BYTES)
+        bits = TORCHAO_ADAMW[optimizer]
+        block, per_value = (256, _EIGHT_BIT_BYTES) if bits == 8 else (128, _FOUR_BIT_BYTES)
         tensors = [n for n in _matrix_sizes(shape) if _quantisable(n, block)] if full else []
         quantised = sum(tensors) if full else trainable
         # Each quantised moment also holds its code book: 2**bits float32 values.
-        books = 2 * len(tensors) * 4 * 2 ** TORCHAO_ADAMW[optimizer]
+        books = 2 * len(tensors) * 4 * 2 ** bits
         return int(per_value * quantised + books + 2 * p_bytes * (trainable - quantised))
     if optimizer == "adamw":
         return 2 * p_bytes * trainable

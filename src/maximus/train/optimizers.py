@@ -672,19 +672,22 @@ class InBackwardOptimizer(CompositeOptimizer):
                                "in the same step (a second loss on the head?): set optimizer_in_backward: false")
         square = float(torch.linalg.vector_norm(grad.detach(), dtype=torch.float32)) ** 2
         self._square_sum += square
-        if self._measuring:
-            pass
-        elif math.isfinite(square):
-            if self._coef != 1.0:
-                grad.mul_(self._coef)
-            opt = self._by_param[id(p)]
-            if p.dtype is torch.bfloat16 and not getattr(opt, "bf16_stochastic_round", False):
-                _step_rounded(p, opt)
-            else:
-                opt.step()
-        else:
-            self.nonfinite += 1
+        if not self._measuring:
+            self._step(p, grad, square)
         p.grad = None
+
+    def _step(self, p: torch.Tensor, grad: torch.Tensor, square: float) -> None:
+        """`p`'s update from its gradient (times the clip coefficient); a non-finite one is skipped."""
+        if not math.isfinite(square):
+            self.nonfinite += 1
+            return
+        if self._coef != 1.0:
+            grad.mul_(self._coef)
+        opt = self._by_param[id(p)]
+        if p.dtype is torch.bfloat16 and not getattr(opt, "bf16_stochastic_round", False):
+            _step_rounded(p, opt)
+        else:
+            opt.step()
 
     def begin_step(self) -> None:
         """Start a new optimizer step's accounting (norm, non-finite count); no clipping."""
