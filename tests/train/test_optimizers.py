@@ -234,6 +234,12 @@ def test_refused_combinations(training, message):
     assert err.value.message == message
 
 
+def test_bf16_master_weights_hint_names_every_torchao_optimizer():
+    with pytest.raises(ConfigError) as err:
+        require_packages(_cfg(master_weights="bf16", optimizer="muon"))
+    assert err.value.hint == "set training.optimizer: adamw, adamw_4bit or adamw_8bit_torchao, or master_weights: fp32"
+
+
 def test_matryoshka_with_a_head_stepped_in_the_loss_backward_is_refused_at_config_read():
     def cfg(matryoshka):
         return Config.from_dict({"model": "x", "dataset": "y", "method": "full",

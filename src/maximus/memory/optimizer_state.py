@@ -249,9 +249,21 @@ def steps_outer_rows(shape: Any, optimizer: str, *, full: bool, in_backward: boo
     gradients are formed, inside the backward (`maximus.train.optimizers.InBackwardOptimizer`):
     full fine-tuning inside the backward with torchao's step on them (`adamw_4bit`,
     `adamw_8bit_torchao`, AdamW with bf16 weights, or a 4-bit `embedding_optimizer`)."""
-    torchao = (optimizer in TORCHAO_ADAMW or (optimizer == "adamw" and master_weights == "bf16")
-               or (optimizer in EMBEDDING_ON_ADAMW and embedding_optimizer == "adamw_4bit"))
+    torchao = outer_rows_on_torchao(optimizer, master_weights, embedding_optimizer) is not None
     return bool(full and in_backward and torchao and not shape.tied_embeddings)
+
+
+def outer_rows_on_torchao(optimizer: str, master_weights: str = "fp32", embedding_optimizer: str = "adamw") -> str | None:
+    """The setting that puts a full fine-tune's embedding and head on torchao's step (the config
+    key and value, for messages), or None: `adamw_4bit` / `adamw_8bit_torchao`, AdamW with bf16
+    weights, or a 4-bit `embedding_optimizer` beside an optimizer that leaves them to AdamW."""
+    if optimizer in TORCHAO_ADAMW:
+        return f"training.optimizer: {optimizer}"
+    if optimizer == "adamw" and master_weights == "bf16":
+        return "training.master_weights: bf16"
+    if embedding_optimizer == "adamw_4bit" and optimizer in EMBEDDING_ON_ADAMW:
+        return "training.embedding_optimizer: adamw_4bit"
+    return None
 
 
 def row_block_rows(shape: Any) -> int:

@@ -52,7 +52,7 @@ import torch
 
 from maximus.errors import ConfigError
 from maximus.memory.optimizer_state import (EMBEDDING_ON_ADAMW, OPTIMIZERS, PROJECTED, TORCHAO_ADAMW,
-                                            TORCHAO_CHUNK_VALUES, projection_settings)
+                                            TORCHAO_CHUNK_VALUES, outer_rows_on_torchao, projection_settings)
 
 __all__ = ["build_optimizer", "require_packages", "check_in_backward", "CompositeOptimizer", "InBackwardOptimizer"]
 
@@ -91,7 +91,7 @@ def require_packages(cfg) -> None:
             raise ConfigError(f"training.master_weights: bf16 needs training.optimizer adamw, adamw_4bit or adamw_8bit_torchao "
                               f"(torchao's stochastic rounding), or {' / '.join(PROJECTED)} with "
                               f"optimizer_in_backward: true and embedding_optimizer: adamw_4bit, not {t.optimizer}",
-                              "set training.optimizer: adamw or adamw_4bit, or master_weights: fp32")
+                              "set training.optimizer: adamw, adamw_4bit or adamw_8bit_torchao, or master_weights: fp32")
     check_in_backward(cfg)
 
 
@@ -132,13 +132,7 @@ def _head_on_torchao(cfg) -> str | None:
     t = cfg.training
     if cfg.method != "full":
         return None
-    if t.optimizer in TORCHAO_ADAMW:
-        return f"training.optimizer: {t.optimizer}"
-    if t.optimizer == "adamw" and t.master_weights == "bf16":
-        return "training.master_weights: bf16"
-    if t.embedding_optimizer == "adamw_4bit" and t.optimizer in EMBEDDING_ON_ADAMW:
-        return "training.embedding_optimizer: adamw_4bit"
-    return None
+    return outer_rows_on_torchao(t.optimizer, t.master_weights, t.embedding_optimizer)
 
 
 # --------------------------------------------------------------------------------------------- which weights
