@@ -15,7 +15,9 @@ phases:
 * ``loss``: the start of backward: every layer's saved activations, the output head and the
   loss's working set (the naive loss holds several tokens x vocab tensors), plus gradients
   left from earlier micro-steps when accumulating;
-* ``backward``: the end of backward: all gradients plus one layer being recomputed;
+* ``backward``: backward's walk down the layers: what the lower layers keep, the layer in its
+  backward and the gradients formed so far (full fine-tuning: the head's and the upper layers';
+  every gradient at the end);
 * ``optimizer``: the optimizer step: all gradients plus the step's temporaries.
 
 `Estimate.breakdown` splits the peak into weights, adapters, gradients, optimizer, activations,
@@ -1179,17 +1181,41 @@ def _layer_terms(spec: StepSpec, extras: AdapterTerms) -> LayerTerms:
                       tile_fraction=tile_fraction, notes=notes)
 
 
-def _backward_walk(spec: StepSpec, layers: LayerTerms) -> float:
-    """The largest bytes per token of backward's walk from the last layer: at layer l, the layers
-    below still hold what they kept, and a recomputed layer holds its full set of saved tensors
-    again (one MLP tile of it when tiled) plus the gradients through it."""
-    below, worst = layers.stored, 0.0
+def _backward_walk(spec: StepSpec, layers: LayerTerms) -> list[float]:
+    """Bytes per token at each point of backward's walk, from the last layer down: at layer l, the
+    layers below still hold what they kept, and a recomputed layer holds its full set of saved
+    tensors again (one MLP tile of it when tiled) plus the gradients through it."""
+    below, points = layers.stored, []
     for l in range(len(spec.policy) - 1, -1, -1):
         mode = spec.policy[l]
         below -= layers.per_layer[l]
         here = layers.per_recomputed if mode == "full" else layers.per_off if mode != "off" else layers.per_layer[l]
-        worst = max(worst, below + here + layers.grad_work, below + layers.norm_moment if mode == "full" else 0.0)
-    return worst
+        points.append(max(below + here + layers.grad_work, below + layers.norm_moment if mode == "full" else 0.0))
+    return points
+
+
+def _backward_peak(spec: StepSpec, static: StaticTerms, walk: list[int]) -> tuple[int, int]:
+    """(gradients, activations) at backward's worst moment, for the walk's bytes `walk` (from the
+    last layer down). Full fine-tuning, one micro-step, gradients in .grad: a layer's weight
+    gradients appear at its own backward, so at layer l only the head's (formed with the loss) and
+    those of the layers from l up exist, and the embedding's is formed last, when the layers'
+    activations are gone; otherwise every gradient is counted beside the walk's worst point."""
+    worst = max(walk, default=0)
+    if (spec.adapter or spec.optimizer_in_backward or spec.grad_accum > 1 or spec.shard > 1
+            or static.vision is not None or not walk):
+        return static.grads, worst
+    shape = spec.shape
+    per_param = static.grads / max(1, static.trainable)
+    per_layer = (shape.layer_linear_params + shape.layer_other_params) * per_param
+    head = ((shape.head_params or shape.embedding_params) + shape.hidden_size) * per_param
+    at = max(range(len(walk)), key=lambda i: walk[i] + per_layer * (i + 1))
+    grads_then = int(head + per_layer * (at + 1))
+    # The end of backward: every gradient, the layers' tensors gone; a tied embedding's lookup
+    # gradient is a second vocabulary-sized buffer until autograd adds it to the head's.
+    end = static.grads + (int(shape.embedding_params * per_param) if shape.tied_embeddings else 0)
+    if walk[at] + grads_then <= end:
+        return end, 0
+    return grads_then, walk[at]
 
 
 def _loss_terms(spec: StepSpec, trainable_head: bool) -> tuple[int, int]:
@@ -1232,7 +1258,7 @@ def _workspace_terms(spec: StepSpec) -> int:
     return workspace
 
 
-def _phases(spec: StepSpec, static: StaticTerms, layers: LayerTerms, bwd_layers: float, loss: int,
+def _phases(spec: StepSpec, static: StaticTerms, layers: LayerTerms, bwd_layers: list[float], loss: int,
             workspace: int) -> dict[str, dict[str, int]]:
     """Each phase's gradients, activations, loss and workspace (the static part aside)."""
     T, grads = spec.T, static.grads
@@ -1240,11 +1266,13 @@ def _phases(spec: StepSpec, static: StaticTerms, layers: LayerTerms, bwd_layers:
     # loss phase holds gradients only when they accumulate over micro-steps.
     grads_before = grads if spec.grad_accum > 1 else 0
     step = static.step_temporaries
+    bwd_grads, bwd_acts = _backward_peak(spec, static, [int(T * (v + static.extras.stream_bytes_per_token))
+                                                        for v in bwd_layers])
     phases = {
         "loss": {"gradients": grads_before, "activations": layers.acts, "loss": loss, "workspace": workspace},
         # In backward, each weight's step runs there: its temporaries join the backward's peak.
-        "backward": {"gradients": grads, "activations": int(T * (bwd_layers + static.extras.stream_bytes_per_token)),
-                     "loss": 0, "workspace": workspace, "workspace_extra": step if spec.optimizer_in_backward else 0},
+        "backward": {"gradients": bwd_grads, "activations": bwd_acts, "loss": 0, "workspace": workspace,
+                     "workspace_extra": step if spec.optimizer_in_backward else 0},
         "optimizer": {"gradients": grads, "activations": 0, "loss": 0, "workspace": workspace, "workspace_extra": step},
     }
     if spec.objective == "dpo" and spec.dpo_reference != "none":
