@@ -54,11 +54,11 @@ def measure_text(rng: random.Random, words: int) -> str:
     return " ".join(rng.choice(MEASURE_WORDS) for _ in range(words))
 
 
-def build_vocab8k_llama(path: Path, *, max_positions: int) -> Path:
+def build_vocab8k_llama(path: Path, *, max_positions: int, tied: bool = False) -> Path:
     """A random 2-layer Llama (hidden 128, 4/2 heads) whose vocabulary has 8,192 rows, so that the
     loss phase and full copies of the embedding and the head weigh what they do in real models: the
     model of the tests that hold the planner's predicted peak against the meter's (`measured_run`).
-    Its tokenizer (300 tokens) knows MEASURE_WORDS."""
+    Its tokenizer (300 tokens) knows MEASURE_WORDS. `tied`: the head shares the embedding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from maximus.data.tiny_tokenizer import build_tiny_tokenizer
@@ -67,7 +67,7 @@ def build_vocab8k_llama(path: Path, *, max_positions: int) -> Path:
     config = LlamaConfig(vocab_size=8192, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=max_positions,
                          eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                         tie_word_embeddings=False)
+                         tie_word_embeddings=tied)
     return save_random_model(path, LlamaForCausalLM, config, tok)
 
 

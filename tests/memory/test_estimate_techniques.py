@@ -152,6 +152,23 @@ def test_qlora_and_full_fine_tuning(tiny, tmp_path, method):
     assert predicted == pytest.approx(measured, rel=0.15)
 
 
+@pytest.mark.parametrize("tied", [False, True])
+def test_full_fine_tuning_peaking_in_backward(tmp_path, tied):
+    """Full fine-tuning whose peak falls in backward (8-bit moments, float32, short rows, so the
+    vocabulary-sized gradients outweigh the loss's chunk): the gradients formed so far as backward
+    walks down the layers, and, tied, the lookup's gradient summed out of place with the head's
+    (three vocabulary-sized buffers at the end: counting one, the tied model was predicted 0.81x its
+    measured peak). The reference shape's 8 layers check the walk: benchmarks/full_finetune.py."""
+    build_vocab8k_llama(tmp_path / "model", max_positions=256, tied=tied)
+    (tmp_path / "text.jsonl").write_text(
+        "".join(json.dumps({"text": measure_text(random.Random(i), 80)}) + "\n" for i in range(8)), encoding="utf-8")
+    cfg = _config(tmp_path, tmp_path / "run", method="full", training={"seq_len": 64, "batch_size": 1,
+                                                                        "micro_batch_size": 1, "optimizer": "adamw_8bit"})
+    predicted, measured, summary = measured_run(cfg)
+    assert summary["plan"]["peak_phase"] == "backward"
+    assert predicted == pytest.approx(measured, rel=0.05)
+
+
 def test_parameter_offload_on_cpu_saves_nothing_and_says_so(tiny, tmp_path, plain):
     cfg = _config(tiny, tmp_path, optimization={"offload": {"params": "on"}})
     predicted, measured, run = measured_run(cfg)
