@@ -14,32 +14,17 @@ from pathlib import Path
 
 import torch
 
+from _machine import cpu_flags
+
 
 def length_reward(prompts, completions, **columns):
     """Any reward that varies within a group: a step's memory and time do not depend on its values."""
     return [float(len(c) % 7) for c in completions]
 
 
-def cpuinfo(*keys: str) -> dict[str, str]:
-    """The values of the first /proc/cpuinfo lines named `keys` ("flags", "model name"), read once;
-    a key not found (or no /proc/cpuinfo) is left out."""
-    out: dict[str, str] = {}
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                key, _, value = line.partition(":")
-                if key.strip() in keys and key.strip() not in out:
-                    out[key.strip()] = value.strip()
-                if len(out) == len(keys):
-                    break
-    except OSError:
-        pass
-    return out
-
-
 def cpu_report() -> str:
     """The CPU's bf16 flags and its fp32 / bf16 matmul rate right now (the load shows in it)."""
-    flags = cpuinfo("flags").get("flags", "").split()
+    flags = cpu_flags()
     have = [f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f in flags]
     rates = []
     for dtype in (torch.float32, torch.bfloat16):

@@ -304,7 +304,7 @@ def report(data: dict, args) -> None:
 
 def machine() -> str:
     """The CPU in a few words for the plot's title: its cores and widest vector unit."""
-    from _grpo_sides import cpuinfo
+    from _machine import cpuinfo
 
     info = cpuinfo("flags", "model name")
     if len(info) < 2:

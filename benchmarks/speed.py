@@ -85,14 +85,9 @@ def bf16_capability(device: str = "cpu") -> str:
     native = bf16_supported(torch.device(device))
     if device != "cpu":
         return f"bf16 {'native' if native else 'not native'} on {device}"
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:
-        pass
+    from _machine import cpu_flags
+
+    flags = cpu_flags()
     have = [f for f in ("avx512_bf16", "amx_bf16", "avx512f", "avx2") if f in flags]
     return f"bf16 {'native' if native else 'emulated'} (CPU flags: {', '.join(have) or 'unknown'})"
 

@@ -191,8 +191,9 @@ def main(argv=None) -> int:
         return 0
     from speed import matmul_rate
 
-    flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").exists() else ""
-    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f" {f}" in flags]
+    from _machine import cpu_flags
+
+    bf16 = [f for f in ("avx512_bf16", "amx_bf16") if f in cpu_flags()]
     print(f"CPU bf16: {', '.join(bf16) or 'emulated (no avx512_bf16 / amx_bf16)'}; bf16 matmul rate "
           f"{matmul_rate(args.threads) / 1e9:.0f} GFLOP/s at {args.threads} threads; runs are fp32", file=sys.stderr)
     lines = []
