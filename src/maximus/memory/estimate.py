@@ -1260,7 +1260,7 @@ def _workspace_terms(spec: StepSpec) -> int:
     return workspace
 
 
-def _phases(spec: StepSpec, static: StaticTerms, layers: LayerTerms, bwd_layers: list[float], loss: int,
+def _phases(spec: StepSpec, static: StaticTerms, layers: LayerTerms, walk: list[float], loss: int,
             workspace: int) -> dict[str, dict[str, int]]:
     """Each phase's gradients, activations, loss and workspace (the static part aside)."""
     T, grads = spec.T, static.grads
@@ -1269,7 +1269,7 @@ def _phases(spec: StepSpec, static: StaticTerms, layers: LayerTerms, bwd_layers:
     grads_before = grads if spec.grad_accum > 1 else 0
     step = static.step_temporaries
     bwd_grads, bwd_acts = _backward_peak(spec, static, [int(T * (v + static.extras.stream_bytes_per_token))
-                                                        for v in bwd_layers])
+                                                        for v in walk])
     phases = {
         "loss": {"gradients": grads_before, "activations": layers.acts, "loss": loss, "workspace": workspace},
         # In backward, each weight's step runs there: its temporaries join the backward's peak.
@@ -1432,9 +1432,9 @@ def estimate_step(spec: StepSpec) -> Estimate:
     """The `Estimate` of one step: static part + the largest of its phases (`estimate_peak`)."""
     static = _static_terms(spec)
     layers = _layer_terms(spec, static.extras)
-    bwd_layers = _backward_walk(spec, layers)
+    walk = _backward_walk(spec, layers)
     loss, default_chunk = _loss_terms(spec, static.trainable_head)
-    phases = _phases(spec, static, layers, bwd_layers, loss, _workspace_terms(spec))
+    phases = _phases(spec, static, layers, walk, loss, _workspace_terms(spec))
     if static.vision is not None:
         static.vision.add_to_phases(phases, static.grads if spec.grad_accum > 1 else 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
