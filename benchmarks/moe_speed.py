@@ -23,7 +23,10 @@ seconds and in the process's CPU seconds (one thread: the CPU time leaves out th
 programs held the core, so it is the steadier figure on a loaded machine).
 
     python benchmarks/moe_speed.py [--family mixtral|qwen3_moe|gpt_oss] [--hidden 512] [--intermediate 1024]
-        [--experts 8] [--top-k 2] [--layers 2] [--batch 2] [--seq 1024] [--repeats 5] [--threads 1]
+        [--experts 8] [--top-k 2] [--native] [--layers 2] [--batch 2] [--seq 1024] [--repeats 5] [--threads 1]
+
+`--native` takes the family's own routing instead (Mixtral 8 experts top-2, Qwen3-MoE 128 top-8,
+gpt-oss 32 top-4, with the released models' expert intermediate / hidden ratio).
 """
 from __future__ import annotations
 
@@ -37,6 +40,10 @@ from pathlib import Path
 import torch
 
 SIDES = ("eager", "grouped_mm", "maximus")
+# `--native`: each family's own routing, from its released configs: experts, top-k, and the expert
+# intermediate size as a multiple of the hidden size (Mixtral-8x7B 14336 / 4096, Qwen3-30B-A3B
+# 768 / 2048, gpt-oss-20b 2880 / 2880).
+NATIVE = {"mixtral": (8, 2, 3.5), "qwen3_moe": (128, 8, 0.375), "gpt_oss": (32, 4, 1.0)}
 
 
 def build_model_dir(path: Path, args) -> Path:
@@ -99,7 +106,13 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table of one Maximus step")
+    ap.add_argument("--native", action="store_true",
+                    help="the family's own routing: its expert count, top-k and intermediate/hidden ratio "
+                         "(overrides --experts, --top-k and --intermediate)")
     args = ap.parse_args()
+    if args.native:
+        args.experts, args.top_k, ratio = NATIVE[args.family]
+        args.intermediate = round(args.hidden * ratio)
     torch.set_num_threads(args.threads)
 
     from maximus.config import Config

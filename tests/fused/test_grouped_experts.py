@@ -56,21 +56,26 @@ def _loss_and_grads(model, params):
     return loss.detach(), torch.autograd.grad(loss, params)
 
 
+@pytest.mark.parametrize("path", ["grouped_mm", "loop"])
 @pytest.mark.parametrize("method", ["lora", "full"])
 @pytest.mark.parametrize("model_type", MOE)
-def test_loss_and_gradients_equal_transformers_eager_experts(moe_dirs, model_type, method, monkeypatch):
+def test_loss_and_gradients_equal_transformers_eager_experts(moe_dirs, model_type, method, path, monkeypatch):
     model = _model(moe_dirs[model_type], method)
     params = [p for p in model.parameters() if p.requires_grad]
     expert_params = [n for n, p in model.named_parameters() if p.requires_grad and ".experts." in n]
     assert expert_params, "the gradients checked include the experts'"
     theirs, their_grads = _loss_and_grads(model, params)
 
-    calls = []
-    original = grouped.grouped_experts
+    calls, loops = [], []
+    original, looped = grouped.grouped_experts, grouped._looped_rows
     monkeypatch.setattr(grouped, "grouped_experts", lambda *a, **k: calls.append(a[2]) or original(*a, **k))
+    monkeypatch.setattr(grouped, "_looped_rows", lambda *a: loops.append(1) or looped(*a))
+    if path == "loop":  # the shapes or dtype torch._grouped_mm does not take
+        monkeypatch.setattr(grouped, "_grouped_mm_takes", lambda *a, **k: False)
     assert len(install_grouped_experts(model)) == 2  # both layers' experts
     ours, our_grads = _loss_and_grads(model, params)
     assert len(calls) == 2 and all(torch.unique(idx).numel() == 4 for idx in calls)  # every expert has tokens
+    assert len(loops) == (2 if path == "loop" else 0)
     torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-5)
     for name, a, b in zip([n for n, p in model.named_parameters() if p.requires_grad], our_grads, their_grads):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5, msg=lambda m: f"{name}: {m}")
@@ -162,3 +167,32 @@ def test_combine_equals_weighted_index_add_and_passes_gradcheck():
     for a, b in zip(torch.autograd.grad(ours, (rows, weights), grad), torch.autograd.grad(theirs, (rows, weights), grad)):
         torch.testing.assert_close(a, b, rtol=0, atol=1e-12)
     assert torch.autograd.gradcheck(lambda r, w: grouped._Combine.apply(r, w, token, tokens), (rows, weights))
+
+
+def test_grouped_mm_takes_aligned_float_shapes_only():
+    x = torch.zeros(3, 8)
+    assert grouped._grouped_mm_takes(x, torch.zeros(2, 8, 4), sizes=(8, 4))
+    assert not grouped._grouped_mm_takes(x, torch.zeros(2, 8, 6), sizes=(8, 6))  # 24 bytes: not a multiple of 16
+    assert not grouped._grouped_mm_takes(x.double(), torch.zeros(2, 8, 4).double(), sizes=(8, 4))
+    assert not grouped._grouped_mm_takes(x, torch.zeros(2, 8, 4, dtype=torch.bfloat16), sizes=(8, 4))
+    assert grouped._grouped_mm_takes(x.bfloat16(), torch.zeros(2, 8, 8, dtype=torch.bfloat16), sizes=(8, 8))
+
+
+def test_rank_up_equals_per_expert_products_with_an_empty_expert():
+    g = torch.Generator().manual_seed(0)
+    counts = [3, 0, 5, 2]  # expert 1 has no rows
+    rank, out, experts = 4, 8, len(counts)
+    h = torch.randn(sum(counts), rank, generator=g, requires_grad=True)
+    weight = torch.randn(out, rank * experts, generator=g, requires_grad=True)  # PEFT's rank-major lora_B
+    b = weight.reshape(out, rank, experts).permute(2, 0, 1)  # [E, out, r], no unit stride in a matrix dimension
+    offs = torch.tensor(counts).cumsum(0).to(torch.int32)
+    ours = grouped._RankUp.apply(h, b, offs)
+    theirs = torch.cat([h_e @ b[e].T for e, h_e in enumerate(h.split(counts))])
+    torch.testing.assert_close(ours, theirs, rtol=0, atol=1e-6)
+    grad = torch.randn(ours.shape, generator=g)
+    for a, c in zip(torch.autograd.grad(ours, (h, weight), grad), torch.autograd.grad(theirs, (h, weight), grad)):
+        torch.testing.assert_close(a, c, rtol=0, atol=1e-5)
+    kept = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
+        grouped._RankUp.apply(h, b, offs)
+    assert {t.data_ptr() for t in kept} == {h.data_ptr(), weight.data_ptr(), offs.data_ptr()}  # no copy of B kept

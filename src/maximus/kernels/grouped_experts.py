@@ -21,8 +21,10 @@ zero-filled ``[E, out, in]`` gradient per expert hit (the backward of ``W[e]``).
   clamped SwiGLU as one autograd function that keeps only its input), ``down``;
 * LoRA stays factored: ``+ s * (x_e A_e^T) B_e^T``, the rank-r product only, so backward
   computes the adapters' gradients from ``T x r`` products and never a weight-sized tensor;
-* the rows go back to token order (one gather) and each token's k rows are weighted and summed
-  in one batched matmul (``[1, k] x [k, hidden]`` per token).
+* the rows are weighted by their routing weights and added to their tokens' outputs in expert
+  order with one ``index_add_`` (`_Combine`; backward: one ``index_select`` of the output's
+  gradient gives both the rows' and the routing weights' gradients), so no permuted copy of the
+  rows is kept.
 
 The base weights are split once per forward (``unbind``: one autograd node, so a trainable base,
 as in full fine-tuning, gets one weight-sized gradient, not one per expert). Same results as
@@ -95,38 +97,51 @@ def _projection(x: torch.Tensor, weight: torch.Tensor, bias, transposed: bool, l
     return y
 
 
+def _row_blocks(rows: int, block: int | None):
+    """Row slices of at most `block` rows covering `rows` (one slice when `block` is None)."""
+    step = rows if not block else max(1, block)
+    return [slice(i, min(i + step, rows)) for i in range(0, max(rows, 1), step)]
+
+
 class _ClampedSwiGLU(torch.autograd.Function):
     """gpt-oss's gate (`GptOssExperts._apply_gate`) on interleaved ``[gate, up]`` columns:
     ``(clamp(up, -l, l) + 1) * g * sigmoid(alpha g)`` with ``g = clamp(gate, max=l)``, the same
     float32 operations forward; backward from the saved input alone (autograd's version keeps five
-    tensors and zero-fills an input-sized gradient for each strided half)."""
+    tensors and zero-fills an input-sized gradient for each strided half). `block`: rows computed at
+    a time, so the intermediates of a grouped call over every routed row stay one expert's size."""
 
     @staticmethod
-    def forward(ctx, gate_up, alpha: float, limit: float):
+    def forward(ctx, gate_up, alpha: float, limit: float, block: int | None = None):
         ctx.save_for_backward(gate_up)
-        ctx.alpha, ctx.limit = alpha, limit
-        gate = gate_up[..., ::2].clamp(max=limit)
-        up = gate_up[..., 1::2].clamp(-limit, limit)
-        return (up + 1) * (gate * torch.sigmoid(gate * alpha))
+        ctx.alpha, ctx.limit, ctx.block = alpha, limit, block
+        flat = gate_up.reshape(-1, gate_up.shape[-1])
+        out = flat.new_empty(flat.shape[0], flat.shape[-1] // 2)
+        for rows in _row_blocks(flat.shape[0], block):
+            gate = flat[rows, ::2].clamp(max=limit)
+            up = flat[rows, 1::2].clamp(-limit, limit)
+            torch.mul(up.add_(1), gate.mul_(torch.sigmoid(gate * alpha)), out=out[rows])
+        return out.reshape(*gate_up.shape[:-1], -1)
 
     @staticmethod
     def backward(ctx, grad):
         (gate_up,) = ctx.saved_tensors
         alpha, limit = ctx.alpha, ctx.limit
-        raw_gate, raw_up = gate_up[..., ::2], gate_up[..., 1::2]
-        gate = raw_gate.clamp(max=limit)
-        up = raw_up.clamp(-limit, limit)
-        scaled = gate * alpha
-        out = torch.empty_like(gate_up)
-        # clamp passes the gradient where its input lies within the bounds, bounds included (where
-        # clamping left it unchanged; NaN compares unequal, as in clamp's backward)
-        d_up = grad * (gate * torch.sigmoid(scaled))
-        torch.mul(d_up, up == raw_up, out=out[..., 1::2])
-        # d/dg g sigmoid(a g) = silu'(a g): SiLU's own backward kernel at a g
-        d_glu = grad * (up + 1)
-        d_glu.mul_(gate == raw_gate)
-        torch.ops.aten.silu_backward.grad_input(d_glu, scaled, grad_input=out[..., ::2])
-        return out, None, None
+        flat, grad = gate_up.reshape(-1, gate_up.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        out = torch.empty_like(flat)
+        for rows in _row_blocks(flat.shape[0], ctx.block):
+            raw_gate, raw_up = flat[rows, ::2], flat[rows, 1::2]
+            gate = raw_gate.clamp(max=limit)
+            up = raw_up.clamp(-limit, limit)
+            scaled = gate * alpha
+            # clamp passes the gradient where its input lies within the bounds, bounds included (where
+            # clamping left it unchanged; NaN compares unequal, as in clamp's backward)
+            d_up = grad[rows] * (gate * torch.sigmoid(scaled))
+            torch.mul(d_up, up == raw_up, out=out[rows, 1::2])
+            # d/dg g sigmoid(a g) = silu'(a g): SiLU's own backward kernel at a g
+            d_glu = grad[rows] * (up + 1)
+            d_glu.mul_(gate == raw_gate)
+            torch.ops.aten.silu_backward.grad_input(d_glu, scaled, grad_input=out[rows, ::2])
+        return out.reshape(gate_up.shape), None, None, None
 
 
 class _SiluGate(torch.autograd.Function):
@@ -134,23 +149,31 @@ class _SiluGate(torch.autograd.Function):
     on concatenated ``[gate | up]`` columns: ``silu(gate) * up``, the same float32 operations
     forward; backward from the saved input alone, written into the two halves of one gradient
     (autograd's version keeps ``silu(gate)`` beside the input and concatenates the halves'
-    gradients)."""
+    gradients). `block`: rows computed at a time (as `_ClampedSwiGLU`)."""
 
     @staticmethod
-    def forward(ctx, gate_up):
+    def forward(ctx, gate_up, block: int | None = None):
         ctx.save_for_backward(gate_up)
-        gate, up = gate_up.chunk(2, dim=-1)
-        return torch.nn.functional.silu(gate) * up
+        ctx.block = block
+        flat = gate_up.reshape(-1, gate_up.shape[-1])
+        half = flat.shape[-1] // 2
+        out = flat.new_empty(flat.shape[0], half)
+        for rows in _row_blocks(flat.shape[0], block):
+            torch.mul(torch.nn.functional.silu(flat[rows, :half]), flat[rows, half:], out=out[rows])
+        return out.reshape(*gate_up.shape[:-1], half)
 
     @staticmethod
     def backward(ctx, grad):
         (gate_up,) = ctx.saved_tensors
-        gate, up = gate_up.chunk(2, dim=-1)
-        out = torch.empty_like(gate_up)
-        d_gate, d_up = out.chunk(2, dim=-1)
-        torch.mul(grad, torch.nn.functional.silu(gate), out=d_up)
-        torch.ops.aten.silu_backward.grad_input(grad * up, gate, grad_input=d_gate)  # SiLU's own backward kernel
-        return out
+        flat, grad = gate_up.reshape(-1, gate_up.shape[-1]), grad.reshape(-1, grad.shape[-1])
+        half = flat.shape[-1] // 2
+        out = torch.empty_like(flat)
+        for rows in _row_blocks(flat.shape[0], ctx.block):
+            gate, up = flat[rows, :half], flat[rows, half:]
+            torch.mul(grad[rows], torch.nn.functional.silu(gate), out=out[rows, half:])
+            # SiLU's own backward kernel
+            torch.ops.aten.silu_backward.grad_input(grad[rows] * up, gate, grad_input=out[rows, :half])
+        return out.reshape(gate_up.shape), None
 
 
 class _Combine(torch.autograd.Function):
@@ -186,14 +209,14 @@ def _silu_gate(experts) -> bool:
     return gate is _default_apply_gate and isinstance(getattr(experts, "act_fn", None), (SiLUActivation, torch.nn.SiLU))
 
 
-def _gate(experts, gate_up: torch.Tensor, silu: bool) -> torch.Tensor:
-    """The experts' gate on one expert's ``gate_up`` rows: gpt-oss's clamped SwiGLU through
-    `_ClampedSwiGLU`, the default SiLU gate through `_SiluGate` (`silu`: `_silu_gate`), any
-    other through the module's own `_apply_gate`."""
+def _gate(experts, gate_up: torch.Tensor, silu: bool, block: int | None = None) -> torch.Tensor:
+    """The experts' gate on ``gate_up`` rows: gpt-oss's clamped SwiGLU through `_ClampedSwiGLU`,
+    the default SiLU gate through `_SiluGate` (`silu`: `_silu_gate`), both `block` rows at a time,
+    any other through the module's own `_apply_gate`."""
     if type(experts).__name__ == "GptOssExperts" and hasattr(experts, "alpha") and hasattr(experts, "limit"):
-        return _ClampedSwiGLU.apply(gate_up, float(experts.alpha), float(experts.limit))
+        return _ClampedSwiGLU.apply(gate_up, float(experts.alpha), float(experts.limit), block)
     if silu:
-        return _SiluGate.apply(gate_up)
+        return _SiluGate.apply(gate_up, block)
     return experts._apply_gate(gate_up)
 
 
@@ -230,11 +253,103 @@ def grouped_experts(experts: torch.nn.Module, hidden_states: torch.Tensor, top_k
     return _Combine.apply(expert_rows, weights, token, hidden_states.shape[0])
 
 
+class _RankUp(torch.autograd.Function):
+    """``y_e = h_e B_e^T`` for each expert's rows of ``h [N, r]`` (`offs`: the experts' row ends),
+    with ``B [E, out, r]`` in any layout (PEFT's ``lora_B`` is rank-major, a layout the grouped
+    matmul does not take): a contiguous copy of `B` is made for each product and not kept for
+    backward, which makes it again (``torch._grouped_mm``'s own backward would keep it)."""
+
+    @staticmethod
+    def forward(ctx, h, b, offs):
+        ctx.save_for_backward(h, b, offs)
+        return torch._grouped_mm(h, b.contiguous().transpose(-1, -2), offs=offs)
+
+    @staticmethod
+    def backward(ctx, grad):
+        h, b, offs = ctx.saved_tensors
+        grad = grad.contiguous()
+        d_h = torch._grouped_mm(grad, b.contiguous(), offs=offs) if ctx.needs_input_grad[0] else None
+        # d B_e = grad_e^T h_e: the grouped matmul over the shared (row) dimension
+        d_b = torch._grouped_mm(grad.T, h, offs=offs) if ctx.needs_input_grad[1] else None
+        return d_h, d_b, None
+
+
+class _AddExpertBias(torch.autograd.Function):
+    """``y[rows of expert e] += bias[e]`` in place (`counts`: rows per expert, in order): no
+    per-row copy of the biases; backward sums each expert's rows of the gradient (one
+    ``index_add_`` by `row_expert`)."""
+
+    @staticmethod
+    def forward(ctx, y, bias, counts: list[int], row_expert):
+        ctx.mark_dirty(y)
+        ctx.save_for_backward(row_expert)
+        ctx.experts = bias.shape[0]
+        for y_e, b_e in zip(y.split(counts), bias):
+            y_e.add_(b_e)
+        return y
+
+    @staticmethod
+    def backward(ctx, grad):
+        (row_expert,) = ctx.saved_tensors
+        d_bias = None
+        if ctx.needs_input_grad[1]:
+            d_bias = grad.new_zeros(ctx.experts, grad.shape[-1]).index_add_(0, row_expert, grad)
+        return grad, d_bias, None, None
+
+
+def _grouped_mm_takes(*tensors: torch.Tensor, sizes: tuple[int, ...]) -> bool:
+    """Whether ``torch._grouped_mm`` computes these operands here: it exists, a float32 / bfloat16 /
+    float16 dtype, and every matrix dimension (`sizes`) a multiple of 16 bytes (its layout rule);
+    otherwise `_expert_rows` loops over the experts."""
+    if not hasattr(torch, "_grouped_mm") or tensors[0].dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        return False
+    if any(t.dtype != tensors[0].dtype for t in tensors):
+        return False
+    return all(size * tensors[0].element_size() % 16 == 0 for size in sizes)
+
+
+def _grouped_projection(x, weight, bias, transposed: bool, lora, offs, counts, row_expert) -> torch.Tensor:
+    """`_projection` for all experts at once: ``x [N, in]`` in expert order (`offs`: the experts'
+    row ends, `row_expert`: each row's expert) through ``torch._grouped_mm``, the base weights as
+    stored (no copy, no weight gradient unless they train), the bias gathered per row, LoRA kept
+    factored (``(s x A^T)``, then `_RankUp`)."""
+    y = torch._grouped_mm(x, weight if transposed else weight.transpose(-1, -2), offs=offs)
+    if bias is not None:
+        y = _AddExpertBias.apply(y, bias, counts, row_expert)  # the grouped matmul's backward keeps x, not y
+    if lora is not None:
+        a, b, scaling = lora
+        h = torch._grouped_mm(x, a.to(x.dtype).transpose(-1, -2), offs=offs).mul_(scaling)
+        y = y.add_(_RankUp.apply(h, b.to(x.dtype), offs))
+    return y
+
+
 def _expert_rows(experts, rows: torch.Tensor, counts: list[int], transposed: bool, has_bias: bool,
                  adapters: dict) -> torch.Tensor:
     """The experts' outputs for `rows` (the routed tokens in expert order, `counts` per expert). A
     function of its own so that the gathered rows and the per-expert outputs die when it returns
-    (autograd keeps what it needs)."""
+    (autograd keeps what it needs). All experts in one grouped matmul per product where
+    ``torch._grouped_mm`` takes the shapes (`_grouped_mm_takes`), else a loop over the experts
+    with tokens (`_looped_rows`)."""
+    rank = [factors[0].shape[1] for factors in adapters.values()]
+    gate_up, down = experts.gate_up_proj, experts.down_proj
+    if not _grouped_mm_takes(rows, gate_up, down, *[f[0] for f in adapters.values()],
+                             sizes=(*gate_up.shape[1:], *down.shape[1:], *rank)):
+        return _looped_rows(experts, rows, counts, transposed, has_bias, adapters)
+    counts_t = torch.tensor(counts, device=rows.device)
+    offs = counts_t.cumsum(0).to(torch.int32)
+    row_expert = torch.repeat_interleave(torch.arange(len(counts), device=rows.device), counts_t) if has_bias else None
+    h = _grouped_projection(rows, gate_up, experts.gate_up_proj_bias if has_bias else None, transposed,
+                            adapters.get("gate_up_proj"), offs, counts, row_expert)
+    # The gate a mean expert's rows at a time: its intermediates no larger than the loop's.
+    block = -(-rows.shape[0] // max(1, sum(1 for c in counts if c)))
+    h = _gate(experts, h, _silu_gate(experts), block)
+    return _grouped_projection(h, down, experts.down_proj_bias if has_bias else None, transposed,
+                               adapters.get("down_proj"), offs, counts, row_expert)
+
+
+def _looped_rows(experts, rows: torch.Tensor, counts: list[int], transposed: bool, has_bias: bool,
+                 adapters: dict) -> torch.Tensor:
+    """`_expert_rows` as a loop over the experts with tokens, one matmul each (`_projection`)."""
     gate_up_w = experts.gate_up_proj.unbind(0)
     down_w = experts.down_proj.unbind(0)
     gate_up_b = experts.gate_up_proj_bias.unbind(0) if has_bias else None
