@@ -23,9 +23,10 @@ gradient checkpointing are in place and before DDP / FSDP2 wrap the model:
   and five float32 ``tokens x hidden`` temporaries in backward);
 - grouped experts (`maximus.kernels.grouped_experts`, ``optimization.grouped_experts``, on by
   default): on CPU, in every mode but ``compile``, Transformers' fused mixture-of-experts layers
-  (Mixtral, Qwen3-MoE, gpt-oss) run one matmul per expert over its routed tokens with the expert
-  LoRA kept factored (no merged expert weights, no weight-sized gradients; 2.5x Transformers'
-  eager experts forward and backward, docs/benchmarks/moe.md); on CUDA Transformers' grouped_mm stays;
+  (Mixtral, Qwen3-MoE, gpt-oss) run one grouped matmul per projection over every expert's routed
+  rows with the expert LoRA kept factored (no merged expert weights, no weight-sized gradients;
+  2.1-35x Transformers' eager experts forward and backward, docs/benchmarks/moe.md); on CUDA
+  Transformers' grouped_mm stays;
 - on CPU, `cpu_threads` picks the intra-op thread count before anything runs (see there);
 - ``auto``: ``triton`` on CUDA when Triton is importable, else eager. Compilation is not the CPU
   default because it pays off only slowly there: regional compilation of the reference model's

@@ -16,9 +16,11 @@ zero-filled ``[E, out, in]`` gradient per expert hit (the backward of ``W[e]``).
 
 * the ``T x k`` routed (token, expert) pairs are sorted by expert once (a stable sort, so each
   expert's tokens stay in token order) and the tokens gathered once;
-* per expert with tokens, on its contiguous slice (one ``split``, one ``cat`` back):
-  ``gate_up = x_e W_e^T (+ b_e)``, the model's own gate (``_apply_gate``: SiLU/GELU x up; gpt-oss's
-  clamped SwiGLU as one autograd function that keeps only its input), ``down``;
+* every expert's contiguous rows in one ``torch._grouped_mm`` per product (the weights as stored,
+  no copy; with float64 or a matrix dimension that is not a multiple of 16 bytes, a loop of one
+  matmul per expert with tokens, one ``split`` and one ``cat``): ``gate_up = x_e W_e^T (+ b_e)``,
+  the model's own gate (``_apply_gate``: SiLU/GELU x up; gpt-oss's clamped SwiGLU; both as
+  autograd functions that keep only their input and work a mean expert's rows at a time), ``down``;
 * LoRA stays factored: ``+ s * (x_e A_e^T) B_e^T``, the rank-r product only, so backward
   computes the adapters' gradients from ``T x r`` products and never a weight-sized tensor;
 * the rows are weighted by their routing weights and added to their tokens' outputs in expert
@@ -26,8 +28,8 @@ zero-filled ``[E, out, in]`` gradient per expert hit (the backward of ``W[e]``).
   gradient gives both the rows' and the routing weights' gradients), so no permuted copy of the
   rows is kept.
 
-The base weights are split once per forward (``unbind``: one autograd node, so a trainable base,
-as in full fine-tuning, gets one weight-sized gradient, not one per expert). Same results as
+A trainable base (full fine-tuning) gets one weight-sized gradient per projection, not one per
+expert (the grouped matmul's own; in the loop, the weights are split once with ``unbind``). Same results as
 Transformers' forward to float32 rounding (LoRA is ``x W^T + s (x A^T) B^T`` instead of
 ``x (W + s B A)^T``); tests/fused/test_grouped_experts.py checks loss and every gradient, base
 and adapter, against the eager experts forward of Mixtral, Qwen3-MoE and gpt-oss.
@@ -311,8 +313,8 @@ def _grouped_mm_takes(*tensors: torch.Tensor, sizes: tuple[int, ...]) -> bool:
 def _grouped_projection(x, weight, bias, transposed: bool, lora, offs, counts, row_expert) -> torch.Tensor:
     """`_projection` for all experts at once: ``x [N, in]`` in expert order (`offs`: the experts'
     row ends, `row_expert`: each row's expert) through ``torch._grouped_mm``, the base weights as
-    stored (no copy, no weight gradient unless they train), the bias gathered per row, LoRA kept
-    factored (``(s x A^T)``, then `_RankUp`)."""
+    stored (no copy, no weight gradient unless they train), the biases added in place per expert
+    (`_AddExpertBias`), LoRA kept factored (``(s x A^T)``, then `_RankUp`)."""
     y = torch._grouped_mm(x, weight if transposed else weight.transpose(-1, -2), offs=offs)
     if bias is not None:
         y = _AddExpertBias.apply(y, bias, counts, row_expert)  # the grouped matmul's backward keeps x, not y
