@@ -196,3 +196,41 @@ def test_rank_up_equals_per_expert_products_with_an_empty_expert():
     with torch.autograd.graph.saved_tensors_hooks(lambda t: kept.append(t) or t, lambda t: t):
         grouped._RankUp.apply(h, b, offs)
     assert {t.data_ptr() for t in kept} == {h.data_ptr(), weight.data_ptr(), offs.data_ptr()}  # no copy of B kept
+
+
+def test_bf16_weights_with_float32_adapters_take_the_grouped_matmul(moe_dirs, monkeypatch):
+    """PEFT keeps the adapters in float32 beside bf16 weights: the grouped path still runs (the
+    factors cast to bf16 as in the loop) and equals the loop; no routed rows give zeros."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM
+
+    from maximus.models import expert_parameters
+
+    model = AutoModelForCausalLM.from_pretrained(moe_dirs["mixtral"], dtype=torch.bfloat16)
+    model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj"],  # r 8: 16 bytes in bf16
+                                             target_parameters=expert_parameters(model)))
+    lora = [p for n, p in model.named_parameters() if "lora_" in n and ".experts." in n]
+    assert lora and all(p.dtype == torch.float32 for p in lora)
+    with torch.no_grad():
+        for p in lora:
+            p.normal_(0, 0.05, generator=torch.Generator().manual_seed(p.numel()))
+    install_grouped_experts(model)
+    loops = []
+    looped = grouped._looped_rows
+    monkeypatch.setattr(grouped, "_looped_rows", lambda *a: loops.append(1) or looped(*a))
+
+    def loss_and_grads():
+        loss = model(**_batch()).loss
+        return [loss.detach()] + list(torch.autograd.grad(loss, lora))
+
+    ours = loss_and_grads()
+    assert loops == []
+    monkeypatch.setattr(grouped, "_grouped_mm_takes", lambda *a, **k: False)
+    theirs = loss_and_grads()
+    assert loops == [1, 1]
+    for a, b in zip(ours, theirs):
+        torch.testing.assert_close(a, b, rtol=2e-2, atol=2e-3)
+    experts = grouped._innermost(model.base_model.model.model.layers[0].mlp.experts)
+    none = grouped.grouped_experts(experts, torch.randn(3, experts.gate_up_proj.shape[-1], dtype=torch.bfloat16),
+                                   torch.full((3, 2), experts.gate_up_proj.shape[0]), torch.rand(3, 2))
+    assert torch.equal(none, torch.zeros(3, experts.gate_up_proj.shape[-1], dtype=torch.bfloat16))

@@ -101,7 +101,7 @@ def _projection(x: torch.Tensor, weight: torch.Tensor, bias, transposed: bool, l
 
 def _row_blocks(rows: int, block: int | None):
     """Row slices of at most `block` rows covering `rows` (one slice when `block` is None)."""
-    step = rows if not block else max(1, block)
+    step = max(1, block or rows)
     return [slice(i, min(i + step, rows)) for i in range(0, max(rows, 1), step)]
 
 
@@ -332,10 +332,12 @@ def _expert_rows(experts, rows: torch.Tensor, counts: list[int], transposed: boo
     (autograd keeps what it needs). All experts in one grouped matmul per product where
     ``torch._grouped_mm`` takes the shapes (`_grouped_mm_takes`), else a loop over the experts
     with tokens (`_looped_rows`)."""
-    rank = [factors[0].shape[1] for factors in adapters.values()]
+    # The adapters are cast to the rows' dtype (PEFT keeps them in float32 beside bf16 weights), so
+    # only their rank counts here.
+    rank = [a.shape[1] for a, _, _ in adapters.values()]
     gate_up, down = experts.gate_up_proj, experts.down_proj
-    if not _grouped_mm_takes(rows, gate_up, down, *[f[0] for f in adapters.values()],
-                             sizes=(*gate_up.shape[1:], *down.shape[1:], *rank)):
+    sizes = (*gate_up.shape[1:], *down.shape[1:], *rank)
+    if not rows.shape[0] or not _grouped_mm_takes(rows, gate_up, down, sizes=sizes):  # no rows: the loop's zeros
         return _looped_rows(experts, rows, counts, transposed, has_bias, adapters)
     counts_t = torch.tensor(counts, device=rows.device)
     offs = counts_t.cumsum(0).to(torch.int32)
