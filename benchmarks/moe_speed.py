@@ -23,10 +23,11 @@ seconds and in the process's CPU seconds (one thread: the CPU time leaves out th
 programs held the core, so it is the steadier figure on a loaded machine).
 
     python benchmarks/moe_speed.py [--family mixtral|qwen3_moe|gpt_oss] [--hidden 512] [--intermediate 1024]
-        [--experts 8] [--top-k 2] [--native] [--layers 2] [--batch 2] [--seq 1024] [--repeats 5] [--threads 1]
+        [--experts 8] [--top-k 2] [--native] [--loop] [--layers 2] [--batch 2] [--seq 1024] [--repeats 5] [--threads 1]
 
 `--native` takes the family's own routing instead (Mixtral 8 experts top-2, Qwen3-MoE 128 top-8,
-gpt-oss 32 top-4, with the released models' expert intermediate / hidden ratio).
+gpt-oss 32 top-4, with the released models' expert intermediate / hidden ratio). `--loop` runs
+Maximus' side on its fallback path, one matmul per expert, instead of `torch._grouped_mm`.
 """
 from __future__ import annotations
 
@@ -106,6 +107,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--profile", action="store_true", help="print torch.profiler's table of one Maximus step")
+    ap.add_argument("--loop", action="store_true",
+                    help="Maximus' side on its fallback loop of one matmul per expert instead of torch._grouped_mm")
     ap.add_argument("--native", action="store_true",
                     help="the family's own routing: its expert count, top-k and intermediate/hidden ratio "
                          "(overrides --experts, --top-k and --intermediate)")
@@ -114,6 +117,10 @@ def main() -> None:
         args.experts, args.top_k, ratio = NATIVE[args.family]
         args.intermediate = round(args.hidden * ratio)
     torch.set_num_threads(args.threads)
+    if args.loop:
+        import maximus.kernels.grouped_experts as grouped
+
+        grouped._grouped_mm_takes = lambda *tensors, sizes: False
 
     from maximus.config import Config
     from maximus.forward import sft_loss_sum
