@@ -4,7 +4,8 @@
 `--overwrite`) a previous export of ours. Anything else is refused before any work starts, and the
 target is left exactly as it was: `--out ~` or `--out .` must never cost a user their files.
 
-A previous export is recognised by what it carries:
+A previous export is recognised by what it carries (the rule of `maximus.ownership`, which a
+run's `adapter/` / `model/` and checkpoints follow too):
 - a directory (merged, adapter, ollama) holds `MARKER`, a JSON file listing every file the export
   wrote. `--overwrite` replaces it only while it holds nothing else: a file the user added since
   is named in the error, and nothing is touched;
@@ -23,6 +24,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from maximus.errors import ExportError
+from maximus.ownership import files_under, swap_in, unlisted_files
 
 MARKER = ".maximus-export.json"
 GGUF_MARKER_KEY = "maximus.export"
@@ -46,12 +48,11 @@ def check_directory_target(out: Path, *, overwrite: bool) -> None:
     marker = out / MARKER
     if not marker.is_file():  # refuse on the first look: never walk a home directory
         raise _refuse_foreign(out, entries[0])
-    present = sorted(p.relative_to(out).as_posix() for p in out.rglob("*") if not p.is_dir() or p.is_symlink())
     try:
         written = set(json.loads(marker.read_text())["files"])
     except (ValueError, KeyError, TypeError):
         raise ExportError(f"--out {out} has an unreadable {MARKER}", "choose a new or empty directory; nothing was changed")
-    extra = [p for p in present if p != MARKER and p not in written]
+    extra = unlisted_files(out, written | {MARKER})
     if extra:
         raise ExportError(f"--out {out} holds a previous export plus files it did not write (e.g. {extra[0]!r})",
                           "move them away or choose another directory; nothing was changed")
@@ -68,17 +69,11 @@ def write_directory(out: Path, fill: Callable[[Path], None], *, overwrite: bool,
     tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".tmp", dir=out.parent))
     try:
         fill(tmp)
-        files = sorted(p.relative_to(tmp).as_posix() for p in tmp.rglob("*") if not p.is_dir())
+        files = files_under(tmp)
         (tmp / MARKER).write_text(json.dumps({**meta, "files": files}, indent=2) + "\n")
         os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; an export is meant to be shared like any directory
-        if out.exists():
-            check_directory_target(out, overwrite=overwrite)  # again: the user may have added files meanwhile
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".old", dir=out.parent))
-            os.replace(out, old)  # an empty directory or a verified previous export of ours
-            os.replace(tmp, out)
-            shutil.rmtree(old)
-        else:
-            os.replace(tmp, out)
+        check_directory_target(out, overwrite=overwrite)  # again: the user may have added files meanwhile
+        swap_in(tmp, out)  # onto nothing, an empty directory or a verified previous export of ours
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

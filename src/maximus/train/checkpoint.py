@@ -25,6 +25,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from maximus.errors import CheckpointError
+from maximus.ownership import swap_in, unlisted_files
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MANIFEST = "manifest.json"
@@ -141,6 +142,10 @@ def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: 
     one-line CheckpointError."""
     root.mkdir(parents=True, exist_ok=True)
     final = root / f"step-{step:06d}"
+    foreign = foreign_files(final)
+    if foreign:  # re-saving a step (a resumed run's last) replaces only a checkpoint of ours
+        raise CheckpointError(f"{final} holds files no checkpoint wrote (e.g. {foreign[0]!r})",
+                              f"move them out of {final} and run again; nothing was removed")
     tmp = root / f".tmp-step-{step:06d}-{os.getpid()}"
     try:
         if tmp.exists():
@@ -160,17 +165,26 @@ def save_checkpoint(root: Path, step: int, model, optimizer, state: dict, keep: 
             files[f.name] = {"bytes": f.stat().st_size, "sha256": _sha256(f)}
         write_json(tmp / MANIFEST, {"step": step, "files": files})
         fsync_dir(tmp)
-        if final.exists():
-            shutil.rmtree(final)
-        os.replace(tmp, final)
+        swap_in(tmp, final)
         fsync_dir(root)
     except OSError as exc:
         shutil.rmtree(tmp, ignore_errors=True)
         raise CheckpointError(f"could not write checkpoint {final}: {exc.strerror or exc}",
                               "free disk space; the previous checkpoint is intact and the run can resume from it") from None
     for old in list_checkpoints(root)[:-keep]:
-        shutil.rmtree(old.path, ignore_errors=True)
+        if not foreign_files(old.path):  # one a person added files to is kept
+            shutil.rmtree(old.path, ignore_errors=True)
     return Checkpoint(final, step)
+
+
+def foreign_files(step_dir: Path) -> list[str]:
+    """The files under `step_dir` its manifest does not list (all of them without a readable
+    manifest): what makes it not ours to remove (`maximus.ownership`)."""
+    try:
+        listed = set(json.loads((step_dir / MANIFEST).read_text())["files"]) | {MANIFEST}
+    except (OSError, ValueError, KeyError, TypeError):
+        listed = set()
+    return unlisted_files(step_dir, listed)
 
 
 def list_checkpoints(root: Path) -> list[Checkpoint]:

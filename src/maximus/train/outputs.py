@@ -4,15 +4,14 @@ run.json and loss.png.
 """
 from __future__ import annotations
 
-import os
 import platform
-import shutil
 import time
 from pathlib import Path
 
 from maximus.models import count_parameters
-from maximus.train.checkpoint import fsync_dir, write_json
+from maximus.train.checkpoint import write_json
 from maximus.train.progress import ProgressDisplay, plot_loss
+from maximus.train.run_directory import replace_final_weights
 from maximus.vision import is_vision_config
 
 
@@ -70,32 +69,26 @@ def eval_summary(cfg, state: dict, eval_after: dict) -> dict:
 
 
 def save_final_weights(trainer) -> None:
-    """adapter/ (PEFT) or model/ (full), written beside and renamed into place."""
+    """adapter/ (PEFT) or model/ (full), written beside and renamed into place; a previous one is
+    replaced only while it holds nothing but what a run wrote (`replace_final_weights`)."""
     if trainer.streamer is not None:
         trainer.streamer.remove()
         trainer.streamer = None
-    run_dir, model = trainer.run_dir, trainer.model
-    name = "adapter" if hasattr(model, "peft_config") else "model"
-    final = run_dir / name
-    tmp = run_dir / f".{name}.tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
+    model = trainer.model
     # Under FSDP2 the live parameters are shards: save the whole ones the last checkpoint gathered.
     gathered = getattr(trainer, "_gathered", None)
     extra = {"state_dict": gathered.tensors} if gathered is not None else {}
-    model.save_pretrained(str(tmp), safe_serialization=True, **extra)
-    trainer.tokenizer.save_pretrained(str(tmp))
-    if is_vision_config(model.config):  # the processor (image processor + template) travels with the weights
-        from maximus.vision import load_processor
 
-        cfg = trainer.cfg
-        load_processor(cfg.tokenizer or cfg.model, cfg.trust_remote_code).save_pretrained(str(tmp))
-    old = run_dir / f".{name}.old"
-    shutil.rmtree(old, ignore_errors=True)
-    if final.exists():
-        os.replace(final, old)
-    os.replace(tmp, final)
-    shutil.rmtree(old, ignore_errors=True)
-    fsync_dir(run_dir)
+    def save(tmp: Path) -> None:
+        model.save_pretrained(str(tmp), safe_serialization=True, **extra)
+        trainer.tokenizer.save_pretrained(str(tmp))
+        if is_vision_config(model.config):  # the processor (image processor + template) travels with the weights
+            from maximus.vision import load_processor
+
+            cfg = trainer.cfg
+            load_processor(cfg.tokenizer or cfg.model, cfg.trust_remote_code).save_pretrained(str(tmp))
+
+    replace_final_weights(trainer.run_dir, "adapter" if hasattr(model, "peft_config") else "model", save)
 
 
 def print_header(trainer, out: ProgressDisplay) -> None:

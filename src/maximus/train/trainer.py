@@ -24,7 +24,9 @@ a run writes and prints in `maximus.train.outputs`.
 
 Raises (all `MaximusError`, printed as one line by the CLI): ConfigError, DataError, ModelError,
 BudgetError, CheckpointError, TrainingError (too many non-finite steps), Preempted (signal).
-Nothing in `output_dir` is touched until the config, data and model have loaded.
+Nothing in `output_dir` is touched until the config, data and model have loaded; an `output_dir`
+that holds files no Maximus run wrote is refused first (`maximus.train.run_directory`), and the
+run removes nothing it did not write.
 """
 from __future__ import annotations
 
@@ -58,6 +60,7 @@ from maximus.train.order import RowOrder, row_length, run_lengths, run_steps
 from maximus.train.outputs import print_header, print_summary, write_live_plan, write_outputs
 from maximus.train.progress import MetricsLog, ProgressDisplay
 from maximus.train.replanning import check_budget, guarded_step
+from maximus.train.run_directory import check_output_dir, mark_run_directory
 from maximus.train.sinks import open_sinks
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Trainer", "TrainingError"]
@@ -103,6 +106,7 @@ class Trainer:
         # CPU: as many threads as cores are free for this process (see maximus.kernels.cpu_threads).
         self.threads = cpu_threads(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         _seed_everything(cfg.training.seed)
+        check_output_dir(self.run_dir)  # a folder someone else filled is refused before anything loads
         check_model_source(cfg)
         require_packages(cfg)  # the optimizer's package, before anything heavy loads
         # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
@@ -312,6 +316,8 @@ class Trainer:
                     error = exc
             if not self.dist.all_ok(error is None):
                 raise error or MaximusError("rank 0 could not start this run", "see rank 0's error")
+            if self.dist.is_main:
+                mark_run_directory(self.run_dir)
             with self.dist.session():
                 self.objective.prepare(self)  # may write into output_dir (DPO reference cache): after the lock
                 summary = self._train(started)
