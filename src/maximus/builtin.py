@@ -2,7 +2,10 @@
 
 `model: builtin:tiny-llama` and `dataset: builtin:reverse-words` in a config resolve to a
 directory under the cache (``$MAXIMUS_CACHE`` or ``~/.cache/maximus``) that is written once,
-deterministically, then reused:
+deterministically, then reused. Every command that reads a config resolves them with `resolve`
+(`maximus-train`, `maximus plan` with or without ``--measure``, `maximus eval` and `maximus export`
+through `maximus.export.run_config`, `maximus ui`'s planner and run check through `maximus plan`);
+a run records the names as written, so its run.json stays valid when the cache is cleared.
 
 - `tiny-llama`: a randomly initialised Llama-architecture model (4 layers, hidden 128, seeded)
   with a byte-level BPE tokenizer trained on the task's own text. Random weights: the "base" knows
@@ -86,9 +89,14 @@ def _build_tiny_llama(d: Path) -> None:
 BUILDERS = {"tiny-llama": _build_tiny_llama, "reverse-words": _build_reverse_words}
 
 
+def is_builtin(ref) -> bool:
+    """Whether `ref` (a config's model, tokenizer or dataset path) names an embedded default."""
+    return isinstance(ref, str) and ref.startswith(PREFIX)
+
+
 def materialize(ref: str) -> str:
     """Path of a builtin model or dataset directory (built on first use); other refs unchanged."""
-    if not isinstance(ref, str) or not ref.startswith(PREFIX):
+    if not is_builtin(ref):
         return ref
     name = ref[len(PREFIX):]
     if name not in BUILDERS:
@@ -97,16 +105,29 @@ def materialize(ref: str) -> str:
     return str(_atomic_dir(cache_root() / "builtin" / f"{name}-{tag}", BUILDERS[name]))
 
 
+def _resolve_specs(specs):
+    """`specs` (a config's dataset list) with builtin: paths materialised; the same list when none is."""
+    out = [s.model_copy(update={"path": materialize(s.path)}) if is_builtin(s.path) else s for s in specs]
+    return out if any(a is not b for a, b in zip(out, specs)) else specs
+
+
 def resolve(cfg):
-    """A copy of `cfg` whose builtin: references point at materialised directories."""
+    """A copy of `cfg` whose builtin: references (model, tokenizer, dataset, eval.dataset) point
+    at materialised directories; `cfg` itself when it names none. The one resolution every
+    command that reads a config calls."""
     changes = {}
-    if cfg.model.startswith(PREFIX):
+    if is_builtin(cfg.model):
         changes["model"] = materialize(cfg.model)
-    if cfg.tokenizer and cfg.tokenizer.startswith(PREFIX):
+    if is_builtin(cfg.tokenizer):
         changes["tokenizer"] = materialize(cfg.tokenizer)
-    specs = [s.model_copy(update={"path": materialize(s.path)}) if s.path.startswith(PREFIX) else s for s in cfg.datasets]
-    if any(a is not b for a, b in zip(specs, cfg.datasets)):
+    datasets = cfg.datasets
+    specs = _resolve_specs(datasets)
+    if specs is not datasets:
         changes["dataset"] = specs
+    held_out = cfg.eval.dataset or []
+    held_out_specs = _resolve_specs(held_out)
+    if held_out_specs is not held_out:
+        changes["eval"] = cfg.eval.model_copy(update={"dataset": held_out_specs})
     if not changes:
         return cfg
     return cfg.model_copy(update=changes)

@@ -190,7 +190,9 @@ def _generate(argv: list[str]) -> int:
 
     from maximus.evaluate import generate_text
 
-    source = Path(args.source)
+    from maximus.builtin import materialize
+
+    source = Path(materialize(args.source))
     chat = False
     if (source / "run.json").is_file():
         from maximus.data import trains_on_chat
@@ -202,7 +204,7 @@ def _generate(argv: list[str]) -> int:
         from maximus.config import Config
         from maximus.models import load_base_model, load_tokenizer
 
-        cfg = Config.from_dict({"model": args.source, "dataset": "-"})
+        cfg = Config.from_dict({"model": str(source), "dataset": "-"})
         tokenizer = load_tokenizer(cfg)
         model = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
     for prompt, text in zip(args.prompt, generate_text(model, tokenizer, args.prompt, device=torch.device("cpu"),

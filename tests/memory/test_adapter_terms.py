@@ -98,7 +98,7 @@ def test_an_unknown_module_to_save_is_a_note():
 
 
 def test_the_quickstart_prediction_holds(tmp_path, monkeypatch):
-    """The embedded default (embed_tokens and lm_head trained, `target_vram: 72MB`) on 200 of its
+    """The embedded default (embed_tokens and lm_head trained, `target_vram: 100MB`) on 200 of its
     rows (packed: every row is seq_len tokens, as with all of them): the planned peak is within
     5 % of what two of its steps measure (its many short documents take the masked attention call)."""
     from maximus.builtin import resolve

@@ -11,13 +11,16 @@ from maximus.errors import CheckpointError
 
 
 def run_config(run_dir: Path) -> Config:
-    """The resolved config a finished run recorded in run.json."""
+    """The config a finished run recorded in run.json, its builtin: names resolved
+    (`maximus.builtin.resolve`): what `maximus eval`, `maximus export` and the UI's chat load."""
+    from maximus.builtin import resolve
+
     path = Path(run_dir) / "run.json"
     if not path.is_file():
         raise CheckpointError(f"{run_dir} is not a finished Maximus run (no run.json)",
                               "pass the output_dir of a completed maximus-train run")
     data = json.loads(path.read_text())
-    return Config.from_dict(data["config"], source=str(path))
+    return resolve(Config.from_dict(data["config"], source=str(path)))
 
 
 def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torch.dtype = torch.float32, merge: bool = False,

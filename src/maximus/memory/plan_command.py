@@ -410,7 +410,10 @@ def plan_json(argv: list[str]) -> dict[str, Any]:
 
 def _report(args: argparse.Namespace) -> dict[str, Any]:
     """`plan_report` of the command line: with ``--config``, planned for the rows its data has."""
-    cfg = _config(args)
+    from maximus.builtin import resolve
+
+    written = _config(args)
+    cfg = resolve(written)  # builtin: names (the embedded default), as maximus-train reads them
     if args.measure:
         if not args.config:
             raise ConfigError("maximus plan --measure needs --config (the probe trains the run it describes)",
@@ -427,6 +430,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
     if why:
         report["notes"].append(why)
         report["data_note"] = why
+    report["model"] = str(written.model)
     return report
 
 

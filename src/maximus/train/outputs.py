@@ -19,7 +19,7 @@ def write_live_plan(trainer) -> None:
     """output_dir/plan.json: the plan in force while the run goes on (budget, predicted peak,
     re-plans), for live views (`maximus ui`) that cannot wait for run.json. Rewritten atomically."""
     if trainer.dist.is_main:
-        write_json(trainer.run_dir / "plan.json", {"config": trainer.cfg.to_dict(), "plan": trainer.plan.to_dict(),
+        write_json(trainer.run_dir / "plan.json", {"config": trainer.cfg_as_written.to_dict(), "plan": trainer.plan.to_dict(),
                                                    "method": trainer.method, "steps": trainer.total_steps,
                                                    "replans": trainer.replans})
 
@@ -31,7 +31,7 @@ def write_outputs(trainer, state: dict, eval_after: dict, peak: int, skipped: in
     trainable, total = count_parameters(trainer.model)
     checkpointing = trainer.checkpointing
     summary = {
-        "config": trainer.cfg.to_dict(),
+        "config": trainer.cfg_as_written.to_dict(),
         "plan": trainer.plan.to_dict(),
         "versions": versions(),
         "device": str(trainer.device), "dtype": str(trainer.dtype).replace("torch.", ""),

@@ -89,6 +89,7 @@ class Trainer:
     def __init__(self, cfg: Config, *, hooks: dict | None = None, stream=None):
         from maximus.builtin import resolve
 
+        self.cfg_as_written = cfg  # what run.json records: builtin: names stay names (the cache may be cleared)
         self.cfg = cfg = resolve(cfg)
         self.hooks = hooks or {}
         self.stream = stream

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from maximus.builtin import is_builtin
 from maximus.config import Config, parse_yaml
 from maximus.config import _apply_override as apply_override  # the CLI's key.sub=value parser
 from maximus.errors import ConfigError, MaximusError
@@ -76,7 +77,7 @@ def _is_path(value: str) -> bool:
 
 def confine_path(key: str, value: str, roots: list[tuple[str, Path]], *, hub_ok: bool) -> str:
     """`value` resolved, if it lies under one of `roots` (flag name, directory); else `Refused`."""
-    if hub_ok and not _is_path(value):
+    if hub_ok and (is_builtin(value) or not _is_path(value)):  # a hub id, or an embedded default (builtin:)
         return value
     resolved = Path(os.path.abspath(value)).resolve()
     for _, root in roots:
