@@ -5,7 +5,7 @@ from __future__ import annotations
 from maximus.config import Config
 from maximus.memory import plan_run
 from maximus.memory.plan import plan_summary
-from maximus.ui.app import plan_text
+from maximus.ui.routes.planner import plan_text
 
 
 def test_summary_words_and_one_implementation(tiny_llama, tmp_path):

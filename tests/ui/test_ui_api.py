@@ -241,10 +241,12 @@ def test_every_mutating_endpoint_refuses_and_changes_nothing(api, tiny_llama, tm
     model.mkdir()
     _finished_run(api, model)
     good = _cfg(api, model, "new")
-    endpoints = [("/api/runs", {"config": yaml.safe_dump(good)}), ("/api/check", {"config": yaml.safe_dump(good)}),
-                 ("/api/runs/done/stop", {}), ("/api/runs/done/resume", {}),
-                 ("/api/runs/done/export", {"format": "adapter"}),
-                 ("/api/chat", {"run": "done", "messages": [{"role": "user", "content": "hi"}]})]
+    bodies = {"/api/runs": {"config": yaml.safe_dump(good)}, "/api/check": {"config": yaml.safe_dump(good)},
+              "/api/runs/<path:run>/stop": {}, "/api/runs/<path:run>/resume": {}, "/api/runs/<path:run>/cancel": {},
+              "/api/runs/<path:run>/export": {"format": "adapter"},
+              "/api/chat": {"run": "done", "messages": [{"role": "user", "content": "hi"}]}}
+    assert _mutating_rules(api.app) == set(bodies)  # a new mutating route is refused here too
+    endpoints = [(rule.replace("<path:run>", "done"), body) for rule, body in bodies.items()]
     before = _tree(tmp_path)
     refusals = []
     for path, body in endpoints:
@@ -322,6 +324,30 @@ def test_every_mutating_endpoint_refuses_and_changes_nothing(api, tiny_llama, tm
         assert status == 200 and answer["run"] == "c" and answer["plan"]["peak_bytes"] > 0
     finally:
         code.close()
+
+
+def _mutating_rules(app) -> set[str]:
+    from maximus.ui.guard import UNGUARDED_POSTS
+
+    return {r.rule for r in app.url_map.iter_rules()
+            if "POST" in r.methods and r.rule.startswith("/api/") and r.rule not in UNGUARDED_POSTS}
+
+
+def test_every_route_is_behind_the_one_guard(tmp_path):
+    """Routes name a run only as `<path:run>`, which the guard confines before the route runs, and
+    every POST but planning is under /api/, where the guard asks for the token."""
+    from maximus.ui.app import create_app
+    from maximus.ui.guard import UNGUARDED_POSTS
+
+    app = create_app(tmp_path / "runs", token=TOKEN)
+    variables = {(r.rule, name, type(conv).__name__) for r in app.url_map.iter_rules()
+                 for name, conv in r._converters.items()}
+    assert {v for v in variables if v[1] != "run"} == {("/static/<path:filename>", "filename", "PathConverter"),
+                                                      ("/runs/<path:run>/exports/<export_id>", "export_id",
+                                                       "UnicodeConverter")}
+    assert {conv for _, name, conv in variables if name == "run"} == {"PathConverter"}
+    posts = {r.rule for r in app.url_map.iter_rules() if "POST" in r.methods}
+    assert posts - _mutating_rules(app) == {"/", "/api/plan"} == UNGUARDED_POSTS | {"/"}  # the planner: plans only
 
 
 def test_a_server_without_token_changes_nothing_and_the_cookie_works(tmp_path, tiny_llama):
@@ -493,12 +519,12 @@ def test_cli_mistakes_are_one_line(tmp_path, monkeypatch, capsys):
 
 
 def test_a_bug_is_one_line_of_json(served, monkeypatch):
-    from maximus.ui import app as app_module
+    from maximus.ui.routes import runs as runs_routes
 
     def broken(*a, **k):
         raise RuntimeError("boom\nsecond line")
 
-    monkeypatch.setattr(app_module, "run_detail", broken)
+    monkeypatch.setattr(runs_routes, "run_detail", broken)
     status, answer = served.call("GET", "/api/runs/fin")
     assert (status, answer) == (500, {"error": "the server failed on this request (RuntimeError) "
                                                "(hint: see the server log)"})

@@ -1,159 +1,157 @@
-"""What a config sent from the browser may ask for: paths inside the roots, and no code.
+"""The one guard of `maximus ui`: every request passes it before a route runs, and routes reach
+run directories and configs only through it, so a route cannot forget a check.
 
-`maximus ui` starts processes, so a config posted to it is read as untrusted input:
+Before any route (`Guard.check_request`, installed on the whole app, every blueprint included):
 
-- every path is confined: the model, tokenizer and `init_adapter` to ``--models-root`` (an adapter
-  may also come from ``--runs``), each dataset (and `eval.dataset`) to ``--data-root``, `output_dir` to ``--runs``.
-  A relative path is taken from the server's working directory, as `maximus-train` takes it; the
-  path is resolved (``..`` and symlinks followed) before it is checked, and the config handed to
-  the child carries the resolved path, so the child opens what was checked;
-- a value that is not an existing path and reads as a hub id (``org/name``) stays a hub id;
-- code is refused unless the server was started with ``--allow-code``: `trust_remote_code`,
-  `allow_pickle` (unpickling runs code), GRPO rewards other than the built-ins, custom metrics
-  (``module:function``) and an MLflow tracking URI (it names a place to write or a host to call).
+- a ``Host`` outside `allowed_hosts` is refused on every request (DNS rebinding);
+- a POST whose ``Origin`` or ``Sec-Fetch-Site`` names another site is refused;
+- a POST under ``/api/`` needs the token (``Authorization: Bearer`` or the SameSite=Strict
+  HttpOnly cookie set from the printed ``?token=`` URL), except `UNGUARDED_POSTS` (planning, which
+  starts and writes nothing); a server without a token refuses them all;
+- any other request needs the token unless `open_reads` (loopback);
+- a route's ``run`` URL value (``/runs/<path:run>``) becomes a `Run` confined to ``--runs``: a run
+  directory there, or a run this server launched or queued (`NotFound`, 404, otherwise). Routes
+  name no other run variable (tests/ui check the URL map).
 
-`confine_config(text, roots, allow_code=...)` parses the YAML with ``yaml.safe_load``, validates
-it with the CLI's own `Config.from_dict`, and returns the config to run; it raises `ConfigError`
-(the CLI's one line, 400) or `Refused` (the rule broken, 403).
+What a route asks of it: `config` (a posted config, confined by `maximus.ui.confine.Confinement`:
+paths under the roots, no code without ``--allow-code``) and `run_name` (the run a confined config
+writes). Refusals are `maximus.ui.confine.Refused` (403).
 """
 from __future__ import annotations
 
-import os
-import re
+import hmac
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from maximus.builtin import is_builtin
-from maximus.config import Config, parse_yaml
-from maximus.config import _apply_override as apply_override  # the CLI's key.sub=value parser
+from flask import Flask, Response, abort, jsonify, request
+
+from maximus.config import Config
 from maximus.errors import ConfigError, MaximusError
+from maximus.ui.confine import Confinement, Refused, Roots
+from maximus.ui.runs import confined_run_dir
 
-__all__ = ["Refused", "Roots", "confine_config", "parse_config_text", "MAX_CONFIG_BYTES"]
+__all__ = ["Guard", "NotFound", "Refused", "Roots", "Run", "LOOPBACK_HOSTS", "TOKEN_COOKIE", "UNGUARDED_POSTS"]
 
-MAX_CONFIG_BYTES = 256 * 1024
-_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*(/[\w.-]+)?$")
+TOKEN_COOKIE = "maximus_ui_token"
+LOOPBACK_HOSTS = frozenset({"127.0.0.1", "localhost", "::1", "[::1]"})
+#: POSTs under /api/ that need no token: they start, write and stop nothing.
+UNGUARDED_POSTS = frozenset({"/api/plan"})
+#: The URL variable that names a run; the guard confines it before the route sees it.
+RUN_VARIABLE = "run"
 
 
-class Refused(MaximusError):
-    """A request the server does not serve: a path outside the roots, code without --allow-code,
-    a missing token or a foreign origin."""
+class NotFound(MaximusError):
+    """No such run (or it lies outside --runs)."""
 
 
 @dataclass(frozen=True)
-class Roots:
-    """The directories a browser's config may name (resolved at start)."""
+class Run:
+    """A run a request names, confined to ``--runs``: `name` as under ``--runs``, `path` resolved."""
 
-    data: Path
-    models: Path
-    runs: Path
-
-    @classmethod
-    def of(cls, data: str | Path, models: str | Path, runs: str | Path) -> "Roots":
-        return cls(Path(data).resolve(), Path(models).resolve(), Path(runs).resolve())
+    name: str
+    path: Path
 
 
-def parse_config_text(text: Any) -> dict:
-    """The YAML a browser sent, as a mapping (``yaml.safe_load``: no tags, no objects)."""
-    if not isinstance(text, str) or not text.strip():
-        raise ConfigError("the request has no config", 'send {"config": "<the YAML of a maximus-train config>"}')
-    if len(text.encode("utf-8")) > MAX_CONFIG_BYTES:
-        raise ConfigError(f"the config is larger than {MAX_CONFIG_BYTES // 1024} KiB", "send the YAML only, not the data")
-    data = parse_yaml(text, "config")
+class Guard:
+    """Checks every request of one server (see the module doc). `pending(name)`: whether this
+    server launched or queued a run of that name (it may have no run files yet)."""
+
+    def __init__(self, runs_root: Path, confinement: Confinement, *, token: str | None, open_reads: bool,
+                 allowed_hosts: frozenset[str] | None, pending: Callable[[str], bool]):
+        self.runs_root = Path(runs_root)
+        self.confinement = confinement
+        self.token = token
+        self.open_reads = open_reads
+        self.allowed_hosts = allowed_hosts
+        self.pending = pending
+
+    def install(self, app: Flask) -> None:
+        app.before_request(self.check_request)
+        app.after_request(self.remember_token)
+
+    # ------------------------------------------------------------------ every request
+    def check_request(self):
+        if self.allowed_hosts is not None and request.host.rsplit(":", 1)[0] not in self.allowed_hosts:
+            return refusal(f"Host {request.host!r} is not this server", "open the URL maximus ui printed")
+        if request.method == "POST":
+            origin = request.headers.get("Origin")
+            if origin is not None and origin != f"{request.scheme}://{request.host}":
+                return refusal(f"a request from {origin} is not from this server's pages",
+                               "use the pages maximus ui serves, or send no Origin (curl, scripts)")
+            site = request.headers.get("Sec-Fetch-Site")
+            if site is not None and site not in ("same-origin", "none"):
+                return refusal(f"a {site} request is not from this server's pages", "use the pages maximus ui serves")
+        if request.method == "POST" and request.path.startswith("/api/") and request.path not in UNGUARDED_POSTS:
+            if self.token is None:
+                return refusal("this server was started without a token, so it changes nothing",
+                               "start maximus ui again: it prints a URL with a token")
+            if not self._token_ok(self._token_given(query=False)):
+                return refusal("a mutating request needs the token",
+                               "send Authorization: Bearer TOKEN, or open the ?token= URL maximus ui printed")
+        elif self.token is not None and not self.open_reads and not self._token_ok(self._token_given(query=True)):
+            abort(403)
+        if request.view_args and RUN_VARIABLE in request.view_args:
+            request.view_args[RUN_VARIABLE] = self.run(request.view_args[RUN_VARIABLE])
+        return None
+
+    def remember_token(self, resp: Response) -> Response:
+        given = request.args.get("token")
+        if self.token is not None and given and self._token_ok(given):
+            resp.set_cookie(TOKEN_COOKIE, self.token, httponly=True, samesite="Strict")
+        resp.headers["X-Content-Type-Options"] = "nosniff"
+        resp.headers["X-Frame-Options"] = "DENY"
+        resp.headers["Cache-Control"] = "no-store"
+        return resp
+
+    def _token_given(self, *, query: bool) -> str | None:
+        auth = request.headers.get("Authorization", "")
+        return ((request.args.get("token") if query else None) or request.cookies.get(TOKEN_COOKIE)
+                or (auth[len("Bearer "):].strip() if auth.startswith("Bearer ") else None))
+
+    def _token_ok(self, given: str | None) -> bool:
+        return self.token is not None and bool(given) and hmac.compare_digest(given.encode(), self.token.encode())
+
+    # ------------------------------------------------------------------ what routes ask
+    def run(self, name: str) -> Run:
+        """`name` confined to ``--runs``: a run directory there, or a run this server launched or
+        queued (which may have no files yet); else `NotFound`."""
+        path = confined_run_dir(self.runs_root, name)
+        if path is None and self.pending(name):
+            root = self.runs_root.resolve()
+            candidate = (root / name).resolve()
+            if candidate.is_relative_to(root) and candidate != root:
+                path = candidate
+        if path is None:
+            raise NotFound(f"no run {name!r} under --runs {self.runs_root}", "GET /api/runs lists the runs")
+        return Run(name, path)
+
+    def config(self, body: dict[str, Any]) -> tuple[dict, Config]:
+        """The config of a request body ``{"config": YAML, "overrides": [...]}``, confined."""
+        return self.confinement.config(body.get("config"), overrides=body.get("overrides"))
+
+    def recorded_config(self, saved: dict) -> tuple[dict, Config]:
+        """A config this server or a trainer recorded (a resume starts from it), confined again."""
+        import yaml
+
+        return self.confinement.config(yaml.safe_dump(saved))
+
+    def run_name(self, output_dir: str) -> str:
+        return self.confinement.run_name(output_dir)
+
+
+def refusal(message: str, hint: str):
+    """The response to a refused request: JSON under /api/, one line of text for a page; 403."""
+    line = Refused(message, hint).one_line()
+    if request.path.startswith("/api/"):
+        return jsonify({"error": line}), 403
+    return Response(f"error: {line}\n", status=403, mimetype="text/plain")
+
+
+def json_body() -> dict:
+    """The request's JSON object (ConfigError, 400, for anything else)."""
+    data = request.get_json(silent=True)
     if not isinstance(data, dict):
-        raise ConfigError("config: expected a mapping of keys at the top level", "start with e.g. `model: ...`")
+        raise ConfigError("the request body is not a JSON object", "send Content-Type: application/json")
     return data
-
-
-def _inside(path: Path, root: Path) -> bool:
-    return path == root or path.is_relative_to(root)
-
-
-def _is_path(value: str) -> bool:
-    """A local path (to be confined) rather than a hub id."""
-    return (value.startswith(("/", ".", "~")) or "\\" in value or ".." in Path(value).parts
-            or Path(value).exists() or not _HUB_ID.match(value))
-
-
-def confine_path(key: str, value: str, roots: list[tuple[str, Path]], *, hub_ok: bool) -> str:
-    """`value` resolved, if it lies under one of `roots` (flag name, directory); else `Refused`."""
-    if hub_ok and (is_builtin(value) or not _is_path(value)):  # a hub id, or an embedded default (builtin:)
-        return value
-    resolved = Path(os.path.abspath(value)).resolve()
-    for _, root in roots:
-        if _inside(resolved, root):
-            return str(resolved)
-    where = " or ".join(f"{flag} {root}" for flag, root in roots)
-    raise Refused(f"{key} {value} is outside {where}",
-                  f"put it under {roots[0][1]}, or start maximus ui with {roots[0][0]} pointing at its folder")
-
-
-def _refuse_code(key: str, what: str) -> Refused:
-    return Refused(f"{key}: {what} is code, and this server does not run code from the browser",
-                   "start maximus ui with --allow-code if you trust every page that can reach it, "
-                   "or run this config with maximus-train")
-
-
-def confine_config(text: Any, roots: Roots, *, allow_code: bool = False,
-                   overrides: list[str] | None = None) -> tuple[dict, Config]:
-    """(the config mapping to hand to `maximus-train`, its validated `Config`): the YAML `text`
-    with the CLI's ``key.sub=value`` `overrides` applied (the run form sends its fields so). See
-    the module doc."""
-    data = {} if overrides and isinstance(text, (str, type(None))) and not (text or "").strip() else parse_config_text(text)
-    if overrides is not None:
-        if not isinstance(overrides, list) or not all(isinstance(o, str) for o in overrides):
-            raise ConfigError("overrides must be a list of key.sub=value strings", 'e.g. ["training.max_steps=10"]')
-        for item in overrides:
-            apply_override(data, item)
-    Config.from_dict(data, source="config")  # the CLI's validation and its one-line errors, first
-    out = dict(data)
-    models = [("--models-root", roots.models)]
-    if isinstance(out.get("model"), str):
-        out["model"] = confine_path("model", out["model"], models, hub_ok=True)
-    if isinstance(out.get("tokenizer"), str):
-        out["tokenizer"] = confine_path("tokenizer", out["tokenizer"], models, hub_ok=True)
-    if isinstance(out.get("init_adapter"), str):
-        out["init_adapter"] = confine_path("init_adapter", out["init_adapter"],
-                                           models + [("--runs", roots.runs)], hub_ok=False)
-    out["dataset"] = _confine_datasets(out["dataset"], roots)
-    if isinstance(out.get("eval"), dict) and out["eval"].get("dataset") is not None:
-        out["eval"] = {**out["eval"], "dataset": _confine_datasets(out["eval"]["dataset"], roots, "eval.dataset")}
-    if out.get("output_dir") is None:
-        out["output_dir"] = str(roots.runs / (Path(str(out["model"]).rstrip("/")).name or "model"))
-    out["output_dir"] = confine_path("output_dir", str(out["output_dir"]), [("--runs", roots.runs)], hub_ok=False)
-    if Path(out["output_dir"]) == roots.runs:
-        raise Refused(f"output_dir {out['output_dir']} is --runs itself", "name a run directory under it")
-    cfg = Config.from_dict(out, source="config")
-    if not allow_code:
-        _refuse_code_keys(cfg)
-    return out, cfg
-
-
-def _confine_datasets(value: Any, roots: Roots, key: str = "dataset") -> Any:
-    data_root = [("--data-root", roots.data)]
-    if isinstance(value, list):
-        return [_confine_datasets(v, roots, key) for v in value]
-    if isinstance(value, str):
-        return confine_path(key, value, data_root, hub_ok=True)
-    if isinstance(value, dict) and isinstance(value.get("path"), str):
-        return {**value, "path": confine_path(f"{key}.path", value["path"], data_root, hub_ok=True)}
-    return value
-
-
-def _refuse_code_keys(cfg: Config) -> None:
-    from maximus.train.rewards import BUILTINS
-
-    if cfg.trust_remote_code:
-        raise _refuse_code("trust_remote_code", "model code from the hub")
-    if cfg.allow_pickle:
-        raise _refuse_code("allow_pickle", "unpickling .bin / .pt weights")
-    for spec in cfg.grpo.rewards:
-        if spec not in BUILTINS:
-            raise _refuse_code("grpo.rewards", f"the reward {spec!r}")
-    metrics = getattr(cfg.eval, "metrics", None) or []
-    for spec in metrics if isinstance(metrics, (list, tuple)) else [metrics]:
-        if isinstance(spec, str) and ":" in spec:
-            raise _refuse_code("eval.metrics", f"the custom metric {spec!r}")
-    if cfg.logging.mlflow_uri is not None:
-        raise Refused("logging.mlflow_uri is not accepted from the browser (it names a place to write or a host to call)",
-                      "leave it out (the default store lies in the run directory), or run this config with maximus-train")

@@ -1,0 +1,42 @@
+"""The exports of a run that `maximus ui` started: where each lands and what state it is in.
+
+An export is `maximus export` run as a child (`maximus.ui.jobs.Jobs.start_export`) into
+``<run>/exports/<format>[-<quant>]`` (a ``.gguf`` file for GGUF); its record, log and progress
+lie in the run's state directory under ``<runs>/.maximus-ui/``.
+"""
+from __future__ import annotations
+
+from pathlib import Path
+
+from maximus.ui.jobs import Jobs
+
+__all__ = ["EXPORT_FORMATS", "export_target", "export_rows"]
+
+EXPORT_FORMATS = ("merged", "adapter", "gguf", "ollama")
+
+
+def export_target(run_dir: Path, fmt: str, quant: str | None) -> tuple[str, Path]:
+    """(export id, the path `maximus export` writes) of one format and quantization."""
+    export_id = fmt if quant is None else f"{fmt}-{quant}"
+    return export_id, run_dir / "exports" / (f"{export_id}.gguf" if fmt == "gguf" else export_id)
+
+
+def export_rows(jobs: Jobs, name: str, run_dir: Path) -> list[dict]:
+    """The run page's export table: one row per export this server started for run `name`."""
+    rows = []
+    for fmt in EXPORT_FORMATS:
+        for rec_path in sorted(p for p in jobs.state_dir(name).glob(f"export-{fmt}*.json")
+                               if not p.name.endswith(".progress.json")):
+            export_id = rec_path.stem[len("export-"):]
+            rec = jobs.record(f"export-{export_id}", name) or {}
+            code = rec.get("exit_code")
+            quant = export_id.split("-", 1)[1] if "-" in export_id else None
+            _, out = export_target(run_dir, fmt, quant)
+            tail = jobs.log_tail(f"export-{export_id}", name).strip().splitlines()
+            rows.append({"id": export_id, "format": fmt, "quant": quant, "path": str(out),
+                         "status": "running" if code is None and jobs.alive(f"export-{export_id}", name)
+                         else "done" if code == 0 and out.exists() else "failed",
+                         "exit_code": code, "last_line": tail[-1] if tail else "",
+                         "progress": jobs.export_progress(name, export_id),
+                         "download": f"/runs/{name}/exports/{export_id}" if code == 0 and out.exists() else None})
+    return rows

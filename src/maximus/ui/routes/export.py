@@ -1,0 +1,68 @@
+"""Export: ``POST /api/runs/<run>/export`` starts `maximus export` as a child (the export rules of
+docs/export.md hold); ``GET /runs/<run>/exports/<export_id>`` downloads the result (a directory
+as a zip)."""
+from __future__ import annotations
+
+import re
+import tempfile
+import zipfile
+from pathlib import Path
+
+from flask import Blueprint, abort, jsonify, send_file
+
+from maximus.errors import ConfigError
+from maximus.ui.exports import EXPORT_FORMATS, export_target
+from maximus.ui.guard import Run, json_body
+from maximus.ui.jobs import Conflict
+from maximus.ui.state import ui_state
+
+__all__ = ["blueprint"]
+
+blueprint = Blueprint("export", __name__)
+
+
+@blueprint.route("/api/runs/<path:run>/export", methods=["POST"])
+def api_export(run: Run):
+    from maximus.export.to_gguf import check_quant
+
+    data = json_body()
+    name, path = run.name, run.path
+    fmt, quant = data.get("format"), data.get("quant")
+    if fmt not in EXPORT_FORMATS:
+        raise ConfigError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}", 'e.g. "format": "gguf"')
+    if quant is not None and fmt not in ("gguf", "ollama"):
+        raise ConfigError(f"quant applies to format gguf or ollama, not {fmt}", "drop quant or change format")
+    if fmt in ("gguf", "ollama"):
+        quant = quant or ("f16" if fmt == "gguf" else "q8_0")
+        if not isinstance(quant, str):
+            raise ConfigError(f"quant must be a string, got {quant!r}", 'e.g. "quant": "q8_0"')
+        check_quant(quant)
+    if not (path / "run.json").is_file():
+        raise Conflict(f"run {name} is not finished", "export a finished run")
+    export_id, out = export_target(path, fmt, quant)
+    args = [str(path), "--out", str(out), "--format", fmt] + (["--quant", quant] if quant else [])
+    if out.exists():
+        args.append("--overwrite")  # replaces only a previous export of ours (maximus.export.target)
+    out.parent.mkdir(exist_ok=True)
+    ui_state().jobs.start_export(name, export_id, args)
+    return jsonify({"run": name, "export": export_id, "path": str(out)}), 202
+
+
+@blueprint.route("/runs/<path:run>/exports/<export_id>")
+def download(run: Run, export_id: str):
+    fmt, _, quant = export_id.partition("-")
+    if fmt not in EXPORT_FORMATS or not re.fullmatch(r"[a-z0-9_]*", quant):
+        abort(404)
+    _, out = export_target(run.path, fmt, quant or None)
+    if out.is_symlink() or not out.exists() or not out.resolve().is_relative_to(run.path):
+        abort(404)
+    if out.is_file():
+        return send_file(out, as_attachment=True, download_name=out.name)
+    buf = tempfile.SpooledTemporaryFile(max_size=64 * 2**20)
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as zf:
+        for f in sorted(out.rglob("*")):
+            if f.is_file() and not f.is_symlink():
+                zf.write(f, f.relative_to(out).as_posix())
+    buf.seek(0)
+    return send_file(buf, as_attachment=True, download_name=f"{Path(run.name).name}-{export_id}.zip",
+                     mimetype="application/zip")
