@@ -1,6 +1,6 @@
 """`maximus-train` and `maximus <subcommand>`: user mistakes become one line and exit code 2.
 
-Subcommands: train, eval, export, generate, plan, embed. Tracebacks are kept for bugs only.
+Subcommands: train, eval, export, generate, plan, embed, data, ui. Tracebacks are kept for bugs only.
 """
 from __future__ import annotations
 
@@ -226,6 +226,13 @@ def _embed(argv: list[str]) -> int:
     return embed_main(argv)
 
 
+def _data(argv: list[str]) -> int:
+    _quiet_libraries()
+    from maximus.data_command import data_main
+
+    return data_main(argv)
+
+
 def _ui(argv: list[str]) -> int:
     from maximus.ui.command import ui_main
 
@@ -233,7 +240,7 @@ def _ui(argv: list[str]) -> int:
 
 
 COMMANDS = {"train": _train, "eval": _eval, "export": _export, "generate": _generate, "plan": _plan, "embed": _embed,
-            "ui": _ui}
+            "data": _data, "ui": _ui}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -242,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
         print("usage: maximus {" + ",".join(COMMANDS) + "} ...\n\n"
               "  train     fine-tune from a YAML config (same as maximus-train)\n"
               "  plan      predict peak memory and the cheapest GPU for a model and setting\n"
+              "  data      check a run's data (duplicates, leakage, truncation, ...) as it will train\n"
               "  eval      score a finished run against its base model (and prompting), on any file\n"
               "  export    a run as a merged Hugging Face model, its adapter, GGUF or Ollama\n"
               "  generate  generate text from a run or a model\n"

@@ -124,6 +124,19 @@ class DatasetSpec(_Section):
     on_error: Literal["error", "skip"] = Field("error", description="A record that fails to parse: stop with file and line (`error`) or skip and count it (`skip`).")
 
 
+class DataConfig(_Section):
+    """What the data check (`maximus data check`, and the start of every run) does about what it finds; see docs/data_check.md."""
+
+    dedupe: Literal["off", "exact", "near"] = Field("off", description="Drop duplicate training records before the split, keeping the first in file order: `exact` = equal after normalisation (Unicode NFKC, case folded, whitespace collapsed), `near` = those and near-duplicates (word-bigram Jaccard similarity >= 0.7, found with MinHash); `off` = keep every record (the check still reports them). Each source (`dataset`, `eval.dataset`) is deduplicated on its own; eval rows that copy training rows are reported as leakage, never dropped.")
+    drop_untrainable: bool = Field(False, description="Also drop documents whose trained tokens all lie past `training.seq_len` (packing keeps them otherwise, as context-only tokens). Records with no trained token at all (an empty answer, a template that masks everything) are never trained either way.")
+    on_problem: Literal["warn", "error"] = Field("warn", description="A check over its threshold (docs/data_check.md): print a warning and train (`warn`), or stop with one line naming the check, its share and its first row before the model loads (`error`, exit 2).")
+
+    @field_validator("dedupe", mode="before")
+    @classmethod
+    def _yaml_boolean_dedupe(cls, v):
+        return _yaml_switch(v, on="exact")  # unquoted YAML off arrives as False
+
+
 class LoraConfig(_Section):
     """LoRA / DoRA adapter settings (PEFT)."""
 
@@ -452,6 +465,7 @@ class Config(_Section):
     contrastive: ContrastiveConfig = Field(default_factory=ContrastiveConfig, description="Embedding training settings.")
     grpo: GrpoConfig = Field(default_factory=GrpoConfig, description="Reinforcement learning from rewards (GRPO) settings.")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="Extra logging sinks.")
+    data: DataConfig = Field(default_factory=DataConfig, description="What the data check does about duplicates, untrainable records and problems over their thresholds.")
 
     @model_validator(mode="after")
     def _eval_fits_objective(self):
@@ -667,7 +681,7 @@ def _apply_override(data: dict, item: str) -> None:
     node[parts[-1]] = value
 
 
-_SECTIONS.update({m.__name__: m for m in (DatasetSpec, LoraConfig, OffloadConfig, GhostLogitConfig, KroneckerConfig,
+_SECTIONS.update({m.__name__: m for m in (DatasetSpec, DataConfig, LoraConfig, OffloadConfig, GhostLogitConfig, KroneckerConfig,
                                           MatryoshkaConfig, OptimizationConfig, TrainingConfig, EvalConfig,
                                           DpoConfig, ContrastiveConfig, GrpoConfig, LoggingConfig, Config)})
 

@@ -145,11 +145,21 @@ def encode_chat(tokenizer, messages: Messages, train_from_message: int = 0) -> t
 
     `train_from_message`: only assistant messages at this index or later are marked (preference
     pairs mark the answer, not assistant turns inside the prompt)."""
+    ids, mask, _ = encode_chat_text(tokenizer, messages, train_from_message)
+    return ids, mask
+
+
+def encode_chat_text(tokenizer, messages: Messages,
+                     train_from_message: int = 0) -> tuple[list[int], list[bool], tuple[int, ...]]:
+    """`encode_chat`'s ids and mask, and the indices of the messages whose content the template
+    left out of the text (it dropped them silently; the data check reports them)."""
     fitted, full = fit_system_messages(tokenizer, messages)
     if fitted is not messages:  # system turns were folded away: shift the index to match
         inserted_user = not any(m["role"] == "user" for m in messages)
         train_from_message = sum(m["role"] != "system" for m in messages[:train_from_message]) + inserted_user
-    return tokenize_with_spans(tokenizer, full, assistant_spans(tokenizer, fitted, full, train_from_message))
+    ids, mask = tokenize_with_spans(tokenizer, full, assistant_spans(tokenizer, fitted, full, train_from_message))
+    dropped = tuple(i for i, m in enumerate(messages) if text_of(m["content"]).strip() not in full)
+    return ids, mask, dropped
 
 
 def chat_prompt_ids(tokenizer, prompt: str) -> list[int]:

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from maximus.errors import DataError
 from maximus.structure import IGNORE_INDEX
 
-from maximus.data.chat import encode_chat
+from maximus.data.chat import encode_chat_text
 from maximus.data.formats import ChatExample, Example, PromptCompletion, TextExample
 
 
@@ -30,6 +30,7 @@ class Document:
     input_ids: list[int]
     labels: list[int]
     where: str = ""  # the record it came from ("data.jsonl:12"), set by the pipeline
+    dropped_turns: tuple[int, ...] = ()  # chat: messages the template left out of the text
 
     def has_loss(self) -> bool:
         """Whether some token after the first one is in the loss (the first one is never predicted)."""
@@ -83,12 +84,12 @@ class Encoder:
     def chat(self, messages, train_from_message: int = 0, train_on_inputs: bool | None = None) -> Document:
         """A conversation; with `train_from_message`, only assistant turns from that index are trained."""
         everything = self.train_on_inputs if train_on_inputs is None else train_on_inputs
-        ids, mask = encode_chat(self.tokenizer, messages, train_from_message)
+        ids, mask, dropped = encode_chat_text(self.tokenizer, messages, train_from_message)
         if not self._ends_with_eos(ids):
             ids.append(self.eos_id)
             mask.append(messages[-1]["role"] == "assistant" and len(messages) - 1 >= train_from_message)
         labels = [tok if (everything or trainable) else IGNORE_INDEX for tok, trainable in zip(ids, mask)]
-        return Document(ids, labels)
+        return Document(ids, labels, dropped_turns=dropped)
 
 
 def _special_prefix(tokenizer) -> list[int]:

@@ -50,7 +50,7 @@ def pack_documents(documents: list[Document], seq_len: int, seed: int = 0) -> tu
     for doc in documents:
         if len(doc.input_ids) <= seq_len:
             pieces.append(doc)
-        elif all(label != IGNORE_INDEX for label in doc.labels[1:]):
+        elif splits_into_pieces(doc):
             stats.split += 1
             pieces.extend(Document(doc.input_ids[i:i + seq_len], doc.labels[i:i + seq_len])
                           for i in range(0, len(doc.input_ids), seq_len))
@@ -79,6 +79,20 @@ def pack_documents(documents: list[Document], seq_len: int, seed: int = 0) -> tu
     for row in rows:
         _emit(row, kept, stats)
     return kept, stats
+
+
+def splits_into_pieces(doc: Document) -> bool:
+    """Whether packing splits an over-long document into pieces (every token after the first is
+    in the loss: plain text) rather than truncating it to its first seq_len tokens."""
+    return all(label != IGNORE_INDEX for label in doc.labels[1:])
+
+
+def fitted_loss_tokens(doc: Document, seq_len: int, packing: bool) -> tuple[int, int]:
+    """(tokens cut away, trained tokens left) when `doc` is fitted into rows of `seq_len` tokens
+    the way `pack_documents` (packing) or `truncate_documents` does it."""
+    if len(doc.input_ids) <= seq_len or (packing and splits_into_pieces(doc)):
+        return 0, sum(label != IGNORE_INDEX for label in doc.labels[1:])
+    return len(doc.input_ids) - seq_len, sum(label != IGNORE_INDEX for label in doc.labels[1:seq_len])
 
 
 def truncate_documents(documents: list[Document], seq_len: int) -> tuple[list[dict], RowStats]:

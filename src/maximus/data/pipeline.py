@@ -2,8 +2,11 @@
 
 Order of operations (all deterministic given `seed`):
 1. each spec: read every record (malformed lines error or are skipped), shuffle the records,
-   interpret and tokenize them in that order until `max_samples` documents are kept;
-2. concatenate all specs' documents and shuffle them together;
+   interpret and tokenize them in that order until `max_samples` documents are kept; each record
+   read is described for the data check (`maximus.data.records.RecordInfo`);
+2. concatenate all specs' documents; with `dedupe`, drop duplicates (the first copy in file order
+   stays, `maximus.data.duplicates`); with `drop_untrainable`, drop SFT documents whose trained
+   tokens all lie past seq_len; then shuffle them together;
 3. hold out `eval_split` of the documents (at least 1 when eval_split > 0 and there are >= 2
    documents; never all of them), before packing, so no document is in both splits;
 4. pack (or truncate) each split into rows (see `maximus.data.packing`).
@@ -20,13 +23,17 @@ from maximus.data.encoding import IGNORE_INDEX, Document, Encoder
 from maximus.data.splits import DataSplits, eval_count
 from maximus.data.formats import ChatExample, PairExample, PreferenceExample, PromptCompletion, detect_format, to_example
 from maximus.data.packing import RowStats, pack_documents, truncate_documents
+from maximus.data.duplicates import DuplicateIndex, boilerplate
 from maximus.data.pairs import encode_pair, fit_pair_row
 from maximus.data.prompts import check_prompt_format, encode_prompt, fit_prompt_rows, to_prompt_example
 from maximus.data.preference import PreferencePair, chat_prompt_and_answers, encode_preference, fit_pair
+from maximus.data.records import DEDUPED, EMPTY, EVAL, SKIPPED, TRAIN, UNTRAINABLE, RecordInfo, describe, measure
 from maximus.data.sources import encode_records, read_source
 from maximus.data.templates import ensure_chat_template
 
 OBJECTIVES = ("sft", "dpo", "contrastive", "grpo")
+DEDUPE_MODES = ("off", "exact", "near")
+PREVIEW_DOCUMENTS = 3  # training documents kept whole for the template preview
 
 
 #: Record formats that are conversations: a run trained on one generates from chat-templated prompts.
@@ -39,7 +46,8 @@ def trains_on_chat(stats: dict) -> bool:
 
 
 def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, train_on_inputs: bool = False,
-                   seed: int = 0, eval_split: float = 0.05, objective: str = "sft") -> DataSplits:
+                   seed: int = 0, eval_split: float = 0.05, objective: str = "sft", dedupe: str = "off",
+                   drop_untrainable: bool = False) -> DataSplits:
     """Build training and evaluation rows from dataset specs.
 
     Args:
@@ -53,6 +61,8 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
         objective: "sft" (rows of input_ids / labels / position_ids), "dpo" (preference rows),
             "contrastive" (query / positive rows, see `maximus.data.pairs`; no packing) or "grpo"
             (prompt rows, see `maximus.data.prompts`; no packing).
+        dedupe: "off", "exact" or "near": drop duplicate documents, keeping the first in file order.
+        drop_untrainable: drop SFT documents whose trained tokens all lie past seq_len.
 
     Raises DataError for missing or malformed data, and for a dataset empty after filtering.
     """
@@ -62,22 +72,38 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
         raise DataError(f"seq_len must be at least 2 tokens, got {seq_len}", "set training.seq_len")
     if not 0 <= eval_split < 1:
         raise DataError(f"eval_split must be in [0, 1), got {eval_split}", "set eval.split")
+    if dedupe not in DEDUPE_MODES:
+        raise DataError(f"unknown dedupe mode '{dedupe}'", f"set data.dedupe to one of {', '.join(DEDUPE_MODES)}")
     specs = list(specs) if isinstance(specs, (list, tuple)) else [specs]
     encoder = Encoder(tokenizer, train_on_inputs)
     stats = {"records": 0, "skipped": 0, "empty": 0, "documents": 0, "truncated": 0,
              "chat_template_fallback": False, "sources": []}
 
     documents: list = []
-    for spec in specs:
-        documents.extend(_read_spec(spec, encoder, objective, seed, stats))
+    infos: list[RecordInfo] = []  # the record of each document
+    records: list[RecordInfo] = []  # every record read
+    for index, spec in enumerate(specs):
+        read = _read_spec(spec, encoder, objective, seed, stats, (index, records, seq_len, packing))
+        documents.extend(document for document, _ in read)
+        infos.extend(info for _, info in read)
+    if dedupe != "off":
+        documents, infos = _drop_duplicates(documents, infos, near=dedupe == "near")
+        stats["deduped"] = sum(r.split == DEDUPED for r in records)
+    if drop_untrainable and objective == "sft":
+        documents, infos = _keep(documents, infos, [r.kept_loss_tokens > 0 for r in infos], UNTRAINABLE)
+        stats["untrainable_dropped"] = sum(r.split == UNTRAINABLE for r in records)
     if not documents:
         paths = ", ".join(str(s.path) for s in specs)
         raise DataError(f"dataset is empty after filtering: {paths} ({stats['records']} records read, "
                         f"{stats['skipped']} skipped as malformed, {stats['empty']} with nothing to learn)",
                         "check the files, the format and field names, and max_samples")
-    random.Random(seed).shuffle(documents)
+    order = list(range(len(documents)))
+    random.Random(seed).shuffle(order)  # the permutation shuffling `documents` itself would make
+    documents, infos = [documents[i] for i in order], [infos[i] for i in order]
     n_eval = eval_count(len(documents), eval_split)
     eval_docs, train_docs = documents[:n_eval], documents[n_eval:]
+    for k, info in enumerate(infos):
+        info.split = EVAL if k < n_eval else TRAIN
     stats.update(documents=len(documents), train_documents=len(train_docs), eval_documents=len(eval_docs))
 
     if objective == "dpo":
@@ -107,14 +133,35 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
         raise DataError(f"dataset is empty after filtering: {paths}: no training row has a token in the loss "
                         f"({len(train_docs)} training documents)",
                         "check train_on_inputs, the format (is there a completion or assistant turn?) and seq_len")
-    return DataSplits(train, evaluation, stats, train_where=_where(train_docs), eval_where=_where(eval_docs))
+    return DataSplits(train, evaluation, stats, train_where=_where(train_docs), eval_where=_where(eval_docs),
+                      records=records, preview=[d for d in train_docs if isinstance(d, Document)][:PREVIEW_DOCUMENTS])
+
+
+def _drop_duplicates(documents: list, infos: list[RecordInfo], near: bool) -> tuple[list, list[RecordInfo]]:
+    """Documents without the copies of earlier ones (in file order: source, then position)."""
+    index = DuplicateIndex(near=near, common=boilerplate(i.content for i in infos) if near else frozenset())
+    first_order = sorted(range(len(infos)), key=lambda i: (infos[i].source, infos[i].position))
+    keep = [True] * len(infos)
+    for i in first_order:
+        keep[i] = index.add(i, infos[i].content) is None
+    return _keep(documents, infos, keep, DEDUPED)
+
+
+def _keep(documents: list, infos: list[RecordInfo], keep: list[bool], dropped_as: str) -> tuple[list, list[RecordInfo]]:
+    for info, kept in zip(infos, keep):
+        if not kept:
+            info.split = dropped_as
+    return ([d for d, k in zip(documents, keep) if k], [info for info, k in zip(infos, keep) if k])
 
 
 def _where(documents: list) -> list[str]:
     return [d.where for d in documents if isinstance(d, Document)]
 
 
-def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -> list:
+def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict, log: tuple) -> list[tuple]:
+    """[(document, its RecordInfo)] of one spec; every record interpreted is appended to the log's
+    list (log: source index, records list, seq_len, packing)."""
+    source_index, described_records, seq_len, packing = log
     source = read_source(spec)
     records = source.records
     stats["records"] += len(records) + source.skipped
@@ -141,21 +188,48 @@ def _read_spec(spec, encoder: Encoder, objective: str, seed: int, stats: dict) -
                             "use a dataset with query/positive fields, or set `format: pairs`, query_field and positive_field")
         raise DataError(f"format pairs (query, positive) is for objective contrastive; {spec.path} is used with "
                         f"objective {objective}", "set `objective: contrastive` to train an embedding model")
-    def encode(record):
+    def interpret(record):
         if fmt == "prompt":
-            return encode_prompt(encoder, to_prompt_example(record.fields, spec, record.where))
+            return to_prompt_example(record.fields, spec, record.where)
         example = to_example(record.fields, fmt, spec, record.where)
         if isinstance(example, PreferenceExample) and objective == "sft":
             example = _chosen_as_sft(example)  # SFT on preference data learns the chosen answers
+        return example
+
+    def tokenize(example, where: str):
+        if fmt == "prompt":
+            return encode_prompt(encoder, example)
         if isinstance(example, ChatExample) or (isinstance(example, PreferenceExample) and _is_chat_pair(example)):
             stats["chat_template_fallback"] |= ensure_chat_template(encoder.tokenizer)
-        return _encode(example, encoder, record.where)
+        return _encode(example, encoder, where)
+
+    position = {record.where: i for i, record in enumerate(records)}
+    described: dict[str, RecordInfo] = {}
+
+    def encode(record):
+        example = None
+        try:
+            example = interpret(record)
+            document = tokenize(example, record.where)
+        except DataError as exc:
+            info = (describe(example, record.where, source_index, position[record.where], record.fields)
+                    if example is not None else RecordInfo(record.where, source_index, position[record.where]))
+            info.split, info.problem = SKIPPED, exc.message
+            described_records.append(info)
+            raise
+        info = describe(example, record.where, source_index, position[record.where], record.fields)
+        if document is not None:
+            measure(info, document, seq_len, packing)
+        info.split = EMPTY if document is None else TRAIN
+        described_records.append(info)
+        described[record.where] = info
+        return document
 
     documents = []
     for where, document in encode_records(source, spec, seed, encode, stats, summary):
         if isinstance(document, Document):
             document.where = where
-        documents.append(document)
+        documents.append((document, described[where]))
     return documents
 
 
@@ -234,7 +308,8 @@ def build_run_datasets(cfg, tokenizer, *, eval_split: float | None = None, objec
     missing or empty after filtering raises DataError naming it, before anything trains."""
     settings = dict(seq_len=cfg.training.seq_len, packing=cfg.training.packing,
                     train_on_inputs=cfg.training.train_on_inputs, seed=cfg.training.seed,
-                    objective=objective or cfg.objective)
+                    objective=objective or cfg.objective, dedupe=cfg.data.dedupe,
+                    drop_untrainable=cfg.data.drop_untrainable)
     held_out = cfg.eval.dataset if cfg.eval.enabled else None
     if eval_split is None:
         eval_split = cfg.eval.split if cfg.eval.enabled and not held_out else 0.0
@@ -260,5 +335,9 @@ def build_run_datasets(cfg, tokenizer, *, eval_split: float | None = None, objec
     splits.stats.update(eval_documents=e["documents"], eval_rows=e["rows"], eval_tokens=e["tokens"],
                         eval_loss_tokens=e["loss_tokens"], eval_sources=e["sources"])
     splits.stats["chat_template_fallback"] |= e["chat_template_fallback"]
+    for info in evaluation.records:  # numbered after the training sources, and held out
+        info.source += len(cfg.datasets)
+        info.split = EVAL if info.split == TRAIN else info.split
     return DataSplits(splits.train, evaluation.train, splits.stats, train_where=splits.train_where,
-                      eval_where=evaluation.train_where)
+                      eval_where=evaluation.train_where, records=splits.records + evaluation.records,
+                      preview=splits.preview)

@@ -20,13 +20,20 @@ class DataSplits:
 
     `train_where` / `eval_where`: the record (`data.jsonl:12`) of each training / held-out
     document, in split order (SFT data; empty for the other objectives), so that evaluation can
-    go back to the records (`maximus.evaluate.tasks`)."""
+    go back to the records (`maximus.evaluate.tasks`).
+
+    `records`: one `maximus.data.records.RecordInfo` per record read, in reading order, with the
+    split it went to (what `maximus.data.check` examines; empty for image + text data).
+    `preview`: the first training documents (`maximus.data.encoding.Document`, SFT data), for the
+    template preview."""
 
     train: list[dict]
     eval: list[dict]
     stats: dict = field(default_factory=dict)
     train_where: list[str] = field(default_factory=list)
     eval_where: list[str] = field(default_factory=list)
+    records: list = field(default_factory=list)
+    preview: list = field(default_factory=list)
 
 
 def eval_count(n_documents: int, eval_split: float) -> int:

@@ -24,6 +24,22 @@ def write_live_plan(trainer) -> None:
                                                    "replans": trainer.replans})
 
 
+def write_data_report(trainer) -> None:
+    """output_dir/data_report.json (every check with its rows, the template preview) and
+    data_lengths.png (token lengths against seq_len), on a fresh start and on resume alike."""
+    report = getattr(trainer, "data_report", None)
+    if report is None or not trainer.dist.is_main:
+        return
+    from maximus.data.length_plot import plot_lengths
+
+    write_json(trainer.run_dir / "data_report.json", report.to_dict())
+    try:
+        plot_lengths(report.lengths, report.seq_len, trainer.run_dir / "data_lengths.png",
+                     title=f"{Path(trainer.cfg.model).name}: tokens per training document")
+    except Exception as exc:  # a plot must never fail a run
+        print(f"warning: could not draw data_lengths.png: {exc}")
+
+
 def write_outputs(trainer, state: dict, eval_after: dict, peak: int, skipped: int, started: float) -> dict:
     """The final weights, run.json and loss.png; returns the run summary (run.json's content)."""
     run_dir = trainer.run_dir
@@ -43,6 +59,7 @@ def write_outputs(trainer, state: dict, eval_after: dict, peak: int, skipped: in
                    "breakdown": trainer.meter.breakdown(trainer.model, trainer.optimizer)},
         "checkpointing": checkpointing.to_dict() if hasattr(checkpointing, "to_dict") else None,
         "data": trainer.data.stats,
+        "data_check": trainer.data_report.summary() if getattr(trainer, "data_report", None) else None,
         "eval": eval_summary(trainer.cfg, state, eval_after),
         "distributed": trainer.dist.describe(),
         "kernels": trainer.kernels.to_dict(),

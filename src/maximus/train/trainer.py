@@ -14,6 +14,8 @@
 - safety: atomic verified checkpoints every `save_every` steps and at the end, resume from the
   newest good one by re-running the same command, output-dir lock, non-finite steps skipped
   (stop after `max_bad_steps`), SIGTERM / SIGINT / SIGUSR1 finish the step, checkpoint and exit 75;
+- data: the data check (`maximus.data.check`) after the data loads: its summary printed, run.json's
+  `data_check`, data_report.json and data_lengths.png; `data.on_problem: error` stops the run there;
 - evaluation: exact held-out loss / perplexity / exact match of the base before and of the tuned
   model after, generations for `eval.prompts`; outputs `adapter/` (PEFT format), `run.json`,
   `metrics.jsonl`, `loss.png`.
@@ -57,7 +59,7 @@ from maximus.train.objectives import ObjectiveModule, build_objective
 from maximus.memory.lengths import split_by_tokens
 from maximus.train.optimizers import build_optimizer, check_in_backward, require_packages
 from maximus.train.order import RowOrder, row_length, run_lengths, run_steps
-from maximus.train.outputs import print_header, print_summary, write_live_plan, write_outputs
+from maximus.train.outputs import print_header, print_summary, write_data_report, write_live_plan, write_outputs
 from maximus.train.progress import MetricsLog, ProgressDisplay
 from maximus.train.replanning import check_budget, guarded_step
 from maximus.train.run_directory import check_output_dir, mark_run_directory
@@ -113,6 +115,7 @@ class Trainer:
         # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
         self.tokenizer = load_tokenizer(cfg)
         self.data = self._load_data()
+        self.data_report = self._check_data()  # data.on_problem: error stops here, before the model loads
         self.tasks = self._task_eval()  # eval.metrics / eval.few_shot: checked here, before the model loads
         self.total_steps = run_steps(cfg, len(self.data.train))
         self.order = RowOrder(len(self.data.train), cfg.training.batch_size, cfg.training.seed)
@@ -158,6 +161,19 @@ class Trainer:
         from maximus.data import build_run_datasets
 
         return build_run_datasets(self.cfg, self.tokenizer)
+
+    def _check_data(self):
+        """The data check's summary (`maximus.data.check`), printed; None for image + text data."""
+        from maximus.data.check import check_run
+
+        if not self.data.records:
+            return None
+        report = check_run(self.cfg, self.data, self.tokenizer)
+        for line in report.lines():
+            self.dist.say(line)
+        if self.cfg.data.on_problem == "error":
+            report.raise_problems()
+        return report
 
     def _task_eval(self):
         from maximus.evaluate.tasks import task_eval_for_run
@@ -373,6 +389,7 @@ class Trainer:
         out.start = start_step
         print_header(self, out)
         write_live_plan(self)
+        write_data_report(self)
         # Rank 0 alone owns metrics.jsonl (another rank re-creating it would cut rank 0's file) and the sinks.
         sinks = (open_sinks(cfg.logging, run_dir, resume_step=start_step, budget_bytes=self.plan.budget_bytes,
                             config=cfg.model_dump(mode="json")) if self.dist.is_main else None)

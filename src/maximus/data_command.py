@@ -1,0 +1,46 @@
+"""`maximus data check --config run.yaml [--json]`: the run's data checked as the trainer reads it
+(same tokenizer, formats, template, masks, seq_len and split), before paying for a GPU.
+
+Prints the check summary and the template preview (trained tokens in colour on a terminal), or
+with ``--json`` one JSON object (`maximus.data.check.DataReport.to_dict`). Exit 0 when every check
+is under its threshold or `data.on_problem` is `warn`; 2 with one line under `data.on_problem: error`.
+"""
+from __future__ import annotations
+
+import json
+import sys
+
+from maximus.arguments import ArgumentParser
+
+
+def data_main(argv: list[str]) -> int:
+    parser = ArgumentParser(prog="maximus data", description="Check a run's data before training on it.")
+    sub = parser.add_subparsers(dest="action", required=True)
+    check = sub.add_parser("check", help="duplicates, leakage, truncation, untrainable rows, broken text, chat "
+                           "structure, preference pairs; the template preview")
+    check.add_argument("--config", "-c", required=True, help="the run's YAML config")
+    check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.add_argument("overrides", nargs="*", help="key.sub=value overrides, validated like the file")
+    args = parser.parse_args(argv)
+    from maximus.builtin import resolve
+    from maximus.config import Config
+
+    cfg = resolve(Config.from_yaml(args.config, args.overrides))
+    from maximus.data import build_run_datasets
+    from maximus.data.check import check_run, preview_text
+    from maximus.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg)
+    report = check_run(cfg, build_run_datasets(cfg, tokenizer), tokenizer)
+    if args.json:
+        print(json.dumps(report.to_dict()))
+    else:
+        for line in report.lines():
+            print(line)
+        colour = sys.stdout.isatty()
+        for preview in report.preview:
+            print(f"--- {preview['where']} (trained tokens {'in green' if colour else 'between ⟦ ⟧'})")
+            print(preview_text(preview, colour))
+    if cfg.data.on_problem == "error":
+        report.raise_problems()
+    return 0
