@@ -13,6 +13,17 @@ import sys
 from maximus.arguments import ArgumentParser
 
 
+def data_report(cfg):
+    """The `maximus.data.check.DataReport` of a run's config (`builtin:` names resolved): its
+    tokenizer loaded and its data built as `maximus-train` builds them."""
+    from maximus.data import build_run_datasets
+    from maximus.data.check import check_run
+    from maximus.models import load_tokenizer
+
+    tokenizer = load_tokenizer(cfg)
+    return check_run(cfg, build_run_datasets(cfg, tokenizer), tokenizer)
+
+
 def data_main(argv: list[str]) -> int:
     parser = ArgumentParser(prog="maximus data", description="Check a run's data before training on it.")
     sub = parser.add_subparsers(dest="action", required=True)
@@ -24,14 +35,9 @@ def data_main(argv: list[str]) -> int:
     args = parser.parse_args(argv)
     from maximus.builtin import resolve
     from maximus.config import Config
+    from maximus.data.check import preview_text
 
-    cfg = resolve(Config.from_yaml(args.config, args.overrides))
-    from maximus.data import build_run_datasets
-    from maximus.data.check import check_run, preview_text
-    from maximus.models import load_tokenizer
-
-    tokenizer = load_tokenizer(cfg)
-    report = check_run(cfg, build_run_datasets(cfg, tokenizer), tokenizer)
+    report = data_report(resolve(Config.from_yaml(args.config, args.overrides)))
     if args.json:
         print(json.dumps(report.to_dict()))
     else:
@@ -41,6 +47,5 @@ def data_main(argv: list[str]) -> int:
         for preview in report.preview:
             print(f"--- {preview['where']} (trained tokens {'in green' if colour else 'between ⟦ ⟧'})")
             print(preview_text(preview, colour))
-    if cfg.data.on_problem == "error":
-        report.raise_problems()
+    report.raise_problems()
     return 0

@@ -97,6 +97,7 @@ class DataReport:
     eval_rows: int
     lengths: list[int]  # tokens of each training document (longer side of a pair)
     dedupe: str = "off"
+    on_problem: str = "warn"  # data.on_problem: "error" makes `raise_problems` raise
     preview: list[dict] = field(default_factory=list)  # [{"where", "segments": [{"text", "trained"}]}]
 
     def check(self, name: str) -> CheckResult:
@@ -107,8 +108,10 @@ class DataReport:
         return [c for c in self.checks if c.over]
 
     def to_dict(self) -> dict:
+        stop = self.stop_error()
         return {"objective": self.objective, "seq_len": self.seq_len, "records": self.records,
-                "eval_rows": self.eval_rows, "dedupe": self.dedupe, "problems": [c.name for c in self.problems],
+                "eval_rows": self.eval_rows, "dedupe": self.dedupe, "on_problem": self.on_problem,
+                "stops": stop.one_line() if stop else None, "problems": [c.name for c in self.problems],
                 "lengths": length_summary(self.lengths, self.seq_len),
                 "checks": [c.to_dict() for c in self.checks], "preview": self.preview}
 
@@ -131,18 +134,25 @@ class DataReport:
         return lines
 
     def raise_problems(self) -> None:
-        """`data.on_problem: error`: one line naming the first check over its threshold."""
-        if not self.problems:
-            return
+        """Raise `stop_error()` when there is one."""
+        error = self.stop_error()
+        if error is not None:
+            raise error
+
+    def stop_error(self) -> DataError | None:
+        """Under `data.on_problem: error`, the one-line error naming the first check over its threshold."""
+        if self.on_problem != "error" or not self.problems:
+            return None
         c = self.problems[0]
         first = c.rows[0].where if c.rows else "-"
-        raise DataError(f"data check: {c.name} in {c.share:.1%} of {_unit(c.name)} ({c.count} of {c.total}), over its "
+        return DataError(f"data check: {c.name} in {c.share:.1%} of {_unit(c.name)} ({c.count} of {c.total}), over its "
                         f"threshold {c.threshold:.0%}; first row {first}",
                         "fix the data (maximus data check --config ... --json lists every row), set data.dedupe / "
                         "data.drop_untrainable, or data.on_problem: warn")
 
 
-def check_data(splits, *, seq_len: int, objective: str = "sft", dedupe: str = "off", tokenizer=None) -> DataReport:
+def check_data(splits, *, seq_len: int, objective: str = "sft", dedupe: str = "off", on_problem: str = "warn",
+               tokenizer=None) -> DataReport:
     """Run every check on `splits.records` (a `maximus.data.DataSplits`). `tokenizer`: to render
     the template preview from `splits.preview`."""
     n_sources = len(splits.stats.get("sources", []))
@@ -170,7 +180,7 @@ def check_data(splits, *, seq_len: int, objective: str = "sft", dedupe: str = "o
     ]
     lengths = [r.tokens for r in training if r.split in (TRAIN, UNTRAINABLE)]
     preview = [render_preview(tokenizer, d) for d in splits.preview] if tokenizer is not None else []
-    return DataReport(checks, seq_len, objective, len(training), len(held_out), lengths, dedupe, preview)
+    return DataReport(checks, seq_len, objective, len(training), len(held_out), lengths, dedupe, on_problem, preview)
 
 
 def length_summary(lengths: list[int], seq_len: int) -> dict:
@@ -340,7 +350,7 @@ def _unit(name: str) -> str:
 def check_run(cfg, splits, tokenizer=None) -> DataReport:
     """`check_data` with a run's settings (`maximus.config.Config`)."""
     return check_data(splits, seq_len=cfg.training.seq_len, objective=cfg.objective, dedupe=cfg.data.dedupe,
-                      tokenizer=tokenizer)
+                      on_problem=cfg.data.on_problem, tokenizer=tokenizer)
 
 
 def preview_text(preview: dict, colour: bool) -> str:

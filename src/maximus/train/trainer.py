@@ -171,8 +171,7 @@ class Trainer:
         report = check_run(self.cfg, self.data, self.tokenizer)
         for line in report.lines():
             self.dist.say(line)
-        if self.cfg.data.on_problem == "error":
-            report.raise_problems()
+        report.raise_problems()  # under data.on_problem: error
         return report
 
     def _task_eval(self):

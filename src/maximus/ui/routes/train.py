@@ -38,16 +38,38 @@ def api_check():
 
 
 def check_report(data: dict) -> dict[str, Any]:
-    """What "Check and plan" shows for a confined config: the run it would write, the config, and
-    the plan of ``maximus plan --config FILE --json`` (with its HTML table)."""
+    """What "Check and plan" shows for a confined config: the run it would write, the config, the
+    plan of ``maximus plan --config FILE --json`` (with its HTML table), and beside it the data
+    check of ``maximus data check --config FILE --json`` (`data_check`, each check's rows cut to
+    the first `DATA_ROWS_SHOWN`; `{"error": line}` when the data cannot be read) with its HTML."""
     from maximus.memory.plan_command import plan_json
 
     with tempfile.TemporaryDirectory(prefix="maximus-ui-") as tmp:
         path = Path(tmp) / "config.yaml"
         path.write_text(yaml.safe_dump(data, sort_keys=False), encoding="utf-8")
         report = plan_json(["--config", str(path)])
+    data_check = _data_check(data)
     return {"run": ui_state().guard.run_name(data["output_dir"]), "config": data, "plan": report,
-            "plan_html": render_template("_plan_report.html", report=report)}
+            "plan_html": render_template("_plan_report.html", report=report), "data_check": data_check,
+            "data_html": render_template("_data_report.html", report=data_check)}
+
+
+DATA_ROWS_SHOWN = 20  # per check, in the page and /api/check (maximus data check --json lists all)
+
+
+def _data_check(data: dict) -> dict[str, Any]:
+    from maximus.builtin import resolve
+    from maximus.config import Config
+    from maximus.data_command import data_report
+    from maximus.errors import MaximusError
+
+    try:
+        report = data_report(resolve(Config.from_dict(data))).to_dict()
+    except MaximusError as exc:  # the plan may stand without the data; the line the trainer would print
+        return {"error": exc.one_line()}
+    for check in report["checks"]:
+        check["rows"] = check["rows"][:DATA_ROWS_SHOWN]
+    return report
 
 
 def started(name: str, position: int | None) -> dict[str, Any]:
