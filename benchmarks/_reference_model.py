@@ -109,5 +109,28 @@ def _saved(path: Path, build) -> Path:
     return path
 
 
+def main(argv=None) -> int:
+    """Build (or find) the saved model of one shape; prints ``RESULT {"path": ..., "build_s": ...}``.
+    `benchmarks/speed.py` and `long_context.py` build the 8B shape in this child process, so the
+    process that measures never held the build's GPU memory."""
+    import argparse
+    import json
+    import time
+
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="reference")
+    parser.add_argument("--device", default="cpu", help="where the 8B shape is built (cuda: bf16 on the GPU)")
+    parser.add_argument("--cache-dir", default=None)
+    args = parser.parse_args(argv)
+    start = time.perf_counter()
+    path = shaped_model_dir(args.shape, args.cache_dir, args.device)
+    print("RESULT " + json.dumps({"path": str(path), "build_s": time.perf_counter() - start}), flush=True)
+    return 0
+
+
 if __name__ == "__main__":  # pragma: no cover
-    print(reference_model_dir())
+    import sys
+
+    from _child import guarded_main
+
+    sys.exit(guarded_main(main))

@@ -41,7 +41,6 @@ import gc
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -281,17 +280,14 @@ def worker(args) -> dict:
 
 
 # ------------------------------------------------------------------------------------- driver
-def launch_worker(cmd: list[str], threads: int, timeout: int, label: str) -> dict:
+def launch_worker(cmd: list[str], threads: int, timeout: float, label: str) -> dict:
     """Run one `--worker` subprocess and return the JSON it prints after ``RESULT ``. Every worker
     gets exactly ``threads`` OpenMP threads (the trainer would otherwise pick by the machine's
-    load), so both sides of a comparison run alike."""
-    env = {**os.environ, "OMP_NUM_THREADS": str(threads)}
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env)
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
-    if proc.returncode != 0 or not lines:
-        tail = "\n".join((proc.stderr or proc.stdout).splitlines()[-25:])
-        raise RuntimeError(f"worker {label} failed (exit {proc.returncode}):\n{tail}")
-    return json.loads(lines[-1][len("RESULT "):])
+    load), so both sides of a comparison run alike. A timeout, a non-zero exit or no result raises
+    `_child.ChildFailed` (a RuntimeError) ending with the worker's stderr tail."""
+    from _child import run_child
+
+    return run_child(cmd, timeout, f"worker {label}", env={**os.environ, "OMP_NUM_THREADS": str(threads)})
 
 
 def run_worker(impl: str, policy: str, method: str, seq: int, args) -> dict:

@@ -23,20 +23,24 @@ beside `estimate_peak` for the same settings.
     flock /tmp/bench.lock python benchmarks/long_context.py --lengths 16384 --lean-norm off   # Transformers' RMSNorm
 
 On a CUDA GPU (a step of the prepared device check `benchmarks/gpu.sh`): ``--device cuda --shape 8b``
-runs the same table on the Llama-3-8B shape (random bf16 weights built on the GPU, QLoRA r=32 as in
-the predicted table), peak = `torch.cuda.max_memory_allocated` during training (weights included,
-beside run.json's meter), plus ``card``: the longest context the planner predicts for
-``--card`` (default 16GB) run under ``target_vram: <card>``, whose measured peak must stay under it.
+runs the same table on the Llama-3-8B shape (random bf16 weights built on the GPU by a child of its
+own, QLoRA r=32 as in the predicted table), peak = the highest `torch.cuda.max_memory_allocated` over
+the whole run (`_cuda_peak.RunPeak`: every step's window, weights included; run.json's per-step
+maximum beside it), plus ``card``: the longest context the planner predicts for ``--card`` (default
+16GB), sized with the host memory this machine has (printed; the child plans its offload with it),
+run under ``target_vram: <card>``, whose measured peak must stay under it. This process never
+touches the GPU. ``--setups`` orders the rows; ``--time-budget-s`` bounds the whole run (each
+child's timeout is what is left); a failed, timed-out or out-of-memory child is one row saying so.
 
-    python benchmarks/long_context.py --device cuda --shape 8b --lengths 16384 32768 --card 16GB
+    python benchmarks/long_context.py --device cuda --shape 8b --lengths 16384 --card 16GB --setups tiled card
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
-import subprocess
 import sys
 import tempfile
 import time
@@ -123,7 +127,7 @@ def _prediction(setup: str, seq_len: int, tile: int | None, shape: str = "refere
 
 def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape: str = "reference",
              device: str = "cpu", budget: str = "1.5GB", lean_norm: bool = True) -> dict:
-    import torch
+    from _cuda_peak import RunPeak
     from _reference_model import shaped_model_dir
 
     from maximus import Config, Trainer
@@ -140,10 +144,9 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
                         "dtype": "bf16", "warmup_steps": 0, "learning_rate": 1e-4, "packing": False},
            "device": device,
            "eval": {"enabled": False, "before": False}, "logging": {"progress": "none"}}
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    Trainer(Config.from_dict(cfg)).train()
-    cuda_peak = int(torch.cuda.max_memory_allocated()) if device == "cuda" else None
+    with RunPeak() if device == "cuda" else contextlib.nullcontext() as run_peak:
+        Trainer(Config.from_dict(cfg)).train()
+    cuda_peak = run_peak.peak_bytes if device == "cuda" else None
     summary = json.loads((work / "run" / "run.json").read_text())
     metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
     steps_ = [m for m in metrics if "step_time_s" in m]
@@ -153,6 +156,8 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
     # Under a budget the run's own plan holds the prediction (a known architecture always has one).
     predicted = plan["peak_bytes"] if planned else _prediction(setup, seq_len, chosen_tile, shape, device, lean_norm)
     rows = summary.get("data", {})
+    # peak_bytes: on CUDA the whole run's maximum (every step, loading included); meter_peak_bytes:
+    # run.json's, the highest of the metered steps' own peaks.
     return {"setup": setup, "seq_len": seq_len, "peak_bytes": cuda_peak or summary["memory"]["peak_bytes"],
             "data": {k: rows.get(k) for k in ("rows", "tokens", "truncated") if k in rows},
             "meter_peak_bytes": summary["memory"]["peak_bytes"], "predicted": predicted,
@@ -164,6 +169,7 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
 
 def run_peer(seq_len: int, steps: int, shape: str = "reference", device: str = "cpu") -> dict:
     import torch
+    from _cuda_peak import RunPeak
     from _reference_model import shaped_model_dir
     from peft import LoraConfig, get_peft_model, prepare_model_for_kbit_training
     from transformers import AutoModelForCausalLM, BitsAndBytesConfig
@@ -194,11 +200,10 @@ def run_peer(seq_len: int, steps: int, shape: str = "reference", device: str = "
             torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
 
-    if device == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    peak, _ = measure_step_peak(step, model, optimizer, device=device, warmup=steps - 1)
-    if device == "cuda":
-        peak = int(torch.cuda.max_memory_allocated())
+    with RunPeak() if device == "cuda" else contextlib.nullcontext() as run_peak:
+        peak, _ = measure_step_peak(step, model, optimizer, device=device, warmup=steps - 1)
+    if device == "cuda":  # every step's window, not only the last one measure_step_peak opens
+        peak = run_peak.peak_bytes
     return {"setup": "peer", "seq_len": seq_len, "peak_bytes": peak,
             "predicted": _prediction("peer", seq_len, None, shape, device),
             "step_time_s": times, "losses": [], "tile": None, "plan": {}}
@@ -206,6 +211,12 @@ def run_peer(seq_len: int, steps: int, shape: str = "reference", device: str = "
 
 def _child(spec: dict) -> dict:
     import torch
+
+    # Imported before any model is built, so a missing module fails in seconds (also in the dry run).
+    from maximus import Config, Trainer  # noqa: F401
+    if spec["setup"] == "peer":
+        import bitsandbytes  # noqa: F401
+        import peft  # noqa: F401
 
     torch.set_num_threads(spec["threads"])
     shape, device = spec.get("shape", "reference"), spec.get("device", "cpu")
@@ -216,17 +227,18 @@ def _child(spec: dict) -> dict:
                         spec.get("budget", "1.5GB"), spec.get("lean_norm", True))
 
 
-def measure(spec: dict) -> dict:
+def measure(spec: dict, timeout_s: float) -> dict:
+    """One row in a child process: its result, or the row ``{**spec, "error": ...}`` (``"oom": True``
+    where it ran out of memory) when the child failed or took longer than ``timeout_s``."""
+    from _child import ChildFailed, run_child
+
     env = dict(os.environ, OMP_NUM_THREADS=str(spec["threads"]), HF_HUB_OFFLINE="1")
-    out = subprocess.run([sys.executable, __file__, "--child", json.dumps(spec)], capture_output=True, text=True,
-                         env=env)
-    for line in reversed(out.stdout.splitlines()):
-        if line.startswith("RESULT "):
-            return json.loads(line[len("RESULT "):])
-    tail = out.stderr.strip().splitlines()[-1:] or ["no output"]
-    if "OutOfMemoryError" in out.stderr or "out of memory" in out.stderr.lower():
-        return {**spec, "oom": True, "error": tail[0]}
-    raise RuntimeError(f"{spec} failed:\n{out.stderr[-3000:]}")
+    try:
+        return run_child([sys.executable, __file__, "--child", json.dumps(spec)], timeout_s,
+                         f"{spec['setup']} {spec['seq_len']}", env=env)
+    except ChildFailed as exc:
+        text = str(exc)
+        return {**spec, "oom": "OutOfMemoryError" in text or "out of memory" in text.lower(), "error": text}
 
 
 def interleaved_speed(seq_len: int, tile: int, pairs: int, threads: int) -> dict:
@@ -303,6 +315,11 @@ def main(argv=None) -> int:
     parser.add_argument("--json", help="also write the rows here")
     parser.add_argument("--lean-norm", choices=("on", "off"), default="on",
                         help="our setups with optimization.lean_norm (off: Transformers' RMSNorm, the ablation)")
+    parser.add_argument("--setups", nargs="+", choices=("tiled", "untiled", "peer", "card"), default=None,
+                        help="cuda: the rows to run, in this order (default: tiled untiled peer card)")
+    parser.add_argument("--row-timeout", type=float, default=3600, help="seconds before a row's child is killed")
+    parser.add_argument("--time-budget-s", type=float, default=None,
+                        help="the whole run's seconds: no child's timeout reaches past it")
     parser.add_argument("--child", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     args.shape = args.shape or ("8b" if args.device == "cuda" else "reference")
@@ -324,6 +341,8 @@ def main(argv=None) -> int:
         print("RESULT " + json.dumps(_child(json.loads(args.child))), flush=True)
         return 0
 
+    if args.device == "cuda" and not args.predicted_only:  # the predicted table is the same on any machine
+        return measured_on_cuda(args)
     print("## Predicted: Llama-3.1-8B QLoRA r=32, batch 1, 10 % margin (`max_seq_len_for_budget`)\n")
     print("\n".join(predicted_table()), flush=True)
     if args.predicted_only:
@@ -333,77 +352,141 @@ def main(argv=None) -> int:
 
     from maximus.models import bf16_supported
 
-    cuda = args.device == "cuda"
-    n = 8192 if cuda else 2048
-    a = torch.randn(n, n, dtype=torch.bfloat16, device=args.device)
+    n = 2048
+    a = torch.randn(n, n, dtype=torch.bfloat16)
     torch.set_num_threads(args.threads)
     a @ a
-    if cuda:
-        torch.cuda.synchronize()
     start = time.perf_counter()
     for _ in range(5):
         a @ a
-    if cuda:
-        torch.cuda.synchronize()
     rate = 5 * 2 * n**3 / (time.perf_counter() - start)
     del a
-    where = torch.cuda.get_device_name() if cuda else f"CPU: native bf16 {bf16_supported(torch.device('cpu'))}"
-    print(f"\n{where}, bf16 matmul {rate / 1e9:,.0f} GFLOP/s ({n}^3{'' if cuda else f', {args.threads} threads'}); "
-          f"shape {args.shape}, QLoRA r={_lora_r(args.shape)}\n", flush=True)
-    vocab = 128256
-    rows = []
+    print(f"\nCPU: native bf16 {bf16_supported(torch.device('cpu'))}, bf16 matmul {rate / 1e9:,.0f} GFLOP/s "
+          f"({n}^3, {args.threads} threads); shape {args.shape}, QLoRA r={_lora_r(args.shape)}\n", flush=True)
+    specs = []
+    for seq in args.lengths:
+        for setup in ("tiled", "untiled"):
+            specs.append(dict(setup=setup, seq_len=seq, tile=args.tile, steps=2 if seq == args.speed_length else 1))
+        if seq == 16384:
+            specs.append(dict(setup="budget", seq_len=seq, tile=args.tile, steps=1))
+        if seq * VOCAB * 12 <= args.peer_max_gib * GIB:
+            specs.append(dict(setup="peer", seq_len=seq, tile=None, steps=2))
+    return measure_rows(specs, args)
 
-    def record(spec: dict) -> None:
+
+VOCAB = 128256
+#: The card row is sized for this share of the host memory the child's planner may fill with
+#: offloaded state (run_plan.HOST_OFFLOAD_SHARE of what is available), so that what the child
+#: itself takes before it plans (the loaded model, the data) cannot tip its plan over.
+HOST_SIZING_SHARE = 0.8
+
+
+def measured_on_cuda(args) -> int:
+    """The CUDA table: the model built in a child, then ``--setups`` in that order (``card``: the
+    planner's longest context for ``--card``, sized with this machine's host memory). This process
+    never touches the GPU."""
+    import psutil
+    from _child import ChildFailed, Deadline, DryStop, host_memory_line, run_child
+    from _reference_model import SHAPES
+
+    from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
+    from maximus.memory.run_plan import HOST_OFFLOAD_SHARE
+
+    deadline = Deadline(args.time_budget_s)
+    print(f"{host_memory_line()}; shape {args.shape}, QLoRA r={_lora_r(args.shape)}", flush=True)
+    build = [sys.executable, str(HERE / "_reference_model.py"), "--shape", args.shape, "--device", args.device]
+    try:
+        built = run_child(build, deadline.child_timeout(args.row_timeout), f"model {args.shape}")
+        print(f"  model {args.shape}: ready in {built['build_s']:.0f} s", flush=True)
+    except DryStop as stop:  # the dry run goes on to the rows
+        print(f"  {stop}", flush=True)
+    except ChildFailed as exc:
+        print(f"  model {args.shape}: {exc}", flush=True)
+        return 1
+    specs = []
+    for setup in args.setups or ("tiled", "untiled", "peer", "card"):
+        if setup == "card":
+            if not args.card:
+                continue
+            host_budget = int(psutil.virtual_memory().available * HOST_OFFLOAD_SHARE * HOST_SIZING_SHARE)
+            longest = max_seq_len_for_budget(SHAPES[args.shape], resolve_budget(args.card), method="qlora",
+                                             lora_r=_lora_r(args.shape), host_budget_bytes=host_budget)
+            print(f"  planner: longest context under {args.card} with {host_budget / GIB:.1f} GiB of host memory "
+                  f"for offloaded state = {longest:,} tokens", flush=True)
+            specs.append(dict(setup="card", seq_len=longest, tile=args.tile, steps=2, budget=args.card))
+            continue
+        for seq in args.lengths:
+            if setup == "peer" and seq * VOCAB * 12 > args.peer_max_gib * GIB:
+                continue
+            steps = 2 if setup == "peer" or seq == args.speed_length else 1
+            specs.append(dict(setup=setup, seq_len=seq, tile=args.tile if setup != "peer" else None, steps=steps))
+    return measure_rows(specs, args, deadline)
+
+
+def measure_rows(specs: list[dict], args, deadline=None) -> int:
+    """Each spec in a child process, in order; rows printed and written to ``--json`` as they
+    finish; then the table. 1 when a row failed (other than running out of memory), else 0."""
+    from _child import Deadline, DryStop
+
+    from maximus.memory.planner import resolve_budget
+
+    deadline = deadline or Deadline(args.time_budget_s)
+    cuda = args.device == "cuda"
+    rows, failed, dry_stopped = [], 0, {}
+    for spec in specs:
         spec.update(threads=args.threads, shape=args.shape, device=args.device, lean_norm=args.lean_norm == "on")
-        r = measure(spec)
+        kind = "peer" if spec["setup"] == "peer" else "ours"  # the two code paths a child can take
+        if kind in dry_stopped:  # a dry run checks each path once (a few seconds a child in CI)
+            print(f"  {spec['setup']} {spec['seq_len']}: dry run: the same child as {dry_stopped[kind]}", flush=True)
+            continue
+        try:
+            r = measure(spec, deadline.child_timeout(args.row_timeout))
+        except DryStop as stop:
+            print(f"  {stop}", flush=True)
+            dry_stopped[kind] = f"{spec['setup']} {spec['seq_len']}"
+            continue
+        except RuntimeError as exc:  # no time left for this row
+            r = {**spec, "error": str(exc)}
         rows.append(r)
         if r.get("oom"):
-            print(f"  {r['setup']:8s} {r['seq_len']:6d}: out of memory ({r['error']})", flush=True)
+            print(f"  {r['setup']:8s} {r['seq_len']:6d}: out of memory ({r['error'].splitlines()[-1]})", flush=True)
+        elif "error" in r:
+            failed += 1
+            print(f"  {r['setup']:8s} {r['seq_len']:6d}: failed: {r['error']}", flush=True)
         else:
-            print(f"  {r['setup']:8s} {r['seq_len']:6d}: peak {r['peak_bytes'] / 2**20:8.0f} MiB, predicted "
+            budget = f", {'under' if r['peak_bytes'] <= resolve_budget(spec['budget']) else 'OVER'} {spec['budget']}" \
+                if spec.get("budget") and cuda else ""
+            print(f"  {r['setup']:8s} {r['seq_len']:6d}: peak {r['peak_bytes'] / 2**20:8.0f} MiB{budget}, predicted "
                   f"{r['predicted'] / 2**20:8.0f} MiB ({r['predicted'] / r['peak_bytes'] - 1:+.1%}), "
                   f"steps {['%.1f' % t for t in r['step_time_s']]} s of {r.get('step_tokens') or [r['seq_len']]} "
                   f"tokens, tile {r['tile']}, plan {r['plan']}",
                   flush=True)
         if args.json:
             Path(args.json).write_text(json.dumps(rows, indent=1))
-
-    for seq in args.lengths:
-        specs = []
-        for setup in ("tiled", "untiled"):
-            specs.append(dict(setup=setup, seq_len=seq, tile=args.tile, steps=2 if seq == args.speed_length else 1))
-        if seq == 16384 and not cuda:
-            specs.append(dict(setup="budget", seq_len=seq, tile=args.tile, steps=1))
-        if seq * vocab * 12 <= args.peer_max_gib * GIB:
-            specs.append(dict(setup="peer", seq_len=seq, tile=None, steps=2))
-        for spec in specs:
-            record(spec)
-    if cuda and args.card:
-        from _reference_model import SHAPES
-
-        from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
-
-        longest = max_seq_len_for_budget(SHAPES[args.shape], resolve_budget(args.card), method="qlora",
-                                         lora_r=_lora_r(args.shape))
-        print(f"  planner: longest context under {args.card} = {longest:,} tokens", flush=True)
-        record(dict(setup="card", seq_len=longest, tile=args.tile, steps=2, budget=args.card))
-    print("\n| tokens | setup | measured peak | predicted | error | step (s) | tokens/s |")
-    print("|---|---|---|---|---|---|---|")
+    steps_peak = " | steps' own peak (run.json)" if cuda else ""
+    print(f"\n| tokens | setup | measured peak{steps_peak} | predicted | error | step (s) | tokens/s |")
+    print("|---|---|---|---|---|---|---|" + ("---|" if cuda else ""))
     for r in rows:
-        if r.get("oom"):
-            print(f"| {r['seq_len']:,} | {r['setup']} | out of memory | | | | |")
+        if "error" in r:
+            what = "out of memory" if r.get("oom") else "failed"
+            print(f"| {r['seq_len']:,} | {r['setup']} | {what} |" + (" |" if cuda else "") + " | | | |")
             continue
         t = r["step_time_s"][-1]
+        own = f" | {r['meter_peak_bytes'] / 2**20:,.0f} MiB" if cuda and r.get("meter_peak_bytes") else \
+            (" | -" if cuda else "")
         print(f"| {r['seq_len']:,} | {r['setup']}{' (tiles %d)' % r['tile'] if r['tile'] else ''} "
-              f"| {r['peak_bytes'] / 2**20:,.0f} MiB | {r['predicted'] / 2**20:,.0f} MiB "
+              f"| {r['peak_bytes'] / 2**20:,.0f} MiB{own} | {r['predicted'] / 2**20:,.0f} MiB "
               f"| {r['predicted'] / r['peak_bytes'] - 1:+.1%} | {t:.1f} | {r['seq_len'] / t:,.0f} |")
-    pair = {r["setup"]: r for r in rows if r["seq_len"] == args.speed_length and r["setup"] in ("tiled", "untiled")}
+    pair = {r["setup"]: r for r in rows if r["seq_len"] == args.speed_length and r["setup"] in ("tiled", "untiled")
+            and "error" not in r}
     if len(pair) == 2:
         ratio = pair["tiled"]["step_time_s"][-1] / pair["untiled"]["step_time_s"][-1]
         print(f"\nspeed at {args.speed_length}: tiled step / untiled step = {ratio:.3f} (second step of each; "
               f"losses tiled {pair['tiled']['losses']} untiled {pair['untiled']['losses']})")
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _child import guarded_main
+
+    raise SystemExit(guarded_main(main))

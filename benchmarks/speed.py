@@ -34,16 +34,22 @@ bf16 capability (`resolve_dtype`'s verdict and the CPU flags) is printed with th
     python benchmarks/speed.py --methods qlora --doc-lens 0 --target-vrams 1.1GB 0.9GB
 
 On a CUDA GPU (the prepared device check `benchmarks/gpu.sh` runs this): ``--device cuda --shape 8b``
-takes a Llama-3-8B-shaped model (random weights, built on the GPU and saved once), times each step
-between `torch.cuda.synchronize()` calls, measures the matmul rate on an 8192^3 product, and adds
-each side's peak allocated GPU memory during its steps (`torch.cuda.max_memory_allocated`,
-weights included). ``--kernels`` picks our `optimization.kernels` (auto = Triton on CUDA).
+takes a Llama-3-8B-shaped model (random weights, built on the GPU and saved once, in a child process
+of its own), times each step between `torch.cuda.synchronize()` calls and measures the matmul rate
+on an 8192^3 product. Each side runs in its own process (ours first, then the peer; ratios pair
+their steps in order), so each side's peak allocated GPU memory (`torch.cuda.max_memory_allocated`
+over all its steps, its own weights included, nothing of the other side's) is honest; the planner's
+predicted peak for our step stands beside our measured one. ``--time-budget-s`` bounds the whole
+run: each child's timeout is what is left of it (a timed-out or failed child is one row's failure,
+printed with its stderr tail), and rows are written to ``--json`` as they finish.
+``--kernels`` picks our `optimization.kernels` (auto = Triton on CUDA).
 
-    python benchmarks/speed.py --device cuda --shape 8b --quick
+    python benchmarks/speed.py --device cuda --shape 8b --quick --dtypes bf16 --time-budget-s 200
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -126,52 +132,69 @@ def synthetic_rows(n_rows: int, seq: int, vocab: int, doc_len: int):
     return ids, pos
 
 
+def preflight(side: str | None) -> None:
+    """Import what the worker's side(s) will need, before any model is built or loaded: a missing
+    module fails in seconds (also in the dry run of `gpu.sh`), not after minutes of loading."""
+    import finetune_vs_peft  # noqa: F401
+    if side in (None, "maximus"):
+        from maximus import Config, Trainer  # noqa: F401
+    if side in (None, "peft"):
+        import bitsandbytes  # noqa: F401
+        import peft  # noqa: F401
+        from transformers import AutoModelForCausalLM, BitsAndBytesConfig  # noqa: F401
+
+
 def worker(args) -> dict:
-    """One setting, both sides in this process: rounds of one peer step and one of ours (the order
-    flips every round), so load on a shared machine hits both alike; ratios are taken per round."""
+    """One setting. CPU: both sides in this process, rounds of one peer step and one of ours (the
+    order flips every round), so load on a shared machine hits both alike; ratios are taken per
+    round. CUDA (``--side``): one side in this process, its peak over all its steps."""
     import torch
 
     import finetune_vs_peft as fvp
+    from _cuda_peak import RunPeak
     from _reference_model import SHAPES, shaped_model_dir
 
+    preflight(args.side)
     torch.set_num_threads(args.threads)
     rate = matmul_rate(args.threads, device=args.device, dtype=args.dtype)
     model_dir = shaped_model_dir(args.shape, args.model_dir, args.device)
     n_rows = args.warmup + args.steps
     ids, pos = synthetic_rows(n_rows, args.seq, SHAPES[args.shape]["vocab_size"], args.doc_len)
     cuda = args.device == "cuda"
+    names = [args.side] if args.side else ["peft", "maximus"]
+    sides, kernels, plan = {}, {}, None
     with tempfile.TemporaryDirectory() as tmp:
-        ours, _, _, set_rows, info = fvp.build_maximus(model_dir, args.method, args.seq, args.checkpointing, n_rows,
-                                                       Path(tmp), device=args.device, kernels=args.kernels,
-                                                       dtype=args.dtype, meter=not args.no_meter,
-                                                       target_vram=args.target_vram)
-        set_rows(ids, pos.tolist())
-        trainer = info["trainer"]
-        plan = {"checkpointing": info["checkpointing"], "loss_chunk": trainer.plan.loss_chunk_size,
-                "budget_bytes": trainer.plan.budget_bytes,
-                "predicted_step_s": args.seq / trainer.plan.tokens_per_s_guess
-                if trainer.plan.tokens_per_s_guess else None}
-        model, optimizer, kernels = _peft(model_dir, args.method, args.device, args.dtype)
-        peer = _peft_step(model, optimizer, ids.to(args.device), pos.to(args.device), args.device, args.dtype)
-        sides = {"peft": peer, "maximus": ours}
+        if "maximus" in names:
+            ours, _, _, set_rows, info = fvp.build_maximus(model_dir, args.method, args.seq, args.checkpointing,
+                                                           n_rows, Path(tmp), device=args.device, kernels=args.kernels,
+                                                           dtype=args.dtype, meter=not args.no_meter,
+                                                           target_vram=args.target_vram)
+            set_rows(ids, pos.tolist())
+            trainer = info["trainer"]
+            plan = {"checkpointing": info["checkpointing"], "loss_chunk": trainer.plan.loss_chunk_size,
+                    "budget_bytes": trainer.plan.budget_bytes, "predicted_peak_bytes": trainer.plan.peak_bytes,
+                    "predicted_step_s": args.seq / trainer.plan.tokens_per_s_guess
+                    if trainer.plan.tokens_per_s_guess else None}
+            sides["maximus"], kernels["maximus"] = ours, info["kernels"]
+        if "peft" in names:
+            model, optimizer, kernels["peft"] = _peft(model_dir, args.method, args.device, args.dtype)
+            sides["peft"] = _peft_step(model, optimizer, ids.to(args.device), pos.to(args.device), args.device,
+                                       args.dtype)
         times = {k: [] for k in sides}
         losses = {k: [] for k in sides}
-        peaks = {k: 0 for k in sides}
-        for i in range(1, n_rows + 1):
-            order = ("peft", "maximus") if i % 2 else ("maximus", "peft")
-            for impl in order:
-                if cuda:
-                    torch.cuda.reset_peak_memory_stats()
-                sync(args.device)
-                t0 = time.perf_counter()
-                losses[impl].append(sides[impl](i))
-                sync(args.device)
-                if i > args.warmup:
-                    times[impl].append(time.perf_counter() - t0)
-                if cuda:
-                    peaks[impl] = max(peaks[impl], torch.cuda.max_memory_allocated())
-    return {"step_s": times, "losses": losses, "plan": plan, "kernels": {"maximus": info["kernels"], "peft": kernels},
-            "peak_bytes": peaks if cuda else None, "threads": torch.get_num_threads(),
+        with RunPeak() if cuda else contextlib.nullcontext() as run_peak:
+            for i in range(1, n_rows + 1):
+                order = ("peft", "maximus") if i % 2 else ("maximus", "peft")
+                for impl in (name for name in order if name in sides):
+                    sync(args.device)
+                    t0 = time.perf_counter()
+                    losses[impl].append(sides[impl](i))
+                    sync(args.device)
+                    if i > args.warmup:
+                        times[impl].append(time.perf_counter() - t0)
+    return {"step_s": times, "losses": losses, "plan": plan, "kernels": kernels,
+            "bf16_capability": bf16_capability(args.device),
+            "peak_bytes": {names[0]: run_peak.peak_bytes} if cuda else None, "threads": torch.get_num_threads(),
             "rate": max(rate, matmul_rate(args.threads, device=args.device, dtype=args.dtype))}
 
 
@@ -199,22 +222,53 @@ def _peft_step(model, optimizer, ids, pos, device: str, dtype: str):
     return step
 
 
-def run_worker(setting: dict, args) -> dict:
+def worker_command(setting: dict, args, side: str | None) -> list[str]:
     cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", "--method", setting["method"],
            "--dtype", setting["dtype"], "--seq", str(args.seq), "--doc-len", str(setting["doc_len"]),
            "--steps", str(args.steps), "--warmup", str(args.warmup), "--threads", str(args.threads),
            "--device", args.device, "--shape", args.shape, "--kernels", args.kernels,
            "--checkpointing", setting.get("checkpointing", "auto")]
+    if side:
+        cmd += ["--side", side]
     if setting.get("target_vram"):
         cmd += ["--target-vram", setting["target_vram"]]
     if setting.get("no_meter"):
         cmd.append("--no-meter")
     if args.model_dir:
         cmd += ["--model-dir", str(args.model_dir)]
+    return cmd
+
+
+#: CUDA: the seconds kept for the peer's process while ours runs (its timeout is the rest of the budget).
+PEER_KEEP_S = 90
+
+
+def run_worker(setting: dict, args, deadline) -> dict:
+    """One setting: CPU, both sides in one worker; CUDA, ours then the peer, each in its own
+    worker, merged into one result (steps paired in order). Raises `_child.ChildFailed` (a
+    RuntimeError) or `_child.DryStop`."""
+    from _child import DryStop
     from finetune_vs_peft import launch_worker
 
     label = setting_label(setting, args.seq)
-    result = launch_worker(cmd, args.threads, args.worker_timeout, label)
+    if args.device != "cuda":
+        result = launch_worker(worker_command(setting, args, None), args.threads,
+                               deadline.child_timeout(args.worker_timeout), label)
+    else:
+        parts, stops = {}, []
+        for side, keep in (("maximus", PEER_KEEP_S), ("peft", 0)):
+            try:
+                parts[side] = launch_worker(worker_command(setting, args, side), args.threads,
+                                            deadline.child_timeout(args.worker_timeout, keep), f"{label} {side}")
+            except DryStop as stop:  # the dry run goes on to the other side's worker
+                print(f"  {stop}", file=sys.stderr, flush=True)
+                stops.append(stop)
+        if stops:
+            raise stops[-1]
+        ours, peer = parts["maximus"], parts["peft"]
+        result = {key: {**peer[key], **ours[key]} for key in ("step_s", "losses", "kernels", "peak_bytes")}
+        result.update(plan=ours["plan"], threads=ours["threads"], rate=max(ours["rate"], peer["rate"]),
+                      bf16_capability=ours["bf16_capability"])
     print(f"  {label}: peer {[round(t, 2) for t in result['step_s']['peft']]} s, "
           f"ours {[round(t, 2) for t in result['step_s']['maximus']]} s ({result['plan']['checkpointing']}), "
           f"loss {result['losses']['peft'][0]:.4f} / {result['losses']['maximus'][0]:.4f}", file=sys.stderr, flush=True)
@@ -256,7 +310,11 @@ def main(argv=None) -> int:
     p.add_argument("--kernels", choices=("auto", "triton", "compile", "eager"), default="auto",
                    help="our optimization.kernels")
     p.add_argument("--json", type=Path, default=None)
-    p.add_argument("--worker-timeout", type=int, default=1800)
+    p.add_argument("--worker-timeout", type=int, default=1800, help="seconds before a worker is killed (one row fails)")
+    p.add_argument("--build-timeout", type=int, default=120, help="cuda: seconds for the child that builds the model")
+    p.add_argument("--time-budget-s", type=float, default=None,
+                   help="the whole run's seconds: no child's timeout reaches past it")
+    p.add_argument("--side", choices=("maximus", "peft"), default=None, help=argparse.SUPPRESS)
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--dtype", default="bf16", help=argparse.SUPPRESS)
     p.add_argument("--doc-len", type=int, default=0, help=argparse.SUPPRESS)
@@ -267,20 +325,44 @@ def main(argv=None) -> int:
     if args.method:
         args.methods = [args.method]
     if args.worker:
+        from finetune_vs_peft import compute_dtype
+
         args.method = args.methods[0] if not args.method else args.method
+        args.dtype = compute_dtype(args.dtype, args.device)
         print("RESULT " + json.dumps(worker(args)), flush=True)
         return 0
     if args.quick:
         args.doc_lens, args.steps, args.methods = [0], 2, [args.method or "qlora"]
 
+    from _child import ChildFailed, Deadline, DryStop, host_memory_line, run_child
     from _reference_model import SHAPES, shaped_model_dir
-    from finetune_vs_peft import compute_dtype
 
-    dtypes = list(dict.fromkeys(compute_dtype(d, args.device) for d in args.dtypes))
+    cuda = args.device == "cuda"
+    deadline = Deadline(args.time_budget_s)
+    print(host_memory_line(), file=sys.stderr, flush=True)
+    # On CUDA this process never touches the GPU (no context, no cached blocks beside the workers):
+    # `auto` is resolved by each worker, and the model is built in a child of its own.
+    if not cuda:
+        from finetune_vs_peft import compute_dtype
+
+        args.dtypes = [compute_dtype(d, args.device) for d in args.dtypes]
+    dtypes = list(dict.fromkeys(args.dtypes))
     t0 = time.perf_counter()
-    shaped_model_dir(args.shape, args.model_dir, args.device)  # built once, before the workers time anything
-    print(f"model {args.shape}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
-    print(bf16_capability(args.device), file=sys.stderr)
+    if cuda:
+        build = [sys.executable, str(HERE / "_reference_model.py"), "--shape", args.shape, "--device", args.device]
+        try:
+            build_s = run_child(build + (["--cache-dir", str(args.model_dir)] if args.model_dir else []),
+                                deadline.child_timeout(args.build_timeout), f"model {args.shape}")["build_s"]
+            print(f"model {args.shape}: ready in {build_s:.0f} s", file=sys.stderr, flush=True)
+        except DryStop as stop:  # the dry run goes on to the workers
+            print(f"  {stop}", file=sys.stderr, flush=True)
+        except ChildFailed as exc:
+            print(f"model {args.shape}: {exc}", file=sys.stderr, flush=True)
+            return 1
+    else:
+        shaped_model_dir(args.shape, args.model_dir, args.device)  # built once, before the workers time anything
+        print(f"model {args.shape}: ready in {time.perf_counter() - t0:.0f} s", file=sys.stderr)
+        print(bf16_capability(args.device), file=sys.stderr)
     settings = []
     for dtype in dtypes:
         for method in args.methods:
@@ -293,25 +375,31 @@ def main(argv=None) -> int:
                                                 "checkpointing-full": {"checkpointing": "full"}}[v]})
                 for budget in args.target_vrams:
                     settings.append({**base, "target_vram": budget})
-    results = []
+    results, failed = [], 0
     for s in settings:
         try:
-            results.append((s, run_worker(s, args)))
-        except RuntimeError as exc:  # e.g. a budget nothing fits: report it, keep the other rows
-            print(f"  {setting_label(s, args.seq)}: failed: {str(exc).splitlines()[-1]}", file=sys.stderr, flush=True)
-    cuda = args.device == "cuda"
+            results.append((s, run_worker(s, args, deadline)))
+        except DryStop:  # run_worker printed where each side stopped
+            pass
+        except RuntimeError as exc:  # a timeout, a budget nothing fits: one row's failure, the others go on
+            failed += 1
+            print(f"  {setting_label(s, args.seq)}: failed: {exc}", file=sys.stderr, flush=True)
+        if args.json:  # written as rows finish: a timeout of the whole run keeps the finished ones
+            args.json.write_text(json.dumps([{"setting": s, **r} for s, r in results], indent=1))
     where = "on CUDA" if cuda else f"at {args.threads} threads"
     rates = {}
     for s, r in results:
         rates[s["dtype"]] = max(rates.get(s["dtype"], 0), r["rate"])
-    print(f"\n{bf16_capability(args.device)}; matmul rate (best seen) {where}: "
+    capability = results[0][1]["bf16_capability"] if results else bf16_capability("cpu") if not cuda else "no rows"
+    print(f"\n{capability}; matmul rate (best seen) {where}: "
           + ", ".join(f"{d} {v / 1e9:,.0f} GFLOP/s" for d, v in rates.items())
           + f"; {args.shape} shape, seq {args.seq}, {args.warmup} warm-up + {args.steps} rounds "
-            "(one peer step and one of ours per round, order alternating)\n")
-    extra = "| peak GPU GiB peer / ours " if cuda else ""
+          + ("(each side in its own process, ours first; ratios pair their steps in order)\n" if cuda else
+             "(one peer step and one of ours per round, order alternating)\n"))
+    extra = "| tokens/s peer / ours | peak GPU GiB peer / ours | predicted peak GiB ours (error) " if cuda else ""
     print("| dtype | method | documents per row | our config (plan) | peer step s | our step s | "
           "ratio, median (range) | MFU peer / ours | step-1 loss peer / ours " + extra + "|")
-    print("|---|---|---|---|---:|---:|---:|---:|---:|" + ("---:|" if cuda else ""))
+    print("|---|---|---|---|---:|---:|---:|---:|---:|" + ("---:|---:|---:|" if cuda else ""))
     for s, r in results:
         flops = model_flops_per_token(SHAPES[args.shape], args.seq, s["doc_len"], 16) * args.seq
         peer, ours = r["step_s"]["peft"], r["step_s"]["maximus"]
@@ -327,12 +415,15 @@ def main(argv=None) -> int:
                f"{flops / mp / rate:.0%} / {flops / mo / rate:.0%} | "
                f"{r['losses']['peft'][0]:.4f} / {r['losses']['maximus'][0]:.4f} |")
         if cuda:
-            row += f" {r['peak_bytes']['peft'] / 2**30:.2f} / {r['peak_bytes']['maximus'] / 2**30:.2f} |"
+            peaks, predicted = r["peak_bytes"], r["plan"]["predicted_peak_bytes"]
+            error = f"{predicted / 2**30:.2f} ({predicted / peaks['maximus'] - 1:+.1%})" if predicted else "none"
+            row += (f" {args.seq / mp:,.0f} / {args.seq / mo:,.0f} | {peaks['peft'] / 2**30:.2f} / "
+                    f"{peaks['maximus'] / 2**30:.2f} | {error} |")
         print(row)
-    if args.json:
-        args.json.write_text(json.dumps([{"setting": s, **r} for s, r in results], indent=1))
-    return 0
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _child import guarded_main
+
+    sys.exit(guarded_main(main))

@@ -1,6 +1,6 @@
 """`grpo.generation: vllm` on a GPU: two steps of a tiny LoRA run sampled by the colocated
 engine with the adapter synced before each generation. Skipped without CUDA or vllm (the
-device check, benchmarks/gpu.sh grpo, runs it)."""
+prepared GPU check, docs/benchmarks/gpu.md, cannot carry vllm, so it does not run it yet)."""
 import importlib.util
 import json
 
