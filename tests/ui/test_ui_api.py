@@ -211,7 +211,7 @@ def test_the_queue_starts_runs_in_order_as_slots_free_and_cancels(api, tiny_mode
                                                              "cancelled; stop a running one)"})
     assert api.call("GET", "/api/runs/qc")[1]["info"]["queue_position"] == 1
     # The queue lives on disk: a server started again on these runs sees it and the live child.
-    again = Jobs(api.runs)
+    again = Jobs(api.runs, admit=api.app.extensions["maximus"].guard.confinement.saved_run)
     assert again.queued() == ["qc"] and again.running() == ["qa"] and again.status("qc", "failed") == "queued"
     # qa ends: qc starts by itself (and is stopped while it loads, before the trainer's handler); qb never does.
     assert api.jobs.wait("train", "qa", timeout=240) == 0
@@ -223,6 +223,52 @@ def test_the_queue_starts_runs_in_order_as_slots_free_and_cancels(api, tiny_mode
     assert {n: (r["status"], r["exit_code"]) for n, r in listed.items()} == {
         "qa": ("finished", 0), "qc": ("failed", -signal.SIGTERM), "qi": ("interrupted", None)}
     assert not (api.runs / "qb").exists() and ("train", "qb") not in api.jobs._procs
+
+
+def test_a_restarted_server_rechecks_every_saved_queue_entry(tmp_path):
+    """A queue file an earlier server left (one started with --allow-code or other roots, or an
+    edited file) is checked entry by entry with this server's flags, as a posted config is: an
+    entry the guard refuses leaves the queue, never starts, writes nothing outside --runs, and
+    shows as refused with the guard's line."""
+    runs, data, models = tmp_path / "runs", tmp_path / "data", tmp_path / "models"
+    (models / "m").mkdir(parents=True)
+    data.mkdir()
+    pc = write_prompt_completion(data / "pc.jsonl")
+    outside = tmp_path / "outside"
+
+    def entry(name, run_dir, **change):
+        return {"name": name, "run_dir": str(run_dir), "resume": False, "queued": 0.0,
+                "config": {**tiny_config(models / "m", pc, run_dir), **change}}
+
+    saved = [entry("code", runs / "code", trust_remote_code=True), entry("passwd", runs / "passwd", dataset="/etc/passwd"),
+             entry("outside", outside), entry("renamed", runs / "elsewhere"), {"name": 3}, entry("../x", runs / "x"),
+             entry("ok", runs / "ok")]
+    saved[3]["run_dir"] = str(runs / "renamed")
+    (runs / ".maximus-ui").mkdir(parents=True)
+    (runs / ".maximus-ui" / ".queue.json").write_text(json.dumps({"queue": saved}))
+    api = Api(tmp_path, train_argv=[sys.executable, "-c", "pass"], slots=1)
+    try:
+        assert api.jobs.wait("train", "ok", timeout=60) == 0
+        assert set(api.jobs._procs) == {("train", "ok")}  # the only entry the guard lets through
+        assert json.loads((runs / ".maximus-ui" / ".queue.json").read_text()) == {"queue": []}
+        assert not outside.exists() and not (tmp_path / "x").exists()
+        listed = {r["name"]: r["status"] for r in api.call("GET", "/api/runs")[1]}
+        assert listed == {"code": "refused", "passwd": "refused", "outside": "refused", "renamed": "refused",
+                          "ok": "failed"}  # ok: `python -c pass` wrote no run files
+        lines = {n: api.call("GET", f"/api/runs/{n}")[1]["job"]["log_tail"] for n in ("code", "passwd", "outside", "renamed")}
+        assert lines == {
+            "code": "refused: trust_remote_code: model code from the hub is code, and this server does not run code from "
+                    "the browser (hint: start maximus ui with --allow-code if you trust every page that can reach it, "
+                    "or run this config with maximus-train)\n",
+            "passwd": f"refused: dataset /etc/passwd is outside --data-root {data} (hint: put it under {data}, or start "
+                      "maximus ui with --data-root pointing at its folder)\n",
+            "outside": f"refused: output_dir {outside} is outside --runs {runs} (hint: put it under {runs}, or start "
+                       "maximus ui with --runs pointing at its folder)\n",
+            "renamed": f"refused: queued run renamed waits for {runs / 'renamed'}, but its config writes output_dir "
+                       f"{runs / 'elsewhere'} (hint: start it again from the run form)\n"}
+        assert not (runs / "elsewhere").exists()
+    finally:
+        api.close()
 
 
 def _finished_run(api: Api, model: Path, name: str = "done") -> Path:

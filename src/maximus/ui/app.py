@@ -56,7 +56,7 @@ def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bo
     app.config["MAX_CONTENT_LENGTH"] = MAX_UPLOAD_BYTES + 16 * 1024  # the form fields around the file
     root = Path(runs_dir)
     confinement = Confinement(roots or Roots.of(Path.cwd(), Path.cwd(), root), allow_code)
-    jobs = Jobs(root, train_argv=train_argv, export_argv=export_argv, slots=slots)
+    jobs = Jobs(root, admit=confinement.saved_run, train_argv=train_argv, export_argv=export_argv, slots=slots)
     guard = Guard(root, confinement, token=token, open_reads=open_reads, allowed_hosts=allowed_hosts,
                   pending=lambda name: name in jobs.launched() or jobs.position(name) is not None)
     chats = ChatModels()

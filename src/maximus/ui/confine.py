@@ -171,6 +171,17 @@ class Confinement:
         """A config from the browser, confined (`confine_config`)."""
         return confine_config(text, self.roots, allow_code=self.allow_code, overrides=overrides)
 
+    def saved_run(self, name: str, run_dir: Path, config: dict) -> dict:
+        """The config a saved queue entry (`name`, `run_dir`, `config`) may run: confined as a
+        posted config is, with these flags, and writing to `run_dir` under the name `name`."""
+        import yaml
+
+        data, _ = self.config(yaml.safe_dump(config))
+        if Path(data["output_dir"]) != Path(run_dir) or self.run_name(data["output_dir"]) != name:
+            raise Refused(f"queued run {name} waits for {run_dir}, but its config writes output_dir {data['output_dir']}",
+                          "start it again from the run form")
+        return data
+
     def run_name(self, output_dir: str) -> str:
         """The run name of a confined `output_dir`: its path under ``--runs``."""
         return Path(output_dir).relative_to(self.roots.runs).as_posix()

@@ -18,8 +18,11 @@ machine without; with several devices each child sees only its own, through
 of this server ends, whether it finished, stopped or failed; a queued run can be cancelled. The
 queue is written to ``.queue.json`` on every change, so a server started again on the same
 ``--runs`` picks it up (`start_queue`), counting the runs an earlier server started whose
-children still live. Runs started elsewhere (the CLI) take no slot. One server per ``--runs``:
-two would each move their own copy of the queue.
+children still live. Every entry read from the file passes `admit` first (the server's guard,
+with its current roots and ``--allow-code``: the file may come from a server started with other
+flags, or from someone's editor): an entry it refuses leaves the queue, never starts, and shows
+as ``refused`` with the guard's line in its log. Runs started elsewhere (the CLI) take no slot.
+One server per ``--runs``: two would each move their own copy of the queue.
 
 One run per output directory: the server refuses a second start while its own child lives or waits
 in the queue, and the trainer's output-dir lock refuses any other process; both with the lock's
@@ -36,6 +39,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 from urllib.parse import quote
 
@@ -68,13 +72,15 @@ class Conflict(MaximusError):
 
 
 class Jobs:
-    """Start, queue, watch and stop the children of one server. `train_argv` / `export_argv` are
-    the commands (default: this Python's `maximus train` / `maximus export`); `slots`: how many runs
-    at once (default: one per CUDA device, one without). Reading the state starts nothing: the
-    queue moves once `start_queue` is called (the app does)."""
+    """Start, queue, watch and stop the children of one server. `admit(name, run_dir, config)`:
+    the config a saved queue entry may run, checked as a posted one is (raises `MaximusError` to
+    refuse it); `train_argv` / `export_argv` are the commands (default: this Python's `maximus
+    train` / `maximus export`); `slots`: how many runs at once (default: one per CUDA device, one
+    without). Reading the state starts nothing: the queue moves once `start_queue` is called (the
+    app does)."""
 
-    def __init__(self, runs_root: Path, *, train_argv: list[str] | None = None, export_argv: list[str] | None = None,
-                 slots: int | None = None):
+    def __init__(self, runs_root: Path, *, admit: Callable[[str, Path, dict], dict],
+                 train_argv: list[str] | None = None, export_argv: list[str] | None = None, slots: int | None = None):
         self.root = Path(runs_root).resolve()
         self.train_argv = list(train_argv or [sys.executable, "-m", "maximus.cli", "train"])
         self.export_argv = list(export_argv or [sys.executable, "-m", "maximus.cli", "export"])
@@ -83,7 +89,7 @@ class Jobs:
         self._procs: dict[tuple[str, str], subprocess.Popen] = {}
         self._stopping: set[str] = set()
         self._lock = threading.RLock()  # the reaper thread advances the queue while a request may too
-        self._queue: list[dict] = self._read_queue()
+        self._queue: list[dict] = self._read_queue(admit)
         self._watching = False
 
     # ------------------------------------------------------------------ state on disk
@@ -135,10 +141,24 @@ class Jobs:
     def _queue_path(self) -> Path:
         return self.root / STATE_DIR / QUEUE_NAME
 
-    def _read_queue(self) -> list[dict]:
+    def _read_queue(self, admit: Callable[[str, Path, dict], dict]) -> list[dict]:
+        """The saved queue, each entry re-checked by `admit`; a refused one is marked and left out."""
         entries = (read_json(self._queue_path()) or {}).get("queue")
-        return [e for e in entries or [] if isinstance(e, dict) and isinstance(e.get("name"), str)
-                and isinstance(e.get("run_dir"), str) and isinstance(e.get("config"), dict)]
+        queue, refused = [], False
+        for e in entries or []:
+            if not (isinstance(e, dict) and isinstance(e.get("name"), str) and isinstance(e.get("run_dir"), str)
+                    and isinstance(e.get("config"), dict)):
+                refused = True
+                continue
+            try:
+                queue.append({**e, "config": admit(e["name"], Path(e["run_dir"]), e["config"])})
+            except MaximusError as exc:
+                refused = True
+                self._refuse(e["name"], e["config"], exc.one_line())
+        if refused:
+            self._queue = queue
+            self._write_queue()
+        return queue
 
     def _write_queue(self) -> None:
         self._queue_path().parent.mkdir(parents=True, exist_ok=True)
@@ -253,6 +273,26 @@ class Jobs:
         now = time.time()
         write_json(state / "train.json", {"argv": [], "pid": None, "started": now, "exit_code": 2, "ended": now})
 
+    def _refuse(self, name: str, config: dict, line: str) -> None:
+        """Mark a saved queue entry the guard refused: status ``refused``, the line in its log. A
+        name that is no run directory under --runs gets no mark (there is no safe place for one)."""
+        if not self._is_run_name(name):
+            print(f"maximus ui: refused queued run {name!r}: {line}", file=sys.stderr, flush=True)
+            return
+        self._write_config(name, config)
+        state = self.state_dir(name)
+        with open(state / "train.log", "a", encoding="utf-8") as log:
+            log.write(f"refused: {line}\n")
+        now = time.time()
+        write_json(state / "train.json", {"argv": [], "pid": None, "started": now, "exit_code": None, "ended": now,
+                                          "refused": line})
+
+    def _is_run_name(self, name: str) -> bool:
+        path = (self.root / name).resolve()
+        return (bool(name) and not Path(name).is_absolute() and ".." not in Path(name).parts
+                and path.is_relative_to(self.root) and path != self.root
+                and not path.is_relative_to(self.root / STATE_DIR))
+
     def start_export(self, name: str, export_id: str, args: list[str]) -> None:
         """`maximus export ARGS --progress <state>/export-<id>.progress.json`."""
         kind = f"export-{export_id}"
@@ -317,13 +357,16 @@ class Jobs:
     def status(self, name: str, from_files: str) -> str:
         """The run's status: the files' (`maximus.ui.runs.run_status`), or `queued` while it waits
         for a slot, `starting` while this server's child loads before it takes the lock, `stopping`
-        after a stop until it exits."""
+        after a stop until it exits, `refused` when the guard refused its saved queue entry and
+        nothing ran since."""
         if self.position(name) is not None:
             return "queued"
         if self.alive("train", name):
             if name in self._stopping:
                 return "stopping"
             return "running" if from_files == "running" else "starting"
+        if from_files == "failed" and (self.record("train", name) or {}).get("refused"):
+            return "refused"
         return from_files
 
 
