@@ -482,13 +482,89 @@ def test_chat_streams_and_its_greedy_columns_equal_maximus_generate(served, fini
                                             "messages": [{"role": "user", "content": prompt}]})
     assert (status, answer["error"]) == (400, "max_new_tokens must be a whole number from 1 to 512, got 100000 "
                                               "(hint: this server caps generations so that a tab cannot exhaust the machine)")
-    loaded = api.app.extensions["maximus_chats"].get(run, "tuned")
+    from maximus.export import run_config
+
+    loaded = api.app.extensions["maximus_chats"].get(run, run_config(run), "tuned")
     with loaded.lock:
         status, answer = api.post("/api/chat", {"run": "fin", "messages": [{"role": "user", "content": prompt}]})
     assert (status, answer["error"]) == (429, "the tuned model of this run is answering another request "
                                               "(hint: wait for it to finish; one generation at a time per model)")
     assert api.post("/api/chat", {"run": "fin", "model": "base",
                                   "messages": [{"role": "user", "content": prompt}]})[0] == 200
+
+
+def _run_like(run: Path, name: str, summary: dict | None = None, **config) -> Path:
+    """A copy of the finished run `run` whose run.json says `summary` and records `config`."""
+    copy = Path(shutil.copytree(run, run.parent / name, ignore=shutil.ignore_patterns("exports")))
+    recorded = json.loads((run / "run.json").read_text())
+    recorded = {**recorded, **(summary or {}), "config": {**recorded["config"], **config}}
+    (copy / "run.json").write_text(json.dumps(recorded))
+    return copy
+
+
+def test_chat_and_export_apply_the_servers_allow_code_not_the_runs(served, finished):
+    """A run that records trust_remote_code (or allow_pickle) loads its model only on a server
+    started with --allow-code: chat and export are refused before anything loads or starts."""
+    api = served
+    run, _ = finished
+    chats = api.app.extensions["maximus_chats"]
+    for name, key, what in (("coded", "trust_remote_code", "its model's code from the hub"),
+                            ("pickled", "allow_pickle", "unpickling its .bin / .pt weights")):
+        _run_like(run, name, **{key: True})
+        before = chats.loaded()
+        line = (f"run {name} records {key}: true, and loading it runs code ({what}), which this server does not run "
+                "(hint: start maximus ui with --allow-code if you trust that code, or use maximus generate / "
+                "maximus export)")
+        assert api.post("/api/chat", {"run": name, "messages": [{"role": "user", "content": "hi"}]}) == (403, {"error": line})
+        assert api.post(f"/api/runs/{name}/export", {"format": "adapter"}) == (403, {"error": line})
+        assert chats.loaded() == before and not (api.runs / name / "exports").exists()
+        assert not any(n == name for _, n in api.jobs._procs)
+
+
+def test_chat_loads_the_runs_device_and_dtype_one_pair_at_a_time_and_refuses_what_cannot_fit(served, finished):
+    """A QLoRA run in bf16 chats with NF4 weights and bf16 compute, as it trained; only one run's
+    pair stays loaded; a model whose estimated weights pass the free memory is refused in one line."""
+    import bitsandbytes as bnb
+
+    from maximus.config import format_bytes
+    from maximus.export import run_config
+    from maximus.ui.chat import Placement, weight_bytes
+
+    api = served
+    run, model = finished
+    chats = api.app.extensions["maximus_chats"]
+    q4 = _run_like(run, "q4", {"method": "qlora", "dtype": "bfloat16", "device": "cpu"}, method="qlora")
+    ask = lambda name, which: api.post("/api/chat", {"run": name, "model": which, "max_new_tokens": 4,  # noqa: E731
+                                                     "messages": [{"role": "user", "content": "Reverse: a b\nAnswer:"}]})
+    for which in ("tuned", "base"):
+        status, rows = ask("q4", which)
+        assert status == 200 and rows[-1]["done"], rows
+    assert chats.loaded() == (q4, ["base", "tuned"])
+    for which in ("tuned", "base"):
+        loaded = chats.get(q4, run_config(q4), which)
+        linears = [m for m in loaded.model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+        assert len(linears) == 7 * 2 and {m.compute_dtype for m in linears} == {torch.bfloat16}
+    placement = Placement.of_run(q4)
+    assert placement == Placement(torch.device("cpu"), torch.bfloat16, True)
+    assert weight_bytes(run_config(q4), placement) < weight_bytes(run_config(run), Placement.of_run(run))
+    assert ask("fin", "tuned")[0] == 200
+    assert chats.loaded() == (run, ["tuned"])  # the q4 pair was dropped first
+    # A model far larger than this machine: refused by the estimate, before any weight is read.
+    huge_dir = api.models / "huge"
+    huge_dir.mkdir()
+    config = json.loads((model / "config.json").read_text())
+    (huge_dir / "config.json").write_text(json.dumps({**config, "hidden_size": 16384, "intermediate_size": 65536,
+                                                      "num_hidden_layers": 400, "num_attention_heads": 128,
+                                                      "num_key_value_heads": 8, "head_dim": 128}))
+    huge = _run_like(run, "huge", model=str(huge_dir))
+    need = weight_bytes(run_config(huge), Placement.of_run(huge))
+    assert need > 2**40
+    status, answer = ask("huge", "tuned")
+    assert status == 409 and answer["error"].startswith(f"the tuned model of run huge needs about {format_bytes(need)} "
+                                                        "for its weights, and this machine's RAM has "), answer
+    assert answer["error"].endswith(" free (hint: stop a run or a program that holds memory, or chat with maximus "
+                                    "generate on a larger machine)")
+    assert chats.loaded() == (huge, [])
 
 
 def test_export_from_the_api_obeys_the_export_rules_and_downloads(served, finished):

@@ -24,16 +24,20 @@ def run_config(run_dir: Path) -> Config:
 
 
 def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torch.dtype = torch.float32, merge: bool = False,
-               progress=None):
-    """(model, tokenizer) of a finished run: base in full precision (never 4-bit, so a QLoRA adapter
-    merges into real weights) plus the adapter; or the fully fine-tuned model. `progress`: called
-    with "loading" and "merging" (`maximus.export.progress.ExportProgress`)."""
+               progress=None, quantized: bool = False, cfg: Config | None = None):
+    """(model, tokenizer) of a finished run: base in `dtype` plus the adapter; or the fully
+    fine-tuned model. The base is never 4-bit unless `quantized` (NF4, as a QLoRA run trained:
+    chat), so a QLoRA adapter merges into real weights. `cfg`: the run's config when the caller has
+    read it already (`run_config`). `progress`: called with "loading" and "merging"
+    (`maximus.export.progress.ExportProgress`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from maximus.models import load_base_model
 
+    if merge and quantized:
+        raise ValueError("a 4-bit base cannot take a merged adapter")
     run_dir = Path(run_dir)
-    cfg = run_config(run_dir)
+    cfg = cfg or run_config(run_dir)
     device = device or torch.device("cpu")
     if progress is not None:
         progress("loading")
@@ -47,7 +51,7 @@ def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torc
         raise CheckpointError(f"{run_dir} has no adapter/ (adapter_config.json missing)", "was the run finished?")
     from peft import PeftModel
 
-    base = load_base_model(cfg, device, dtype, method="lora")
+    base = load_base_model(cfg, device, dtype, method="qlora" if quantized else "lora")
     if cfg.optimization.kronecker is not None:
         from maximus.attention import install_kronecker
 

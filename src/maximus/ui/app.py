@@ -28,7 +28,7 @@ from werkzeug.exceptions import HTTPException
 
 from maximus.config import format_bytes
 from maximus.errors import MaximusError
-from maximus.ui.chat import Busy, ChatModels
+from maximus.ui.chat import Busy, ChatModels, NoRoom
 from maximus.ui.confine import Confinement, Refused, Roots
 from maximus.ui.guard import LOOPBACK_HOSTS, TOKEN_COOKIE, Guard, NotFound
 from maximus.ui.jobs import Conflict, Jobs
@@ -38,7 +38,7 @@ from maximus.ui.state import UiState
 
 __all__ = ["create_app", "LOOPBACK_HOSTS", "TOKEN_COOKIE", "MAX_UPLOAD_BYTES", "error_key"]
 
-STATUS_CODES = {Refused: 403, NotFound: 404, Conflict: 409, Busy: 429}
+STATUS_CODES = {Refused: 403, NotFound: 404, Conflict: 409, NoRoom: 409, Busy: 429}
 
 
 def create_app(runs_dir: str | Path, token: str | None = None, *, open_reads: bool = False,

@@ -9,32 +9,47 @@
   generate` uses); any other run continues the last user message's raw text, as it was trained.
 - decoding: greedy at temperature 0 (the default: the same tokens as `maximus generate`),
   otherwise sampling with `temperature` and `top_p`.
+- where: on the run's device (the CPU when this machine has no such device) in the run's dtype,
+  with NF4 weights for a QLoRA run, as it trained (`Placement`); never more than one run's pair
+  (base and tuned) loaded: chatting with another run drops the previous pair first (`Busy`
+  while one of its models still answers);
+- room: before a model loads, the project's estimate of its weights
+  (`maximus.memory.estimate.estimate_peak`'s ``weights`` term, for that dtype and 4-bit or not)
+  is compared with the free memory of the device (free GPU memory, or available RAM): a model
+  that does not fit is refused in one line (`NoRoom`, 409) instead of swapping the machine;
 - limits, so a tab cannot exhaust the machine: `max_new_tokens` at most `MAX_NEW_TOKENS`, the
   prompt at most `MAX_PROMPT_TOKENS`, and one generation at a time per model (a second request
-  for a busy model gets `Busy`, 429); at most `KEEP_RUNS` runs stay loaded.
+  for a busy model gets `Busy`, 429).
 """
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from maximus.config import Config, format_bytes
 from maximus.errors import ConfigError, MaximusError
 
-__all__ = ["Busy", "ChatModels", "chat_settings", "MAX_NEW_TOKENS", "MAX_PROMPT_TOKENS"]
+__all__ = ["Busy", "ChatModels", "NoRoom", "Placement", "chat_settings", "weight_bytes", "MAX_NEW_TOKENS",
+           "MAX_PROMPT_TOKENS"]
 
 MAX_NEW_TOKENS = 512
 MAX_PROMPT_TOKENS = 4096
 MAX_MESSAGES = 64
-KEEP_RUNS = 2
 WHICH = ("tuned", "base")
+DTYPE_NAMES = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 
 
 class Busy(MaximusError):
     """This model is already generating for another request."""
+
+
+class NoRoom(MaximusError):
+    """The model's weights do not fit the memory free on its device."""
 
 
 @dataclass
@@ -43,7 +58,60 @@ class LoadedModel:
     tokenizer: Any
     chat: bool
     label: str
+    device: torch.device
     lock: threading.Lock = field(default_factory=threading.Lock)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a run's chat models load: its `device` (the CPU when this machine lacks it), its
+    `dtype`, and `quantized` (NF4 weights) for a QLoRA run, as run.json records the run."""
+
+    device: torch.device
+    dtype: torch.dtype
+    quantized: bool
+
+    @classmethod
+    def of_run(cls, run_dir: Path) -> "Placement":
+        import json
+
+        summary = json.loads((Path(run_dir) / "run.json").read_text())
+        device = torch.device(str(summary.get("device") or "cpu"))
+        if device.type == "cuda" and not torch.cuda.is_available():
+            device = torch.device("cpu")
+        elif device.type == "cuda":
+            device = torch.device("cuda")  # the run's child saw only its own device as cuda:0
+        elif device.type != "cpu":
+            device = torch.device("cpu")
+        dtype = getattr(torch, str(summary.get("dtype") or "float32"), None)
+        dtype = dtype if dtype in DTYPE_NAMES else torch.float32
+        return cls(device, dtype, summary.get("method") == "qlora")
+
+
+def weight_bytes(cfg: Config, placement: Placement) -> int:
+    """The estimate of one chat model's weights (`estimate_peak`'s ``weights``) at `placement`."""
+    from maximus.memory.estimate import estimate_peak
+
+    estimate = estimate_peak(cfg.model, method="qlora" if placement.quantized else "lora",
+                             dtype=DTYPE_NAMES[placement.dtype], device=placement.device.type, micro_batch=1,
+                             seq_len=64)
+    return int(estimate.breakdown["weights"])
+
+
+def free_bytes(device: torch.device) -> int:
+    """Free memory of `device`: free GPU memory, or the host's available RAM."""
+    from maximus.memory.planner import resolve_budget
+
+    return int(resolve_budget("auto", device))
+
+
+def check_room(name: str, which: str, need: int, free: int, device: torch.device) -> None:
+    """`NoRoom` when `need` bytes of weights do not fit the `free` bytes of `device`."""
+    if need > free:
+        where = "the GPU" if device.type == "cuda" else "this machine's RAM"
+        raise NoRoom(f"the {which} model of run {name} needs about {format_bytes(need)} for its weights, and "
+                     f"{where} has {format_bytes(free)} free",
+                     "stop a run or a program that holds memory, or chat with maximus generate on a larger machine")
 
 
 def chat_settings(body: dict) -> dict:
@@ -73,26 +141,50 @@ def chat_settings(body: dict) -> dict:
 
 
 class ChatModels:
-    """The loaded models, `KEEP_RUNS` runs at most (least recently used goes first)."""
+    """The loaded models of one run at most: its tuned model and its base (see the module doc)."""
 
     def __init__(self):
-        self._runs: OrderedDict[Path, dict[str, LoadedModel]] = OrderedDict()
+        self._run: Path | None = None
+        self._models: dict[str, LoadedModel] = {}
         self._lock = threading.Lock()
 
-    def get(self, run_dir: Path, which: str) -> LoadedModel:
+    def get(self, run_dir: Path, cfg: Config, which: str) -> LoadedModel:
+        """The `which` model of the run at `run_dir` (`cfg`: its recorded config, as the guard
+        passed it), loaded on first use. Raises `Busy` or `NoRoom`."""
         with self._lock:
-            models = self._runs.setdefault(run_dir, {})
-            self._runs.move_to_end(run_dir)
-            while len(self._runs) > KEEP_RUNS:
-                self._runs.popitem(last=False)
-            if which not in models:
-                models[which] = _load(run_dir, which)
-            return models[which]
+            if self._run != run_dir:
+                self._release()
+                self._run = run_dir
+            if which not in self._models:
+                placement = Placement.of_run(run_dir)
+                try:
+                    need = weight_bytes(cfg, placement)
+                except MaximusError:  # a model the estimator cannot read: the load itself will tell
+                    need = 0
+                check_room(run_dir.name, which, need, free_bytes(placement.device), placement.device)
+                self._models[which] = _load(run_dir, cfg, which, placement)
+            return self._models[which]
 
-    def stream(self, run_dir: Path, settings: dict) -> Iterator[dict]:
+    def loaded(self) -> tuple[Path | None, list[str]]:
+        """(the run whose models are loaded, which of them)."""
+        return self._run, sorted(self._models)
+
+    def _release(self) -> None:
+        busy = [w for w, m in self._models.items() if m.lock.locked()]
+        if busy:
+            raise Busy(f"the {busy[0]} model of run {self._run.name} is answering, and one run's models are loaded "
+                       "at a time", "wait for that answer to finish")
+        self._models = {}
+        import gc
+
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+    def stream(self, run_dir: Path, cfg: Config, settings: dict) -> Iterator[dict]:
         """Rows to send: ``{"token": text}`` as tokens come, then ``{"done": true, "text": ...,
         "tokens": N}``. Raises Busy before the first row when the model is generating already."""
-        loaded = self.get(run_dir, settings["which"])
+        loaded = self.get(run_dir, cfg, settings["which"])
         if not loaded.lock.acquire(blocking=False):
             raise Busy(f"the {settings['which']} model of this run is answering another request",
                        "wait for it to finish; one generation at a time per model")
@@ -104,27 +196,25 @@ class ChatModels:
         return _generate(loaded, ids, settings)
 
 
-def _load(run_dir: Path, which: str) -> LoadedModel:
+def _load(run_dir: Path, cfg: Config, which: str, placement: Placement) -> LoadedModel:
     import json
 
-    import torch
-
     from maximus.data import trains_on_chat
-    from maximus.export import load_tuned, run_config
+    from maximus.export import load_tuned
 
     chat = trains_on_chat(json.loads((run_dir / "run.json").read_text()).get("data", {}))
+    device, dtype = placement.device, placement.dtype
+    quantized = placement.quantized and not (run_dir / "model").is_dir()
     if which == "tuned":
-        model, tokenizer = load_tuned(run_dir)
-        return LoadedModel(model, tokenizer, chat, "tuned")
+        model, tokenizer = load_tuned(run_dir, device=device, dtype=dtype, quantized=quantized, cfg=cfg)
+        return LoadedModel(model, tokenizer, chat, "tuned", device)
     from transformers import AutoTokenizer
 
     from maximus.models import load_base_model
 
     saved = run_dir / "model" if (run_dir / "model").is_dir() else run_dir / "adapter"
     tokenizer = AutoTokenizer.from_pretrained(str(saved))  # the run's tokenizer and chat template, as load_tuned's
-
-    cfg = run_config(run_dir)
-    base = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
+    base = load_base_model(cfg, device, dtype, method="qlora" if quantized else "lora")
     label = "base"
     if cfg.init_adapter:
         from peft import PeftModel
@@ -133,7 +223,7 @@ def _load(run_dir: Path, which: str) -> LoadedModel:
     elif cfg.objective in ("dpo", "grpo"):
         label = "reference (base)"
     base.eval()
-    return LoadedModel(base, tokenizer, chat, label)
+    return LoadedModel(base, tokenizer, chat, label, device)
 
 
 def prompt_ids(loaded: LoadedModel, messages: list[dict]) -> list[int]:
@@ -154,11 +244,10 @@ def prompt_ids(loaded: LoadedModel, messages: list[dict]) -> list[int]:
 
 def _generate(loaded: LoadedModel, ids: list[int], settings: dict) -> Iterator[dict]:
     """Generate in a thread (it releases the model's lock when done, even if the client left)."""
-    import torch
     from transformers import TextIteratorStreamer
 
     tok = loaded.tokenizer
-    input_ids = torch.tensor([ids])
+    input_ids = torch.tensor([ids], device=loaded.device)
     streamer = TextIteratorStreamer(tok, skip_prompt=True, skip_special_tokens=True, timeout=600)
     kwargs = dict(input_ids=input_ids, attention_mask=torch.ones_like(input_ids),
                   max_new_tokens=settings["max_new_tokens"], pad_token_id=tok.pad_token_id,

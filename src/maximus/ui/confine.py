@@ -182,6 +182,18 @@ class Confinement:
                           "start it again from the run form")
         return data
 
+    def loadable(self, cfg: Config, name: str) -> None:
+        """Refuse to load run `name`'s model (chat, export) when its recorded config runs code and
+        this server was started without ``--allow-code``: the server's flag decides, not run.json."""
+        if self.allow_code:
+            return
+        for key, on, what in (("trust_remote_code", cfg.trust_remote_code, "its model's code from the hub"),
+                              ("allow_pickle", cfg.allow_pickle, "unpickling its .bin / .pt weights")):
+            if on:
+                raise Refused(f"run {name} records {key}: true, and loading it runs code ({what}), which this server "
+                              "does not run", "start maximus ui with --allow-code if you trust that code, or use "
+                              "maximus generate / maximus export")
+
     def run_name(self, output_dir: str) -> str:
         """The run name of a confined `output_dir`: its path under ``--runs``."""
         return Path(output_dir).relative_to(self.roots.runs).as_posix()

@@ -14,8 +14,11 @@ Before any route (`Guard.check_request`, installed on the whole app, every bluep
   name no other run variable (tests/ui check the URL map).
 
 What a route asks of it: `config` (a posted config, confined by `maximus.ui.confine.Confinement`:
-paths under the roots, no code without ``--allow-code``) and `run_name` (the run a confined config
-writes). Refusals are `maximus.ui.confine.Refused` (403).
+paths under the roots, no code without ``--allow-code``), `recorded_config` (a config to resume,
+confined again), `run` (a run a request body names), `finished_config` (a finished run's config to
+load its model for chat or export: refused when it records code and the server lacks
+``--allow-code``) and `run_name` (the run a confined config writes). Refusals are
+`maximus.ui.confine.Refused` (403).
 """
 from __future__ import annotations
 
@@ -139,6 +142,15 @@ class Guard:
 
     def run_name(self, output_dir: str) -> str:
         return self.confinement.run_name(output_dir)
+
+    def finished_config(self, run: Run) -> Config:
+        """The config a finished run recorded (`maximus.export.run_config`), to load its model with:
+        refused when it runs code and this server lacks ``--allow-code``."""
+        from maximus.export import run_config
+
+        cfg = run_config(run.path)
+        self.confinement.loadable(cfg, run.name)
+        return cfg
 
 
 def refusal(message: str, hint: str):

@@ -28,5 +28,5 @@ def api_chat():
     if not (run.path / "run.json").is_file():
         raise Conflict(f"run {name} is not finished", "chat with a finished run")
     settings = chat_settings(data)
-    rows = state.chats.stream(run.path, settings)
+    rows = state.chats.stream(run.path, state.guard.finished_config(run), settings)
     return Response((json.dumps(r) + "\n" for r in rows), mimetype="application/x-ndjson")

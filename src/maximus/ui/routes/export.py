@@ -39,6 +39,7 @@ def api_export(run: Run):
         check_quant(quant)
     if not (path / "run.json").is_file():
         raise Conflict(f"run {name} is not finished", "export a finished run")
+    ui_state().guard.finished_config(run)  # the export child loads the model: no code without --allow-code
     export_id, out = export_target(path, fmt, quant)
     args = [str(path), "--out", str(out), "--format", fmt] + (["--quant", quant] if quant else [])
     if out.exists():
