@@ -203,6 +203,29 @@ FAMILY_FIELDS: dict[str, dict] = {
 }
 
 
+def write_long_documents(path: Path, seq_len: int, rows: int = 4, seed: int = 0) -> Path:
+    """`rows` text documents longer than `seq_len` tokens of the tiny tokenizer, so that with
+    ``packing: false`` every row is one document cut to exactly seq_len tokens."""
+    rng = random.Random(seed)
+    words = "red green blue gold stone river cloud tiger eagle maple north south seven quiet bright".split()
+    with open(path, "w", encoding="utf-8") as f:
+        for _ in range(rows):
+            f.write(json.dumps({"text": " ".join(rng.choice(words) for _ in range(seq_len))}) + "\n")
+    return path
+
+
+def long_run_config(model_dir: Path, data: Path, out: Path, seq_len: int, checkpointing: str) -> dict:
+    """Two LoRA steps (r 4, fp32, CPU, batch 1) of one `seq_len`-token row each, no budget: the run
+    whose predicted and measured peaks are compared at long sequences."""
+    return {
+        "model": str(model_dir), "dataset": {"path": str(data), "format": "text"}, "method": "lora",
+        "output_dir": str(out), "device": "cpu", "lora": {"r": 4, "alpha": 8},
+        "optimization": {"gradient_checkpointing": checkpointing, "target_vram": None},
+        "training": {"batch_size": 1, "micro_batch_size": 1, "max_steps": 2, "learning_rate": 1e-3,
+                     "warmup_steps": 0, "seq_len": seq_len, "dtype": "fp32", "packing": False, "seed": 0},
+        "eval": {"enabled": False, "before": False}, "logging": {"progress": "none"}}
+
+
 def build_family_model_dir(path: Path, model_type: str, *, hidden: int = 64, layers: int = 2, seed: int = 0,
                            tie: bool = False, prepare=None, **fields_over) -> Path:
     """A random causal LM of any family in `FAMILY_FIELDS` (2 layers, hidden 64, 4/2 GQA heads) with
@@ -216,7 +239,8 @@ def build_family_model_dir(path: Path, model_type: str, *, hidden: int = 64, lay
     fields = dict(vocab_size=len(tok), hidden_size=hidden, intermediate_size=hidden * 2, num_hidden_layers=layers,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
                   eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id, bos_token_id=None,
-                  tie_word_embeddings=tie, **{**FAMILY_FIELDS[model_type], **fields_over})
+                  tie_word_embeddings=tie)
+    fields.update({**FAMILY_FIELDS[model_type], **fields_over})
 
     def build(config):
         model = AutoModelForCausalLM.from_config(config)

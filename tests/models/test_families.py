@@ -16,7 +16,8 @@ import json
 import pytest
 import torch
 
-from tiny import FAMILY_FIELDS, build_family_model_dir, one_thread, tiny_config, write_prompt_completion  # noqa: F401
+from tiny import (FAMILY_FIELDS, build_family_model_dir, long_run_config, measured_run, one_thread,  # noqa: F401
+                  tiny_config, write_long_documents, write_prompt_completion)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -222,3 +223,34 @@ def test_the_plan_predicts_the_measured_peak_within_10_percent(lora_runs, model_
     summary = json.loads((out / "run.json").read_text())
     error = summary["plan"]["peak_bytes"] / summary["memory"]["peak_bytes"] - 1
     assert -0.10 <= error <= 0.10, f"{model_type}: predicted {error:+.1%} of the measured peak"
+
+
+#: Long sequences, where the heads x tokens x tokens terms dominate: every family once, both lengths
+#: and both modes across the matrix (checkpointing, the direction that under-predicts, most), the
+#: attention-heavy classes in both modes. The whole grid (every family x 1,024 / 2,048 x off / full)
+#: is `benchmarks/plan_families.py`, its table in docs/models.md.
+LONG_RUNS = [("llama", 1024, "full"), ("mistral", 2048, "off"), ("qwen2", 2048, "full"), ("qwen3", 1024, "full"),
+             ("olmo2", 2048, "full"), ("gemma2", 1024, "off"), ("gemma2", 1024, "full"),
+             ("gemma3_text", 1024, "off"), ("gemma3_text", 2048, "full"), ("phi3", 2048, "full"),
+             ("granite", 2048, "full"), ("qwen3_moe", 1024, "off"), ("mixtral", 2048, "full"),
+             ("gpt_oss", 1024, "full"), ("gpt_oss", 2048, "off")]
+
+
+@pytest.mark.parametrize("model_type, seq_len, checkpointing", LONG_RUNS)
+def test_the_plan_predicts_the_measured_peak_at_long_sequences(tmp_path_factory, model_type, seq_len, checkpointing):
+    """The same comparison on 2 LoRA steps of one seq_len-token row (a document cut to length), with
+    and without full checkpointing: the attention masks and tensors, q / k norms and the fused
+    projections are modelled at length, not only at 64 tokens."""
+    from maximus import Config
+
+    root = tmp_path_factory.getbasetemp() / "long-families"
+    model_dir = root / model_type
+    if not model_dir.exists():
+        build_family_model_dir(model_dir, model_type, max_position_embeddings=2048)
+    data = root / f"text-{seq_len}.jsonl"
+    if not data.exists():
+        write_long_documents(data, seq_len)
+    out = tmp_path_factory.mktemp(f"long-{model_type}") / "run"
+    predicted, measured, _ = measured_run(Config.from_dict(long_run_config(model_dir, data, out, seq_len, checkpointing)))
+    error = predicted / measured - 1
+    assert -0.10 <= error <= 0.10, f"{model_type}, {seq_len} tokens, {checkpointing}: predicted {error:+.1%}"

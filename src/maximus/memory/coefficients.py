@@ -4,7 +4,7 @@ has the method and the figures.
 """
 from __future__ import annotations
 
-__all__ = ["DTYPE_BYTES", "DEVICE_FLOPS", "ATTENTION_PROBS", "ATTENTION_SINK_MASKS", "EXPERT_GATE_TENSORS", "LAYER_COEF", "KRONECKER_COEF", "DORA_OUT_BYTES",
+__all__ = ["DTYPE_BYTES", "DEVICE_FLOPS", "ATTENTION_PROBS", "ATTENTION_BACKWARD_PROBS", "ATTENTION_SINK_MASKS", "QK_EXTRA", "EXPERT_GATE_TENSORS", "LAYER_COEF", "KRONECKER_COEF", "DORA_OUT_BYTES",
            "DROPOUT_IN_BYTES"]
 
 DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "float16": 2}
@@ -13,15 +13,32 @@ DTYPE_BYTES = {"fp32": 4, "float32": 4, "bf16": 2, "bfloat16": 2, "fp16": 2, "fl
 #: the planner compares plans on one device. CPU: measured on the 2-core reference machine.
 DEVICE_FLOPS = {"cuda": 300e12, "cpu": 0.83e12, "mps": 10e12}
 
-#: Attention tensors per layer of the classes without SDPA (maximus.families.attention_implementation)
-#: or kept on SDPA by a sliding window (attention.varlen.sliding_window); measured, family matrix.
-#: gpt-oss keeps none: its attention with sinks runs on SDPA (maximus.attention.sinks), see below.
-ATTENTION_PROBS = {"gemma2": 3, "gemma3": 1, "gemma3_text": 1}
+#: float32 heads x tokens x tokens attention tensors a layer keeps for backward, by model type: the
+#: classes without SDPA (maximus.families.attention_implementation). Gemma 2's eager attention keeps
+#: its soft-capped scores (tanh's output) and the softmax; a layer's backward holds two more (the
+#: gradients of the probabilities and of the scores: `ATTENTION_BACKWARD_PROBS`). Measured at the
+#: peak with the CPU meter on the family matrix's 2-layer model at 1,024 and 2,048 tokens
+#: (benchmarks/plan_families.py): 2 x layers + 2 without checkpointing, 2 + 2 with it.
+ATTENTION_PROBS = {"gemma2": 2}
+ATTENTION_BACKWARD_PROBS = {"gemma2": 2}
 
-#: Additive ``[rows, 1, T, T + 1]`` masks in the compute dtype that SDPA with attention sinks keeps
-#: for a step (maximus.attention.sinks: one per kind of layer, full and sliding, shared by the
-#: layers of the kind; present with padding, packed documents or a window shorter than the row).
-ATTENTION_SINK_MASKS = {"gpt_oss": 2}
+#: Attention masks a step keeps, shared by the layers of a kind (full, sliding), by model type: each
+#: ``[rows, 1, T, T (+1)]`` in the compute dtype plus the boolean mask it was made from. SDPA with
+#: attention sinks (gpt-oss, maximus.attention.sinks) needs one for its sliding layers (and one for
+#: its full layers with padding or packed documents); a sliding window kept on SDPA
+#: (attention.varlen.sliding_window, Gemma 3) one for its sliding layers; Gemma 2's eager attention
+#: one per kind, held through the step by checkpointed layers. Measured as ATTENTION_PROBS.
+ATTENTION_SINK_MASKS = {"gpt_oss": 1, "gemma3": 1, "gemma3_text": 1, "gemma2": 2}
+
+#: What a layer keeps of its query and key projections beyond a Llama layer, by model type, per
+#: token: (compute-dtype elements per unit of q_dim + kv_dim, float32 values per query and key head).
+#: Qwen3, Qwen3-MoE and Gemma 3 normalise q and k per head (the norm's input and its 1 / rms per
+#: head); OLMo 2 normalises them whole with Transformers' norm; Phi-3's fused qkv projection stays
+#: alive whole through the values SDPA saves. Measured (fp32, the CPU meter, the family matrix's
+#: 2-layer models at 1,024 and 2,048 tokens, benchmarks/plan_families.py); 16-bit rows assume the
+#: same elements in the compute dtype.
+QK_EXTRA = {"qwen3": (1, 1), "qwen3_moe": (1, 1), "gemma3": (1, 1), "gemma3_text": (1, 1), "olmo2": (1, 0),
+            "phi3": (1.5, 0)}
 
 #: Intermediate-sized tensors (compute dtype) an expert's gate keeps per routed token beyond what
 #: SiLU(gate) x up keeps (its input and SiLU(gate)), by model type: (under

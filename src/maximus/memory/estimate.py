@@ -34,7 +34,7 @@ from typing import Any, Literal, Sequence
 from maximus.errors import ConfigError, ModelError
 from maximus.gguf_base import gguf_config, is_gguf
 from maximus.memory.adapter_terms import AdapterTerms, adapter_terms
-from maximus.memory.coefficients import (ATTENTION_PROBS, ATTENTION_SINK_MASKS, EXPERT_GATE_TENSORS, DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF,  # noqa: F401
+from maximus.memory.coefficients import (ATTENTION_BACKWARD_PROBS, ATTENTION_PROBS, ATTENTION_SINK_MASKS, QK_EXTRA, EXPERT_GATE_TENSORS, DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF,  # noqa: F401
                                          LAYER_COEF)
 from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_note,
                                               optimizer_settings, optimizer_state_bytes, optimizer_step_bytes,
@@ -143,17 +143,25 @@ class ModelShape:
     #: (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``). Per-layer figures average them.
     moe_layers: int | None = None
     #: float32 heads x tokens x tokens attention tensors a layer holds for backward (0: SDPA without
-    #: them): Transformers' eager attention (Gemma 2) keeps scores, softmax and
-    #: copies; a sliding-window model left on SDPA (Gemma 3) gets a materialised mask path.
+    #: them): Transformers' eager attention (Gemma 2) keeps the soft-capped scores and the softmax.
     attention_probs: int = 0
-    #: Additive attention masks (rows x T x T in the compute dtype) a step keeps: SDPA with attention
-    #: sinks (gpt-oss, `maximus.attention.sinks`) shares one per kind of layer (full, sliding).
+    #: Such tensors a layer's backward holds on top (the gradients of the probabilities and scores).
+    attention_backward_probs: int = 0
+    #: Attention masks (rows x T x T in the compute dtype, and their boolean source) a step keeps,
+    #: shared by the layers of a kind: attention sinks (gpt-oss), Gemma 3's sliding window on SDPA,
+    #: Gemma 2's eager masks (`maximus.memory.coefficients.ATTENTION_SINK_MASKS`).
     sink_masks: int = 0
     #: Intermediate-sized tensors an expert's gate keeps beyond SiLU x up's: (grouped expert
     #: forward, Transformers' forward); gpt-oss's clamped SwiGLU (`EXPERT_GATE_TENSORS`).
     gate_tensors: tuple[int, int] = (0, 0)
     #: Norms per layer beyond the two of a Llama layer (Gemma's post-attention / post-MLP norms).
     extra_norms: int = 0
+    #: What a layer keeps of q and k beyond a Llama layer: (compute-dtype elements per unit of
+    #: q_dim + kv_dim, float32 values per head): q / k norms, a fused qkv projection (`QK_EXTRA`).
+    qk_extra: tuple[float, int] = (0, 0)
+    #: The head's logits are soft-capped (Gemma's ``final_logit_softcapping``): the exact loss keeps
+    #: the tanh of a chunk beside its capped logits.
+    logit_softcap: bool = False
 
     @property
     def q_dim(self) -> int:
@@ -332,9 +340,11 @@ def model_shape(model_config: Any) -> ModelShape:
     moe = dict(num_experts=experts, experts_per_token=int(_get(cfg, "num_experts_per_tok", default=2)),
                expert_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=inter)),
                moe_layers=_moe_layers(cfg, layers)) if experts > 1 else {}
-    return ModelShape(**moe, attention_probs=ATTENTION_PROBS.get(model_type, 0), sink_masks=ATTENTION_SINK_MASKS.get(model_type, 0),
+    return ModelShape(**moe, attention_probs=ATTENTION_PROBS.get(model_type, 0),
+                      attention_backward_probs=ATTENTION_BACKWARD_PROBS.get(model_type, 0), sink_masks=ATTENTION_SINK_MASKS.get(model_type, 0),
                       gate_tensors=EXPERT_GATE_TENSORS.get(model_type, (0, 0)),
-                      extra_norms=2 if model_type.startswith("gemma") else 0,vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=layers, num_heads=heads,
+                      extra_norms=2 if model_type.startswith("gemma") else 0, qk_extra=QK_EXTRA.get(model_type, (0, 0)),
+                      logit_softcap=bool(_get(cfg, "final_logit_softcapping")),vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=layers, num_heads=heads,
                       num_kv_heads=kv, head_dim=head_dim, tied_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
                       qkv_bias=qkv_bias, mlp_bias=bool(_get(cfg, "mlp_bias", default=False)))
 
@@ -421,7 +431,8 @@ def shape_extra_bytes_per_token(shape: ModelShape, dtype_bytes: int, seq_len: in
     routed copies of a mixture of experts, the attention tensors (`ModelShape.attention_probs`),
     Gemma's extra norms (their inputs)."""
     return (shape.routing_bytes_per_token(dtype_bytes, lora_experts) + shape.attention_probs * eager_attention_bytes_per_token(shape, seq_len)
-            + shape.extra_norms * dtype_bytes * shape.hidden_size)
+            + shape.extra_norms * dtype_bytes * shape.hidden_size
+            + shape.qk_extra[0] * dtype_bytes * (shape.q_dim + shape.kv_dim) + shape.qk_extra[1] * 4 * (shape.num_heads + shape.num_kv_heads))
 
 
 # ------------------------------------------------------------------------------------------------
@@ -651,6 +662,8 @@ def head_loss_bytes(shape: ModelShape, loss_mode: str, T: int, b: int, trainable
     else:
         chunk = max(1, min(chunk_tokens or default_chunk, T))
         loss = chunk * V * (4 + (b if b < 4 else 0)) + (2 * T * h * b if with_grad else T * h * b)
+        if shape.logit_softcap and with_grad:  # the chunk's tanh, kept for the cap's backward
+            loss += chunk * V * 4
         if trainable_head and with_grad and head_block:  # the hidden gradient, and one block or one chunk
             loss = max(loss, 2 * T * h * b + head_block)
         elif trainable_head and with_grad:  # float32 gradient accumulator over chunks
@@ -1165,16 +1178,20 @@ def _layer_terms(spec: StepSpec, extras: AdapterTerms) -> LayerTerms:
     per_layer, stored, host_acts = _kept_by_policy(spec, {"off": per_off, "full": per_full, "selective": per_sel})
     tile_fraction = _tile_fraction(spec)
     mlp_part = _mlp_saved_bytes(spec)
+    # Attention masks shared by the layers of a kind live through forward and backward; an eager
+    # attention's only when a checkpointed layer holds them for its recompute.
+    masks = shape.sink_masks if not shape.attention_probs or any(m != "off" for m in spec.policy) else 0
+    shared_masks = masks * (b + 1) * (spec.seq_len + 1)
     # Backward of one layer also holds the gradients flowing through it (hidden and MLP
     # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
     # incoming hidden-state gradient; tiled, the intermediate part exists for one tile.
-    grad_work = (2 * b * (h + shape.active_shape().intermediate_size * tile_fraction) + 2 * h * b + attn_work
-                 + eager_attention_bytes_per_token(shape, spec.seq_len))
+    grad_work = (shared_masks + 2 * b * (h + shape.active_shape().intermediate_size * tile_fraction) + 2 * h * b + attn_work
+                 + shape.attention_backward_probs * eager_attention_bytes_per_token(shape, spec.seq_len))
     # Embedding output, final norm (float32 copy) and the head's input; a float32 master model
     # keeps a float32 residual stream; the lean final norm keeps its input, not a float32 copy.
     norm_copy = 4 * h if b < 4 else 0
     head_acts = ((2 * wb + 4) * h + extras.stream_bytes_per_token - (norm_copy if spec.lean_norm else 0)
-                 + shape.sink_masks * b * (spec.seq_len + 1))  # attention sinks' shared masks
+                 + shared_masks)
     return LayerTerms(per_layer=per_layer, stored=stored, acts=int(T * (stored + head_acts)), host_acts=host_acts,
                       per_off=per_off, per_recomputed=tiled_layer_bytes_per_token(per_off, mlp_part, b, h, tile_fraction),
                       grad_work=grad_work, norm_moment=per_off - mlp_part + _norm_work_bytes(spec),
