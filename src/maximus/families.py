@@ -2,8 +2,9 @@
 
 `FAMILIES` is the tested matrix (tests/models/test_families.py builds a tiny random model of each
 and docs/models.md shows what each cell proves). A causal LM outside it still loads and trains
-through Transformers' own layers; a model with no causal-LM class (an encoder, an
-encoder-decoder) is refused with one line that names its class and the nearest family.
+through Transformers' own layers, with one notice (`untested_family_notice`): the planner's
+figures for it were never checked against a measured run. A model with no causal-LM class (an
+encoder, an encoder-decoder) is refused with one line that names its class and the nearest family.
 
 Attention: Maximus asks for SDPA (and swaps it for its padding-free per-document SDPA when
 packing). A class that Transformers gives no SDPA path, because its attention is not plain
@@ -21,7 +22,7 @@ from typing import Any
 from maximus.errors import ModelError
 
 __all__ = ["Family", "FAMILIES", "causal_lm_class", "check_causal_lm", "attention_implementation", "nearest_family",
-           "is_mixture_of_experts"]
+           "is_mixture_of_experts", "untested_family_notice"]
 
 
 @dataclass(frozen=True)
@@ -97,6 +98,19 @@ def check_causal_lm(config: Any, source: str) -> None:
         f"Maximus trains decoder-only causal language models: {tested}"
     raise ModelError(f"cannot load model {source}: {_class_name(config)} (model type '{model_type}') is not a "
                      "causal language model Transformers' AutoModelForCausalLM can build", hint)
+
+
+def untested_family_notice(config: Any) -> str | None:
+    """The one notice for a model outside the tested families (`FAMILIES` and the vision-language
+    ones, `maximus.vision.VISION_FAMILIES`), naming its family; None for a tested one."""
+    from maximus.vision import VISION_FAMILIES
+
+    model_type = str(getattr(config, "model_type", "") or "")
+    if model_type in FAMILIES or model_type in VISION_FAMILIES:
+        return None
+    return (f"notice: {_class_name(config)} (model type '{model_type}') is outside the tested model families "
+            "(docs/models.md): it trains through Transformers' own layers, and the planner's memory figures for it "
+            "are not verified")
 
 
 def attention_implementation(config: Any) -> tuple[str, str | None]:

@@ -31,10 +31,46 @@ def test_a_hook_that_no_longer_resolves_is_named(monkeypatch):
     ]
 
 
+def test_a_changed_private_part_of_torch_or_torchao_is_named(monkeypatch):
+    """A reordered positional argument of torchao's Adam step would corrupt every step silently, and
+    without torch._grouped_mm the experts quietly take the slow loop: both are named."""
+    import torch
+    import torchao.optim.adam as adam
+
+    def reordered(p, grad, step, exp_avg, exp_avg_sq, max_exp_avg_sq, lr, beta2, beta1, weight_decay, eps, IS_ADAMW,
+                  BF16_STOCHASTIC_ROUND):
+        raise AssertionError("never called")
+
+    monkeypatch.setattr(adam, "single_param_adam", reordered)
+    monkeypatch.delattr(torch, "_grouped_mm")
+    assert compat.broken_hooks() == [
+        "torchao's private optimizer parts (single_param_adam called positionally, _AdamW, AdamW4bit / AdamW8bit "
+        "._new_buffer, OptimState4bit / OptimState8bit) (used by maximus.train.optimizers (adamw_4bit, "
+        "adamw_8bit_torchao, bf16 weights)): torchao.optim.adam.single_param_adam takes ('p', 'grad', 'step', "
+        "'exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'lr', 'beta2', 'beta1', 'weight_decay', 'eps', 'IS_ADAMW', "
+        "'BF16_STOCHASTIC_ROUND'), not ('p', 'grad', 'step', 'exp_avg', 'exp_avg_sq', 'max_exp_avg_sq', 'lr', "
+        "'beta1', 'beta2', 'weight_decay', 'eps', 'IS_ADAMW', 'BF16_STOCHASTIC_ROUND')",
+        "torch._grouped_mm (used by maximus.kernels.grouped_experts (without it: the per-expert loop, slower)): "
+        "torch._grouped_mm is gone (the grouped experts take the per-expert loop)",
+    ]
+
+
+def test_a_changed_expert_gate_or_adapter_layout_is_named(monkeypatch):
+    from peft.tuners.lora.layer import ParamWrapper
+    from transformers.models.gpt_oss.modeling_gpt_oss import GptOssExperts
+
+    monkeypatch.setattr(GptOssExperts, "_apply_gate", lambda self, gate_up: gate_up[..., ::2] * gate_up[..., 1::2])
+    monkeypatch.setattr(ParamWrapper, "get_delta_weight", lambda self, name: self.base_layer.gate_up_proj * 0)
+    assert [line.rsplit("): ", 1)[1] for line in compat.broken_hooks()] == [
+        "GptOssExperts._apply_gate no longer computes the clamped SwiGLU of interleaved columns",
+        "ParamWrapper's lora_A / lora_B are no longer laid out expert-major / rank-major",
+    ]
+
+
 def test_pyproject_bounds_the_hooked_libraries_to_the_tested_versions():
     text = (ROOT / "pyproject.toml").read_text()
     requirements = {Requirement(r).name: Requirement(r) for r in re.findall(r'"([a-z_-]+[<>=][^"]*)"', text)}
-    for name in ("transformers", "peft", "trl", "bitsandbytes"):
+    for name in ("torch", "transformers", "peft", "trl", "bitsandbytes", "torchao"):
         spec = requirements[name].specifier
         assert any(s.operator == "<" for s in spec), f"{name} has no upper bound"
         assert compat.TESTED_VERSIONS[name] in spec and md.version(name) in spec, name

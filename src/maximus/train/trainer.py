@@ -47,6 +47,7 @@ import torch
 
 from maximus.config import Config
 from maximus.errors import PREEMPTED_EXIT_CODE, MaximusError, Preempted, TrainingError
+from maximus.families import untested_family_notice
 from maximus.forward import autocast_for
 from maximus.kernels import apply_kernels, cpu_threads
 from maximus.memory.run_plan import lean_lora_applies, plan_run, replan, resolve_dtype
@@ -130,6 +131,9 @@ class Trainer:
                           f"each step runs its backward twice (the first measures the gradient norm, the second "
                           f"steps on clipped gradients); set training.max_grad_norm: null for one backward, unclipped")
         self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
+        untested = untested_family_notice(self.model.config)
+        if untested:
+            self.dist.say(untested)
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
