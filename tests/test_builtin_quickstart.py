@@ -32,6 +32,21 @@ def test_builtins_materialise_once(tmp_path, monkeypatch):
     assert (model / "model.safetensors").stat().st_mtime_ns == stamp
 
 
+def test_a_foreign_folder_in_the_cache_is_refused_untouched(tmp_path, monkeypatch):
+    from maximus.builtin import builtin_dir
+    from maximus.errors import ConfigError
+
+    monkeypatch.setenv("MAXIMUS_CACHE", str(tmp_path))
+    foreign = builtin_dir("reverse-words")
+    foreign.mkdir(parents=True)
+    (foreign / "mine.txt").write_text("mine")
+    with pytest.raises(ConfigError) as err:
+        materialize("builtin:reverse-words")
+    assert str(err.value) == (f"{foreign} exists and holds no complete build of the embedded default (no .complete) "
+                              "(hint: move it away, or set MAXIMUS_CACHE to another directory; nothing was changed)")
+    assert [p.name for p in foreign.iterdir()] == ["mine.txt"]
+
+
 def test_quickstart_config_resolves(tmp_path, monkeypatch):
     monkeypatch.setenv("MAXIMUS_CACHE", str(tmp_path))
     cfg = resolve(Config.from_yaml(ROOT / "examples" / "quickstart.yaml"))

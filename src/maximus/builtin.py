@@ -46,20 +46,32 @@ def reverse_words_records(n: int, seed: int = 0) -> list[dict]:
 
 
 def _atomic_dir(final: Path, build) -> Path:
-    if final.is_dir() and (final / ".complete").exists():
+    """`final`, built once by `build(dir)` into a temporary sibling of ours (our name and pid),
+    marked complete and renamed into place. A `final` without the mark was not written here (a
+    build is renamed in only once complete): it is refused, never removed."""
+    if (final / ".complete").is_file():
         return final
+    if final.exists() or final.is_symlink():
+        raise ConfigError(f"{final} exists and holds no complete build of the embedded default (no .complete)",
+                          "move it away, or set MAXIMUS_CACHE to another directory; nothing was changed")
     tmp = final.with_name(f".{final.name}.{os.getpid()}.tmp")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     build(tmp)
     (tmp / ".complete").write_text(_VERSION)
-    if final.exists():
-        shutil.rmtree(final, ignore_errors=True)
     try:
         os.replace(tmp, final)
     except OSError:  # another process won the race: use theirs
         shutil.rmtree(tmp, ignore_errors=True)
+        if not (final / ".complete").is_file():
+            raise
     return final
+
+
+def builtin_dir(name: str) -> Path:
+    """Where the builtin `name` is built: under the cache, tagged by name and builder version."""
+    tag = hashlib.sha1(f"{name}-{_VERSION}".encode()).hexdigest()[:8]
+    return cache_root() / "builtin" / f"{name}-{tag}"
 
 
 def _build_reverse_words(d: Path) -> None:
@@ -101,8 +113,7 @@ def materialize(ref: str) -> str:
     name = ref[len(PREFIX):]
     if name not in BUILDERS:
         raise ConfigError(f"unknown builtin '{ref}'", f"available: {', '.join(PREFIX + k for k in BUILDERS)}")
-    tag = hashlib.sha1(f"{name}-{_VERSION}".encode()).hexdigest()[:8]
-    return str(_atomic_dir(cache_root() / "builtin" / f"{name}-{tag}", BUILDERS[name]))
+    return str(_atomic_dir(builtin_dir(name), BUILDERS[name]))
 
 
 def _resolve_specs(specs):
