@@ -166,7 +166,7 @@ class OffloadConfig(_Section):
 
     activations: Literal["auto", "on", "off"] = Field("auto", description="Checkpointed layer inputs to host memory, prefetched one layer ahead in backward.")
     optimizer: Literal["auto", "on", "off"] = Field("auto", description="Optimizer state in host memory (or 8-bit/paged), chosen by the planner when `auto`.")
-    params: Literal["on", "off"] = Field("off", description="Stream frozen base-model layers to the device one ahead of use (opt-in).")
+    params: Literal["on", "off", "disk"] = Field("off", description="Stream frozen base-model layers (4-bit ones too) to the device one ahead of use: `on` keeps them in host memory (pinned), `disk` in a memory-mapped file under $MAXIMUS_CACHE/streamed-weights (written once per model and quantization, read ahead by a background thread).")
 
     @field_validator("activations", "optimizer", "params", mode="before")
     @classmethod

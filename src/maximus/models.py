@@ -123,9 +123,13 @@ def base_model_config(cfg: Config):
     return config
 
 
-def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, method: str | None = None):
+def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, method: str | None = None,
+                    weight_store=None):
     """The plain Transformers model: full precision master weights for full fine-tuning, the compute
     dtype for a frozen LoRA base, NF4 for QLoRA.
+
+    `weight_store` (``optimization.offload.params``): a QLoRA base in a local safetensors directory
+    loads one layer at a time into it, never whole on the device (`maximus.layerwise_load`).
 
     `model:` may be a GGUF file: Transformers dequantizes its weights to `dtype` (`maximus.gguf_base`).
     Attention is SDPA where the class has it, else the class's own (with a notice,
@@ -160,6 +164,15 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
     if notice:
         print(notice, file=sys.stderr)
     kwargs.setdefault("attn_implementation", attention)
+    if method == "qlora" and weight_store is not None and "gguf_file" not in kwargs and not is_vision_config(config):
+        from maximus.layerwise_load import layerwise_source, load_layerwise_qlora
+
+        directory = layerwise_source(cfg.model)
+        model = None if directory is None else load_layerwise_qlora(
+            directory, config, device=device, dtype=dtype, attention=kwargs["attn_implementation"],
+            trust_remote_code=cfg.trust_remote_code, store=weight_store)
+        if model is not None:
+            return model
     try:
         if "gguf_file" in kwargs and "quantization_config" in kwargs:
             model = _gguf_as_nf4(source, kwargs)
@@ -416,8 +429,11 @@ def merge_init_adapter(model, cfg: Config):
 
 
 def load_model(cfg: Config, *, device: torch.device | None = None, method: str | None = None, for_training: bool = True,
-               tokenizer=None):
+               tokenizer=None, weight_store=None):
     """Load `(model, tokenizer)` with quantization, attention swap and adapters applied.
+
+    `weight_store`: where streamed layers live (`load_base_model`; the trainer's, with
+    ``optimization.offload.params``).
 
     `method` overrides `cfg.method` (the planner resolves `auto`). `init_adapter` is loaded
     trainable for LoRA / QLoRA and merged into the base for `method: full`.
@@ -431,7 +447,7 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
     dtype = resolve_dtype(cfg.training.dtype, device)
     method = method or (cfg.method if cfg.method != "auto" else "lora")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    model = load_base_model(cfg, device, dtype, method)
+    model = load_base_model(cfg, device, dtype, method, weight_store=weight_store)
     extra: list[str] = []
     if cfg.optimization.kronecker is not None:
         from maximus.attention import install_kronecker, kronecker_module_names

@@ -507,7 +507,7 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
                 completion_tokens=cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else None,
                 matryoshka_dims=None if mat is None else list(mat.dims),
                 matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
-                offload_params=opt.offload.params == "on",
+                offload_params=opt.offload.params in ("on", "disk"),
                 # adapters only: estimate_peak ignores them for full fine-tuning
                 modules_to_save=list(cfg.lora.modules_to_save), use_dora=cfg.lora.use_dora,
                 lora_dropout=cfg.lora.dropout,

@@ -10,8 +10,9 @@
   updated there; the device keeps only the parameters and their gradients.
 * `build_optimizer`: torch AdamW, bitsandbytes 8-bit AdamW or paged 8-bit AdamW, with or
   without offload, from the config's names.
-* `FrozenWeightStreamer` (opt-in): frozen weights of each decoder layer live on the host and
-  are fetched to the device one layer ahead of use (forward and backward); a no-op on CPU.
+* `FrozenWeightStreamer` (`maximus.memory.weight_streaming`, re-exported here): frozen weights
+  of each decoder layer (4-bit ones too) live in host memory or a file and are fetched to the
+  device one layer ahead of use (forward and backward).
 """
 from __future__ import annotations
 
@@ -25,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from maximus.errors import ConfigError
-from maximus.structure import find_decoder_layers
+from maximus.memory.weight_streaming import FrozenWeightStreamer
 
 __all__ = ["ActivationOffloader", "FrozenWeightStreamer", "OffloadedAdamW", "OPTIMIZERS", "build_optimizer"]
 
@@ -294,114 +295,3 @@ def build_optimizer(params: Iterable, name: str, lr: float, betas: tuple[float, 
     close = difflib.get_close_matches(str(name), OPTIMIZERS, n=1)
     hint = f"did you mean '{close[0]}'?" if close else f"use one of {', '.join(OPTIMIZERS)}"
     raise ConfigError(f"training.optimizer: unknown optimizer {name!r}", hint)
-
-
-# --------------------------------------------------------------------------------------------
-# Frozen-weight streaming
-
-
-class FrozenWeightStreamer:
-    """Keep the frozen weights of each decoder layer in host memory; fetch them one layer ahead.
-
-    Forward: a pre-hook on layer i waits for its weights and starts fetching layer i+1's; a
-    post-hook releases layer i's device storage when no backward will need it (eval, no grad).
-    Backward: when backward reaches layer i's output, its weights are fetched again (for the
-    recompute and for grad-input matmuls), layer i-1's are prefetched, and layer i+1's released.
-    Only plain frozen tensors stream (4-bit `Params4bit` and trainable adapters stay put).
-
-    On a CPU device the same path runs with a separate host copy and synchronous copies, so the
-    release/restore bookkeeping is exercised exactly; `stats` counts fetches and releases.
-    `remove()` restores every weight and removes the hooks."""
-
-    def __init__(self, model: nn.Module):
-        _, self.layers = find_decoder_layers(model)
-        self._weights: list[list[tuple[torch.Tensor, torch.Tensor, int]]] = []  # (param, host copy, bytes)
-        self._resident = [True] * len(self.layers)
-        self._ready: list[Any] = [None] * len(self.layers)
-        self._stream = None
-        self.stats = {"fetches": 0, "prefetches": 0, "releases": 0, "streamed_bytes": 0}
-        for layer in self.layers:
-            entries = []
-            for p in layer.parameters():
-                if p.requires_grad or type(p) not in (torch.Tensor, nn.Parameter):
-                    continue
-                host = torch.empty(p.shape, dtype=p.dtype, device="cpu", pin_memory=_pin() and p.is_cuda)
-                host.copy_(p.detach())
-                if not p.untyped_storage().resizable():
-                    # Weights loaded from safetensors on CPU are memory-mapped views of the file, whose
-                    # storage cannot be resized: give the parameter storage of its own to release.
-                    p.data = p.detach().clone()
-                entries.append((p, host, p.untyped_storage().nbytes()))
-            self._weights.append(entries)
-        self._handles = []
-        for i, layer in enumerate(self.layers):
-            self._handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i)))
-            self._handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out)))
-        for i in range(len(self.layers)):
-            self._release(i)
-
-    # -- moves -------------------------------------------------------------------------------
-    def _fetch(self, i: int, prefetch: bool = False) -> None:
-        if i < 0 or i >= len(self.layers) or self._resident[i]:
-            return
-        stream = None
-        for p, host, nbytes in self._weights[i]:
-            storage = p.untyped_storage()
-            storage.resize_(nbytes)
-            alias = torch.empty(0, dtype=p.dtype, device=p.device).set_(storage, p.storage_offset(), p.shape, p.stride())
-            if p.is_cuda:
-                if self._stream is None:
-                    self._stream = torch.cuda.Stream(device=p.device)
-                stream = self._stream
-                stream.wait_stream(torch.cuda.current_stream(p.device))
-                with torch.cuda.stream(stream), torch.no_grad():
-                    alias.copy_(host, non_blocking=True)
-                p.record_stream(stream)
-            else:
-                with torch.no_grad():
-                    alias.copy_(host)
-            self.stats["streamed_bytes"] += nbytes
-        if stream is not None:
-            self._ready[i] = torch.cuda.Event()
-            self._ready[i].record(stream)
-        self._resident[i] = True
-        self.stats["prefetches" if prefetch else "fetches"] += 1
-
-    def _wait(self, i: int) -> None:
-        self._fetch(i)
-        if self._ready[i] is not None:
-            torch.cuda.current_stream().wait_event(self._ready[i])
-            self._ready[i] = None
-
-    def _release(self, i: int) -> None:
-        if i < 0 or i >= len(self.layers) or not self._resident[i] or not self._weights[i]:
-            return
-        for p, _, _ in self._weights[i]:
-            p.untyped_storage().resize_(0)
-        self._resident[i] = False
-        self.stats["releases"] += 1
-
-    # -- hooks -------------------------------------------------------------------------------
-    def _before_forward(self, i: int) -> None:
-        self._wait(i)
-        self._fetch(i + 1, prefetch=True)
-
-    def _after_forward(self, i: int, out) -> None:
-        grad_fn = next((t.grad_fn for t in _tensor_outputs(out) if t.grad_fn is not None), None)
-        if grad_fn is None:
-            self._release(i)  # nothing will come back for these weights
-            return
-        if i < len(self.layers) - 1:
-            self._release(i)  # backward starts at the last layer, which stays
-        grad_fn.register_prehook(lambda grad_outputs, i=i: self._before_backward(i))
-
-    def _before_backward(self, i: int) -> None:
-        self._wait(i)
-        self._fetch(i - 1, prefetch=True)
-        self._release(i + 1)
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        for i in range(len(self.layers)):
-            self._wait(i)

@@ -111,7 +111,7 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
 def _from_config(cfg: Config) -> dict[str, Any]:
     """The Plan fields the config decides alone (the search does not vary them)."""
     opt = cfg.optimization
-    return dict(objective=cfg.objective, attention=_attention(cfg), offload_params=opt.offload.params == "on",
+    return dict(objective=cfg.objective, attention=_attention(cfg), offload_params=opt.offload.params in ("on", "disk"),
                 ghost_candidates=opt.ghost_logit.candidates if opt.loss_mode == "ghost" else None)
 
 

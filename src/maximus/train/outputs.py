@@ -88,13 +88,23 @@ def eval_summary(cfg, state: dict, eval_after: dict) -> dict:
 def save_final_weights(trainer) -> None:
     """adapter/ (PEFT) or model/ (full), written beside and renamed into place; a previous one is
     replaced only while it holds nothing but what a run wrote (`replace_final_weights`)."""
-    if trainer.streamer is not None:
+    model = trainer.model
+    name = "adapter" if hasattr(model, "peft_config") else "model"
+    if trainer.streamer is not None and name == "model":
+        # A whole model is saved with its weights in place; an adapter never reads the streamed
+        # base (which may not fit the device at once).
         trainer.streamer.remove()
         trainer.streamer = None
-    model = trainer.model
     # Under FSDP2 the live parameters are shards: save the whole ones the last checkpoint gathered.
     gathered = getattr(trainer, "_gathered", None)
     extra = {"state_dict": gathered.tensors} if gathered is not None else {}
+    if trainer.streamer is not None and not extra:
+        # PEFT picks the adapter out of the whole state dict, and a 4-bit weight's state dict reads
+        # its quantization state, which a streamed layer does not hold on the device: hand it the
+        # tensors by name instead (the ones it keeps are on the device).
+        extra = {"state_dict": {k: v.detach() for named in (model.named_parameters(remove_duplicate=False),
+                                                           model.named_buffers(remove_duplicate=False))
+                                for k, v in named}}
 
     def save(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True, **extra)
@@ -105,7 +115,7 @@ def save_final_weights(trainer) -> None:
             cfg = trainer.cfg
             load_processor(cfg.tokenizer or cfg.model, cfg.trust_remote_code).save_pretrained(str(tmp))
 
-    replace_final_weights(trainer.run_dir, "adapter" if hasattr(model, "peft_config") else "model", save)
+    replace_final_weights(trainer.run_dir, name, save)
 
 
 def print_header(trainer, out: ProgressDisplay) -> None:

@@ -130,11 +130,20 @@ class Trainer:
             self.dist.say(f"notice: training.optimizer_in_backward with max_grad_norm {cfg.training.max_grad_norm}: "
                           f"each step runs its backward twice (the first measures the gradient norm, the second "
                           f"steps on clipped gradients); set training.max_grad_norm: null for one backward, unclipped")
-        self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer)
+        self.weight_store = self._weight_store()
+        self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer,
+                                   weight_store=self.weight_store)
         untested = untested_family_notice(self.model.config)
         if untested:
             self.dist.say(untested)
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
+        self.streamer = None
+        if cfg.optimization.offload.params in ("on", "disk"):
+            from maximus.memory.weight_streaming import FrozenWeightStreamer
+
+            # Frozen base weights live on the host (or in a file) and reach the device one layer ahead
+            # of use; first, since a model loaded layer by layer has none of them on the device.
+            self.streamer = FrozenWeightStreamer(self.model, self.weight_store)
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
         self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device, lean_lora=lean_lora_applies(cfg),
@@ -143,12 +152,6 @@ class Trainer:
         self.kernels.threads = self.threads
         for notice in self.kernels.notices:
             self.dist.say(notice)
-        self.streamer = None
-        if cfg.optimization.offload.params == "on":
-            from maximus.memory.offload import FrozenWeightStreamer
-
-            # Frozen base weights live on the host and reach the device one layer ahead of use.
-            self.streamer = FrozenWeightStreamer(self.model)
         # DDP or FSDP2 under torchrun; FSDP2 replaces parameters by shards, so before the optimizer.
         self.dist.prepare_model(self.model, cfg, self.plan, dtype=self.dtype)
         self.optimizer = self._build_optimizer()
@@ -160,6 +163,19 @@ class Trainer:
         self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.optimizer)
         self.meter = MemoryMeter(self.device, budget_bytes=self.plan.budget_bytes)
         self.meter_policy = MeterPolicy(meter_mode(cfg.training.memory_meter, self.device.type), self.total_steps)
+
+    def _weight_store(self):
+        """Where `optimization.offload.params` keeps the streamed layers (host memory or a file),
+        checked against this machine's free memory or disk before the model loads; None without
+        streaming or for full fine-tuning (nothing is frozen)."""
+        mode = self.cfg.optimization.offload.params
+        if mode not in ("on", "disk") or self.method == "full":
+            return None
+        from maximus.layerwise_load import weight_store_for_run
+        from maximus.models import base_model_config
+
+        return weight_store_for_run(self.cfg, mode, device=self.device, dtype=self.dtype, method=self.method,
+                                    model_config=base_model_config(self.cfg))
 
     def _load_data(self):
         from maximus.data import build_run_datasets
