@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The prepared GPU check: the plan, its calls and their time budgets are in docs/benchmarks/gpu.md.
 #
-#   bash benchmarks/gpu.sh [--dry] [--budget-s SECONDS] [STEP ...]   (default: --budget-s 320 quickstart speed)
+#   bash benchmarks/gpu.sh [--dry] [--budget-s SECONDS] [STEP ...]   (default: --budget-s 380 quickstart speed)
 #   bash benchmarks/gpu.sh preflight                                 (here, before a device call)
 #
 # Every timeout inside (the wheels' install, the environment, each step) is its cap or what is left of
@@ -32,7 +32,7 @@ cd "$(dirname "$0")/.."
 preflight() {
     local limit=$((64 * 1024 * 1024)) tree=0 whl=0 missing=()
     for name in bitsandbytes transformers peft pydantic pydantic_core annotated_types typing_inspection \
-                typing_extensions; do
+                typing_extensions rensa ftfy wcwidth; do
         compgen -G ".whl/${name}-*.whl" > /dev/null || missing+=("$name")
     done
     if [ ${#missing[@]} -gt 0 ]; then
@@ -57,7 +57,7 @@ if [ "${1:-}" = preflight ]; then
 fi
 
 dry=0
-budget=320
+budget=380
 while [ $# -gt 0 ]; do
     case "$1" in
         --dry) dry=1; shift ;;
@@ -140,7 +140,7 @@ for step in "${steps[@]}"; do
             [ -f "$run_dir/run.json" ] && cp "$run_dir/run.json" "$out/quickstart_run.json"
             ;;
         speed)
-            run_step speed 230 "$out/speed_8b.md" bash -c 'exec python3 benchmarks/speed.py --device cuda --shape 8b \
+            run_step speed 280 "$out/speed_8b.md" bash -c 'exec python3 benchmarks/speed.py --device cuda --shape 8b \
                 --quick --dtypes bf16 --time-budget-s $((STEP_TIMEOUT - 10)) --json "$0"' "$out/speed_8b.json"
             ;;
         giant)

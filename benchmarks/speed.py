@@ -44,7 +44,7 @@ run: each child's timeout is what is left of it (a timed-out or failed child is 
 printed with its stderr tail), and rows are written to ``--json`` as they finish.
 ``--kernels`` picks our `optimization.kernels` (auto = Triton on CUDA).
 
-    python benchmarks/speed.py --device cuda --shape 8b --quick --dtypes bf16 --time-budget-s 200
+    python benchmarks/speed.py --device cuda --shape 8b --quick --dtypes bf16 --time-budget-s 260
 """
 from __future__ import annotations
 
@@ -240,14 +240,15 @@ def worker_command(setting: dict, args, side: str | None) -> list[str]:
 
 
 #: CUDA: the seconds kept for the peer's process while ours runs (its timeout is the rest of the budget).
-PEER_KEEP_S = 90
+PEER_KEEP_S = 75
 
 
 def run_worker(setting: dict, args, deadline) -> dict:
     """One setting: CPU, both sides in one worker; CUDA, ours then the peer, each in its own
-    worker, merged into one result (steps paired in order). Raises `_child.ChildFailed` (a
-    RuntimeError) or `_child.DryStop`."""
-    from _child import DryStop
+    worker (the peer runs even when ours failed, and its numbers go into the failure's message),
+    merged into one result (steps paired in order). Raises `_child.ChildFailed` (a RuntimeError)
+    or `_child.DryStop`."""
+    from _child import ChildFailed, DryStop
     from finetune_vs_peft import launch_worker
 
     label = setting_label(setting, args.seq)
@@ -255,7 +256,7 @@ def run_worker(setting: dict, args, deadline) -> dict:
         result = launch_worker(worker_command(setting, args, None), args.threads,
                                deadline.child_timeout(args.worker_timeout), label)
     else:
-        parts, stops = {}, []
+        parts, stops, failures = {}, [], []
         for side, keep in (("maximus", PEER_KEEP_S), ("peft", 0)):
             try:
                 parts[side] = launch_worker(worker_command(setting, args, side), args.threads,
@@ -263,6 +264,12 @@ def run_worker(setting: dict, args, deadline) -> dict:
             except DryStop as stop:  # the dry run goes on to the other side's worker
                 print(f"  {stop}", file=sys.stderr, flush=True)
                 stops.append(stop)
+            except ChildFailed as exc:
+                failures.append(str(exc))
+        if failures:
+            done = [f"{side}: steps {[round(t, 2) for t in r['step_s'][side]]} s, peak "
+                    f"{r['peak_bytes'][side] / 2**30:.2f} GiB" for side, r in parts.items()]
+            raise ChildFailed("\n".join(failures + done))
         if stops:
             raise stops[-1]
         ours, peer = parts["maximus"], parts["peft"]
