@@ -396,6 +396,27 @@ def test_every_route_is_behind_the_one_guard(tmp_path):
     assert posts - _mutating_rules(app) == {"/", "/api/plan"} == UNGUARDED_POSTS | {"/"}  # the planner: plans only
 
 
+def test_the_planner_reads_models_under_models_root_only(tmp_path, tiny_llama):
+    """Planning needs no token, so the model directory it reads is confined like a posted config's."""
+    from urllib.parse import quote
+
+    api = Api(tmp_path)
+    try:
+        inside = Path(shutil.copytree(tiny_llama, api.models / "llama"))
+        status, report = api.call("GET", f"/api/plan?model_dir={quote(str(inside))}&seq=64&batch=1")
+        assert status == 200 and report["model"] == str(inside)
+        assert api.call("GET", "/api/plan?model=meta-llama/Llama-3.1-8B&seq=64&batch=1")[0] == 200  # a hub id
+        for key in ("model_dir", "model"):
+            line = (f"{key} {tiny_llama} is outside --models-root {api.models} (hint: put it under {api.models}, "
+                    "or start maximus ui with --models-root pointing at its folder)")
+            status, answer = api.call("GET", f"/api/plan?{key}={quote(str(tiny_llama))}&seq=64&batch=1")
+            assert (status, answer["error"]) == (403, line)
+            status, page = api.call("GET", f"/?{key}={quote(str(tiny_llama))}&model=x&seq=64&batch=1")
+            assert status == 200 and f"error: {line}".encode() in page.replace(b"&#39;", b"'"), page
+    finally:
+        api.close()
+
+
 def test_a_server_without_token_changes_nothing_and_the_cookie_works(tmp_path, tiny_llama):
     from werkzeug.serving import make_server
 

@@ -182,6 +182,11 @@ class Confinement:
                           "start it again from the run form")
         return data
 
+    def model(self, key: str, value: str) -> str:
+        """A model a form names (`key`: its field): a hub id or builtin: name as it is, a path only
+        under ``--models-root`` (resolved)."""
+        return confine_path(key, value, [("--models-root", self.roots.models)], hub_ok=True)
+
     def loadable(self, cfg: Config, name: str) -> None:
         """Refuse to load run `name`'s model (chat, export) when its recorded config runs code and
         this server was started without ``--allow-code``: the server's flag decides, not run.json."""

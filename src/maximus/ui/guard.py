@@ -17,7 +17,8 @@ What a route asks of it: `config` (a posted config, confined by `maximus.ui.conf
 paths under the roots, no code without ``--allow-code``), `recorded_config` (a config to resume,
 confined again), `run` (a run a request body names), `finished_config` (a finished run's config to
 load its model for chat or export: refused when it records code and the server lacks
-``--allow-code``) and `run_name` (the run a confined config writes). Refusals are
+``--allow-code``), `model` (a model the planner form names, confined to ``--models-root``: the
+planner needs no token, but reads what it names) and `run_name` (the run a confined config writes). Refusals are
 `maximus.ui.confine.Refused` (403).
 """
 from __future__ import annotations
@@ -142,6 +143,10 @@ class Guard:
 
     def run_name(self, output_dir: str) -> str:
         return self.confinement.run_name(output_dir)
+
+    def model(self, key: str, value: str) -> str:
+        """A model the planner form names (`key`: its field), confined to ``--models-root``."""
+        return self.confinement.model(key, value)
 
     def finished_config(self, run: Run) -> Config:
         """The config a finished run recorded (`maximus.export.run_config`), to load its model with:

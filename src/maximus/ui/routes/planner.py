@@ -2,7 +2,8 @@
 
 Every number comes from `maximus.memory.plan_command.plan_json`, the function behind ``maximus
 plan --json``; the form's fields become the CLI's flags (`planner_argv`). Planning starts and
-writes nothing, so it needs no token (`maximus.ui.guard.UNGUARDED_POSTS`).
+writes nothing, so it needs no token (`maximus.ui.guard.UNGUARDED_POSTS`); the model it reads is
+confined to ``--models-root`` all the same (`form_model`).
 """
 from __future__ import annotations
 
@@ -15,6 +16,7 @@ from flask import Blueprint, current_app, jsonify, render_template, request
 
 from maximus.errors import MaximusError
 from maximus.memory.optimizer_state import OPTIMIZERS as OPTIMIZER_TABLE
+from maximus.ui.state import ui_state
 
 __all__ = ["blueprint", "FormError", "planner_argv", "planner_context", "plan_yaml", "MAX_UPLOAD_BYTES"]
 
@@ -115,7 +117,16 @@ def plan_from_form(form, upload) -> dict[str, Any]:
             report = plan_json(planner_argv(form, model_path=str(path)))
         report["model"] = f"uploaded {upload.filename}"
         return report
-    return plan_json(planner_argv(form))
+    return plan_json(planner_argv(form, model_path=form_model(form)))
+
+
+def form_model(form) -> str | None:
+    """The model the form names (a local directory, else a known id), confined by the guard."""
+    for key in ("model_dir", "model"):
+        value = (form.get(key) or "").strip()
+        if value:
+            return ui_state().guard.model(key, value)
+    return None
 
 
 def plan_yaml(report: dict[str, Any], form) -> str | None:
