@@ -323,6 +323,7 @@ class VisionConfig(_Section):
     """Images for vision-language models (docs/vision.md)."""
 
     max_pixels: int | None = Field(None, ge=64, description="Cap on an image's area in pixels: a larger image is resized (aspect kept) before the processor sees it, which bounds its image tokens and the tower's memory for processors that keep the resolution (Qwen2-VL, Idefics3); null = the processor's own limit.")
+    image_root: str | None = Field(None, description="A folder every image must lie in: the images of data rows and of eval.prompts are resolved (links followed) and one outside it is an error naming it; null = anywhere. `maximus ui` sets it to its --data-root for every run it starts.")
 
 
 class ImagePrompt(_Section):

@@ -333,6 +333,9 @@ def test_every_mutating_endpoint_refuses_and_changes_nothing(api, tiny_llama, tm
         "init_adapter": ({"init_adapter": outside},
                          f"init_adapter {outside} is outside --models-root {api.models} or --runs {api.runs}"),
         "output_dir": ({"output_dir": outside}, f"output_dir {outside} is outside --runs {api.runs}"),
+        "prompt image": ({"eval": {"prompts": ["text only", {"text": "colour?", "image": f"{outside}/red.png"}]}},
+                         f"eval.prompts image {outside}/red.png is outside --data-root {api.data}"),
+        "image_root": ({"vision": {"image_root": outside}}, f"vision.image_root {outside} is outside --data-root {api.data}"),
         "runs itself": ({"output_dir": str(api.runs)}, f"output_dir {api.runs} is --runs itself"),
         "trust_remote_code": ({"trust_remote_code": True},
                               "trust_remote_code: model code from the hub is code, and this server does not run code "
@@ -368,6 +371,8 @@ def test_every_mutating_endpoint_refuses_and_changes_nothing(api, tiny_llama, tm
         status, answer = code.post("/api/check", {"config": yaml.safe_dump({**_cfg(code, copied, "c"),
                                                                               "trust_remote_code": True})})
         assert status == 200 and answer["run"] == "c" and answer["plan"]["peak_bytes"] > 0
+        # The images data rows name are read by the child: its config confines them to --data-root.
+        assert answer["config"]["vision"] == {"image_root": str(code.data)}
     finally:
         code.close()
 

@@ -59,6 +59,27 @@ def test_missing_image_is_one_line_or_skipped(llava, tmp_path):
     assert skipped.stats["skipped"] == 1 and skipped.stats["documents"] == 5
 
 
+def test_images_outside_vision_image_root_are_refused_before_they_open(llava, tmp_path):
+    root = tmp_path / "data"
+    data = write_color_chat(root, n=6)
+    outside = draw_image(tmp_path / "outside.png", "red")
+    (root / "images" / "link.png").symlink_to(outside)
+    lines = data.read_text().splitlines()
+    for i, image in ((1, str(outside)), (3, "images/link.png")):
+        row = json.loads(lines[i])
+        row["messages"][0]["content"][0]["image"] = image
+        lines[i] = json.dumps(row)
+    data.write_text("\n".join(lines) + "\n")
+    with pytest.raises(DataError) as err:
+        _splits(llava, data, tmp_path / "o", vision={"image_root": str(root)})
+    assert err.value.one_line() == (f"{data}:2: image {outside} is outside vision.image_root {root} "
+                                    "(hint: put the images under that folder, or change vision.image_root)")
+    skipped = _splits(llava, data, tmp_path / "o", vision={"image_root": str(root)},
+                      dataset={"path": str(data), "on_error": "skip"})
+    assert skipped.stats["skipped"] == 2 and skipped.stats["documents"] == 4  # the link out too
+    assert _splits(llava, data, tmp_path / "o").stats["documents"] == 6  # null: anywhere
+
+
 def test_text_format_names_the_format_it_needs(llava, tmp_path):
     data = tmp_path / "t.jsonl"
     data.write_text(json.dumps({"text": "hello"}) + "\n")

@@ -10,7 +10,9 @@ Data formats (docs/vision.md):
   open the first user message).
 
 Image paths are relative to the data file. A missing or unreadable image is a one-line DataError
-naming the row and the path, or, with ``on_error: skip``, the row is skipped and counted.
+naming the row and the path, or, with ``on_error: skip``, the row is skipped and counted. With
+``vision.image_root``, an image that resolves (links followed) outside that folder is refused the
+same way before it is opened (`maximus ui` confines a browser's runs to its ``--data-root`` so).
 
 Encoding: the processor's chat template renders the conversation; the assistant turns' spans are
 found as for text chats (`maximus.data.chat.assistant_spans`); the text is cut at those spans and
@@ -70,8 +72,10 @@ class VisionEncoder:
     """A processor, the image cap, and what the processor writes for an image: turns conversations
     into rows and rows' images into tensors."""
 
-    def __init__(self, processor, max_pixels: int | None = None, train_on_inputs: bool = False):
+    def __init__(self, processor, max_pixels: int | None = None, train_on_inputs: bool = False,
+                 image_root: str | None = None):
         self.processor = processor
+        self.image_root = Path(image_root).resolve() if image_root is not None else None
         self.tokenizer = processor.tokenizer
         self.max_pixels = max_pixels
         self.train_on_inputs = train_on_inputs
@@ -106,6 +110,11 @@ class VisionEncoder:
         return {i for i in ids if i is not None}
 
     def load(self, path: str):
+        """(RGB image, resized?) of the file `path`. Raises DataError for a file outside
+        `image_root`, OSError / ValueError for one that cannot be read."""
+        if self.image_root is not None and not Path(path).resolve().is_relative_to(self.image_root):
+            raise DataError(f"image {path} is outside vision.image_root {self.image_root}",
+                            "put the images under that folder, or change vision.image_root")
         image, resized = open_image(Path(path), self.max_pixels)
         return image, resized
 
@@ -331,7 +340,7 @@ def build_vision_datasets(cfg, processor, *, eval_split: float, model_name: str 
     record or image (unless on_error: skip),
     a row whose image tokens pass seq_len, and an empty dataset."""
     seq_len = cfg.training.seq_len
-    encoder = VisionEncoder(processor, cfg.vision.max_pixels, cfg.training.train_on_inputs)
+    encoder = VisionEncoder(processor, cfg.vision.max_pixels, cfg.training.train_on_inputs, cfg.vision.image_root)
     stats = {"records": 0, "skipped": 0, "empty": 0, "documents": 0, "truncated": 0, "split": 0,
              "chat_template_fallback": False, "sources": [], "packing": False,
              "vision": {"images": 0, "resized": 0, "max_pixels": cfg.vision.max_pixels}}
@@ -394,6 +403,8 @@ def _encode_record(record, spec, fmt: str, encoder: VisionEncoder, seq_len: int,
     for path in paths:
         try:
             image, resized = encoder.load(str(path))
+        except DataError as exc:  # outside vision.image_root
+            raise DataError(f"{where}: {exc.message}", exc.hint) from None
         except (OSError, ValueError) as exc:
             reason = "no such file" if not path.exists() else str(exc).splitlines()[0]
             raise DataError(f"{where}: cannot read image {path}: {reason}",

@@ -86,7 +86,8 @@ def vision_encoder_for(cfg, model, rows: list[dict]):
     from maximus.data.vision import VisionEncoder
     from maximus.vision import load_processor
 
-    return VisionEncoder(load_processor(cfg.tokenizer or cfg.model, cfg.trust_remote_code), cfg.vision.max_pixels)
+    return VisionEncoder(load_processor(cfg.tokenizer or cfg.model, cfg.trust_remote_code), cfg.vision.max_pixels,
+                         image_root=cfg.vision.image_root)
 
 
 @torch.no_grad()

@@ -3,7 +3,10 @@
 `maximus ui` starts processes, so a config posted to it is read as untrusted input:
 
 - every path is confined: the model, tokenizer and `init_adapter` to ``--models-root`` (an adapter
-  may also come from ``--runs``), each dataset (and `eval.dataset`) to ``--data-root``, `output_dir` to ``--runs``.
+  may also come from ``--runs``), each dataset (and `eval.dataset`) and the images of `eval.prompts`
+  to ``--data-root``, `output_dir` to ``--runs``. The images data rows name are read by the child,
+  so the config it gets carries `vision.image_root` (``--data-root``, or a folder under it), which
+  the trainer enforces on every image it opens.
   A relative path is taken from the server's working directory, as `maximus-train` takes it; the
   path is resolved (``..`` and symlinks followed) before it is checked, and the config handed to
   the child carries the resolved path, so the child opens what was checked;
@@ -119,6 +122,14 @@ def confine_config(text: Any, roots: Roots, *, allow_code: bool = False,
     out["dataset"] = _confine_datasets(out["dataset"], roots)
     if isinstance(out.get("eval"), dict) and out["eval"].get("dataset") is not None:
         out["eval"] = {**out["eval"], "dataset": _confine_datasets(out["eval"]["dataset"], roots, "eval.dataset")}
+    if isinstance(out.get("eval"), dict) and isinstance(out["eval"].get("prompts"), list):
+        out["eval"] = {**out["eval"], "prompts": [_confine_image_prompt(p, roots) for p in out["eval"]["prompts"]]}
+    # Images named inside data rows are read by the child: the trainer confines them (vision.image_root).
+    vision = dict(out.get("vision") or {})
+    root = vision.get("image_root")
+    vision["image_root"] = (confine_path("vision.image_root", root, [("--data-root", roots.data)], hub_ok=False)
+                            if isinstance(root, str) else str(roots.data))
+    out["vision"] = vision
     if out.get("output_dir") is None:
         out["output_dir"] = str(roots.runs / (Path(str(out["model"]).rstrip("/")).name or "model"))
     out["output_dir"] = confine_path("output_dir", str(out["output_dir"]), [("--runs", roots.runs)], hub_ok=False)
@@ -139,6 +150,17 @@ def _confine_datasets(value: Any, roots: Roots, key: str = "dataset") -> Any:
     if isinstance(value, dict) and isinstance(value.get("path"), str):
         return {**value, "path": confine_path(f"{key}.path", value["path"], data_root, hub_ok=True)}
     return value
+
+
+def _confine_image_prompt(prompt: Any, roots: Roots) -> Any:
+    """An eval.prompts entry with its image file(s) confined to --data-root (a text prompt as it is)."""
+    if not isinstance(prompt, dict) or prompt.get("image") is None:
+        return prompt
+    data_root = [("--data-root", roots.data)]
+    image = prompt["image"]
+    files = [image] if isinstance(image, str) else list(image)
+    confined = [confine_path("eval.prompts image", f, data_root, hub_ok=False) for f in files]
+    return {**prompt, "image": confined[0] if isinstance(image, str) else confined}
 
 
 def _refuse_code_keys(cfg: Config) -> None:
