@@ -79,8 +79,8 @@ class Placement:
         device = torch.device(str(summary.get("device") or "cpu"))
         if device.type == "cuda" and not torch.cuda.is_available():
             device = torch.device("cpu")
-        elif device.type == "cuda":
-            device = torch.device("cuda")  # the run's child saw only its own device as cuda:0
+        elif device.type == "cuda":  # the run's child saw only its own device, as cuda:0: use this process's
+            device = torch.device("cuda", torch.cuda.current_device())
         elif device.type != "cpu":
             device = torch.device("cpu")
         dtype = getattr(torch, str(summary.get("dtype") or "float32"), None)
