@@ -25,6 +25,7 @@ from maximus import Config, Trainer
 from maximus.errors import ConfigError
 from maximus.memory.run_plan import QLORA_FSDP_NOTICE, fixed_strategy
 from maximus.train.distributed import DistEnv
+from maximus.train.run_directory import MARKER
 
 from tiny import build_tiny_model_dir, tiny_config, write_prompt_completion
 from two_ranks import rank_report, run_two_ranks
@@ -96,6 +97,7 @@ def test_fsdp_resumes_a_two_process_checkpoint_and_equals_one(world):
     run = tmp / "fsdp"
     (run / "checkpoints").mkdir(parents=True)
     shutil.copytree(world["ddp"] / "checkpoints" / "step-000002", run / "checkpoints" / "step-000002")
+    shutil.copy(world["ddp"] / MARKER, run / MARKER)  # moved from a run of ours: maximus-train resumes it
     _torchrun(_cfg(world["model"], world["data"], run, distributed="fsdp"), tmp)
 
     _assert_losses(run, _losses(world["one"]), range(3, STEPS + 1))
