@@ -10,14 +10,15 @@ from pathlib import Path
 _TEED_LINE = re.compile(r"^\[rank\d+\]:")
 
 
-def run_two_ranks(args: list[str], logs: Path, *, env: dict[str, str], timeout_s: float = 300) -> subprocess.CompletedProcess:
-    """`torchrun --standalone --nproc_per_node=2 ARGS`. Each rank's stdout and stderr are written
+def run_two_ranks(args: list[str], logs: Path, *, env: dict[str, str], timeout_s: float = 300,
+                  nproc: int = 2) -> subprocess.CompletedProcess:
+    """`torchrun --standalone --nproc_per_node=NPROC ARGS` (2 processes unless `nproc` says otherwise). Each rank's stdout and stderr are written
     whole to files under `logs` (what C++ prints at a crash included: the redirect is of the
     process's file descriptors) and also copied, line by line with a ``[rankN]:`` prefix, to
     torchrun's own stderr (what a user sees). Past `timeout_s` torchrun gets SIGTERM, which stops
     its workers (each runs in its own session, out of reach of a kill of torchrun's group), and the
     test fails with every rank's output."""
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2",
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
            "--log-dir", str(logs), "--redirects", "3", "--tee", "3", *args]
     env = {**env, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"}
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
