@@ -27,7 +27,8 @@ def _config(tmp_path, tiny_llama, pc_data, out, **sections) -> str:
 
 
 def _err(capsys) -> str:
-    err = capsys.readouterr().err.strip().splitlines()
+    """The one error line (a run that loaded its data has printed the data check before it)."""
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("error:")]
     assert len(err) == 1, err
     return err[0]
 
