@@ -67,6 +67,13 @@ def reference_model_dir(cache_dir: str | Path | None = None) -> Path:
     return _saved(path, lambda: build_reference_model(torch.bfloat16))
 
 
+def shaped_model_path(shape: str, cache_dir: str | Path | None = None) -> Path:
+    """Where `shaped_model_dir` keeps the model of `SHAPES[shape]` (built or not)."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return default_cache_dir() if shape == "reference" else default_cache_dir().with_name(f"llama-{shape}-v{_VERSION}")
+
+
 def shaped_model_dir(shape: str, cache_dir: str | Path | None = None, device: str = "cpu") -> Path:
     """The saved model of `SHAPES[shape]`: the reference model, or an 8B-shaped one built in bf16 on
     ``device`` (seed 0) and cached under ``cache_dir`` (default: beside the reference model)."""
@@ -85,8 +92,7 @@ def shaped_model_dir(shape: str, cache_dir: str | Path | None = None, device: st
         finally:
             torch.set_default_dtype(default)
 
-    path = Path(cache_dir) if cache_dir is not None else default_cache_dir().with_name(f"llama-{shape}-v{_VERSION}")
-    return _saved(path, build)
+    return _saved(shaped_model_path(shape, cache_dir), build)
 
 
 def _saved(path: Path, build) -> Path:

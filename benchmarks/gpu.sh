@@ -117,11 +117,15 @@ run_step() {
     STEP_TIMEOUT=$limit timeout "$limit" "$@" 2>&1 | tee "$log"
     rc=$?
     if [ $dry = 1 ]; then  # passed when every process reached its first CUDA use, and nothing else broke
-        if [ "$name" = giant ]; then
+        if [ "$name" = giant ]; then  # giant.py --dry: its own stop, exit 0
             [ $rc = 0 ] || rc=1
-        elif grep -q "device: cuda was requested but no CUDA GPU is available" "$log"; then
-            rc=0
-            echo "$name: dry run stopped at the first CUDA use (maximus-train's device check)"
+        elif [ "$name" = quickstart ]; then  # maximus-train exits 2 with this line where no GPU is visible
+            if grep -q "^error: device: cuda was requested but no CUDA GPU is available" "$log"; then
+                rc=0
+                echo "$name: dry run stopped at the first CUDA use (maximus-train's device check)"
+            else
+                rc=1
+            fi
         elif [ $rc = 0 ] && ! grep -q -e "DRY-STOP" -e "dry run stopped at the first CUDA use" "$log"; then
             rc=1
             echo "$name: the dry run reached no CUDA use"

@@ -128,7 +128,7 @@ def _prediction(setup: str, seq_len: int, tile: int | None, shape: str = "refere
 def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape: str = "reference",
              device: str = "cpu", budget: str = "1.5GB", lean_norm: bool = True) -> dict:
     from _cuda_peak import RunPeak
-    from _reference_model import shaped_model_dir
+    from _reference_model import shaped_model_dir, shaped_model_path
 
     from maximus import Config, Trainer
 
@@ -137,15 +137,18 @@ def run_ours(setup: str, seq_len: int, tile: int, steps: int, work: Path, shape:
     if setup in ("budget", "card"):
         opt = {"target_vram": budget}
     opt["lean_norm"] = lean_norm
-    cfg = {"model": str(shaped_model_dir(shape, device=device)), "method": "qlora", "output_dir": str(work / "run"),
+    # CUDA: the driver's build child made the model (a dry run checks this config, then stops at RunPeak).
+    model = shaped_model_path(shape) if device == "cuda" else shaped_model_dir(shape, device=device)
+    cfg = {"model": str(model), "method": "qlora", "output_dir": str(work / "run"),
            "dataset": {"path": str(_data(work / "data.jsonl", seq_len, steps + 1)), "format": "text"},
            "lora": {"r": r, "alpha": 2 * r}, "optimization": opt,
            "training": {"batch_size": 1, "micro_batch_size": 1, "max_steps": steps, "seq_len": seq_len,
                         "dtype": "bf16", "warmup_steps": 0, "learning_rate": 1e-4, "packing": False},
            "device": device,
            "eval": {"enabled": False, "before": False}, "logging": {"progress": "none"}}
+    trainer = Trainer(Config.from_dict(cfg))
     with RunPeak() if device == "cuda" else contextlib.nullcontext() as run_peak:
-        Trainer(Config.from_dict(cfg)).train()
+        trainer.train()
     cuda_peak = run_peak.peak_bytes if device == "cuda" else None
     summary = json.loads((work / "run" / "run.json").read_text())
     metrics = [json.loads(line) for line in (work / "run" / "metrics.jsonl").read_text().splitlines()]
@@ -435,7 +438,8 @@ def measure_rows(specs: list[dict], args, deadline=None) -> int:
     rows, failed, dry_stopped = [], 0, {}
     for spec in specs:
         spec.update(threads=args.threads, shape=args.shape, device=args.device, lean_norm=args.lean_norm == "on")
-        kind = "peer" if spec["setup"] == "peer" else "ours"  # the two code paths a child can take
+        # the code paths a child can take: the peer, ours, ours under a budget (its own config)
+        kind = "peer" if spec["setup"] == "peer" else "ours under a budget" if spec.get("budget") else "ours"
         if kind in dry_stopped:  # a dry run checks each path once (a few seconds a child in CI)
             print(f"  {spec['setup']} {spec['seq_len']}: dry run: the same child as {dry_stopped[kind]}", flush=True)
             continue

@@ -152,16 +152,18 @@ def worker(args) -> dict:
 
     import finetune_vs_peft as fvp
     from _cuda_peak import RunPeak
-    from _reference_model import SHAPES, shaped_model_dir
+    from _reference_model import SHAPES, shaped_model_dir, shaped_model_path
 
     preflight(args.side)
     torch.set_num_threads(args.threads)
-    rate = matmul_rate(args.threads, device=args.device, dtype=args.dtype)
-    model_dir = shaped_model_dir(args.shape, args.model_dir, args.device)
-    n_rows = args.warmup + args.steps
-    ids, pos = synthetic_rows(n_rows, args.seq, SHAPES[args.shape]["vocab_size"], args.doc_len)
     cuda = args.device == "cuda"
     names = [args.side] if args.side else ["peft", "maximus"]
+    # CUDA: the driver's build child made the model. Ours is set up before anything else touches
+    # the GPU, so a dry run checks its config and stops at the trainer's own device check.
+    model_dir = shaped_model_path(args.shape, args.model_dir) if cuda else \
+        shaped_model_dir(args.shape, args.model_dir, args.device)
+    n_rows = args.warmup + args.steps
+    ids, pos = synthetic_rows(n_rows, args.seq, SHAPES[args.shape]["vocab_size"], args.doc_len)
     sides, kernels, plan = {}, {}, None
     with tempfile.TemporaryDirectory() as tmp:
         if "maximus" in names:
@@ -176,13 +178,14 @@ def worker(args) -> dict:
                     "predicted_step_s": args.seq / trainer.plan.tokens_per_s_guess
                     if trainer.plan.tokens_per_s_guess else None}
             sides["maximus"], kernels["maximus"] = ours, info["kernels"]
+        rate = matmul_rate(args.threads, device=args.device, dtype=args.dtype)
         if "peft" in names:
             model, optimizer, kernels["peft"] = _peft(model_dir, args.method, args.device, args.dtype)
             sides["peft"] = _peft_step(model, optimizer, ids.to(args.device), pos.to(args.device), args.device,
                                        args.dtype)
         times = {k: [] for k in sides}
         losses = {k: [] for k in sides}
-        with RunPeak() if cuda else contextlib.nullcontext() as run_peak:
+        with RunPeak() if cuda and len(sides) == 1 else contextlib.nullcontext() as run_peak:
             for i in range(1, n_rows + 1):
                 order = ("peft", "maximus") if i % 2 else ("maximus", "peft")
                 for impl in (name for name in order if name in sides):
@@ -194,7 +197,7 @@ def worker(args) -> dict:
                         times[impl].append(time.perf_counter() - t0)
     return {"step_s": times, "losses": losses, "plan": plan, "kernels": kernels,
             "bf16_capability": bf16_capability(args.device),
-            "peak_bytes": {names[0]: run_peak.peak_bytes} if cuda else None, "threads": torch.get_num_threads(),
+            "peak_bytes": {names[0]: run_peak.peak_bytes} if run_peak else None, "threads": torch.get_num_threads(),
             "rate": max(rate, matmul_rate(args.threads, device=args.device, dtype=args.dtype))}
 
 

@@ -41,6 +41,8 @@ def test_the_plan_adds_up():
 
 
 STEPS = ["quickstart", "speed", "giant", "long_context"]
+#: The dry runs' budget: the wiring is checked, not the time (a loaded CPU runs them far slower than CI).
+DRY_BUDGET_S = 590
 
 
 @pytest.fixture(scope="module")
@@ -50,7 +52,7 @@ def dry_runs(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
     started = {}
     for step in STEPS:
         work = tmp_path_factory.mktemp(step)
-        budget = next(b for b, steps, _ in plan_calls() if step in steps)
+        budget = DRY_BUDGET_S
         env = {**os.environ, "OUT": str(work / "out"), "MAXIMUS_CACHE": str(work / "cache"),
                "PYTHONPATH": str(REPO / "src")}
         log = open(work / "output.txt", "w")
@@ -67,17 +69,19 @@ def dry_runs(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
     return runs
 
 
-STOP = "dry run stopped at the first CUDA use"
-#: Per step, the lines of its dry run: every child process it starts, stopped at its first CUDA use.
+STOP = re.escape("dry run stopped at the first CUDA use")
+#: Per step, the lines of its dry run (patterns): every child process it starts, stopped at its
+#: first CUDA use, and where.
 EXPECTED = {
-    "quickstart": ["quickstart: dry run stopped at the first CUDA use (maximus-train's device check)"],
-    "speed": [f"model 8b: {STOP}, benchmarks/_reference_model.py",
-              f"worker bf16 qlora 1 x 2048 [default config] maximus: {STOP}, benchmarks/speed.py",
-              f"worker bf16 qlora 1 x 2048 [default config] peft: {STOP}, benchmarks/speed.py"],
-    "long_context": [f"model 8b: {STOP}, benchmarks/_reference_model.py",
-                     "planner: longest context under 16GB with",
-                     f"tiled 16384: {STOP}, benchmarks/_reference_model.py",
-                     f"peer 16384: {STOP}, benchmarks/_reference_model.py"],
+    "quickstart": [re.escape("quickstart: dry run stopped at the first CUDA use (maximus-train's device check)")],
+    "speed": [rf"model 8b: {STOP}, benchmarks/_reference_model\.py:\d+ \(build\)",
+              rf"worker bf16 qlora 1 x 2048 \[default config\] maximus: {STOP}, src/maximus/models\.py:\d+ \(resolve_device\)",
+              rf"worker bf16 qlora 1 x 2048 \[default config\] peft: {STOP}, benchmarks/speed\.py:\d+ \(matmul_rate\)"],
+    "long_context": [rf"model 8b: {STOP}, benchmarks/_reference_model\.py:\d+ \(build\)",
+                     r"planner: longest context under 16GB with [\d.]+ GiB of host memory for offloaded state = [\d,]+ tokens",
+                     rf"tiled 16384: {STOP}, benchmarks/_cuda_peak\.py:\d+ \(__enter__\)",
+                     rf"card [\d]+: {STOP}, benchmarks/_cuda_peak\.py:\d+ \(__enter__\)",
+                     rf"peer 16384: {STOP}, benchmarks/_reference_model\.py:\d+ \(build\)"],
 }
 
 
@@ -86,8 +90,8 @@ def test_dry_run_reaches_every_child(dry_runs, step):
     rc, output, steps_txt = dry_runs[step]
     assert rc == 0, output
     assert "Traceback" not in output
-    for line in EXPECTED[step]:
-        assert line in output, output
+    for pattern in EXPECTED[step]:
+        assert re.search(pattern, output), f"{pattern} not in:\n{output}"
     assert f"== {step}: rc 0 in" in steps_txt
 
 
