@@ -83,6 +83,8 @@ step_timeout() {
 }
 out="${OUT:-gpu-results}"
 mkdir -p "$out"
+# The device reaches no network: nothing may wait on the hub.
+export HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
 export PYTHONPATH="$PWD/src${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 MAXIMUS_CACHE="${MAXIMUS_CACHE:-/tmp/maximus-cache}"
 if [ $dry = 1 ]; then
     export MAXIMUS_GPU_DRY=1 CUDA_VISIBLE_DEVICES=
@@ -92,7 +94,9 @@ elif compgen -G ".whl/*.whl" > /dev/null; then
         .whl/*.whl || { echo "gpu.sh: installing the carried wheels failed" >&2; exit 1; }
     export PYTHONPATH="/tmp/site:$PYTHONPATH"
 fi
-[ $dry = 1 ] && echo "env: not read in the dry run (its imports are the steps' own)" > "$out/env.txt" || {
+if [ $dry = 1 ]; then
+    echo "env: not read in the dry run (its imports are the steps' own)" > "$out/env.txt"
+else {
     timeout "$(step_timeout 20)" nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
     timeout "$(step_timeout 40)" python3 -c "import sys, psutil, torch, transformers, peft, bitsandbytes, maximus
 print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.cuda, 'transformers', transformers.__version__,
@@ -100,6 +104,7 @@ print(sys.version.split()[0], 'torch', torch.__version__, 'cuda', torch.version.
 vm = psutil.virtual_memory()
 print(f'host memory: {vm.total / 2**30:.1f} GiB total, {vm.available / 2**30:.1f} GiB available; {psutil.cpu_count()} CPUs')" 2>&1
 } | tee "$out/env.txt"
+fi
 
 status=0
 : > "$out/steps.txt"
