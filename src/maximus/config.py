@@ -308,6 +308,7 @@ class TrainingConfig(_Section):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute dtype: `auto` = bf16 where the device supports it, else fp32.")
     max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped).")
     distributed: Literal["auto", "ddp", "fsdp"] = Field("auto", description="Under torchrun: FSDP2 when the model does not fit one device, else DDP.")
+    context_parallel: int = Field(1, ge=1, description="Under torchrun: split each row's tokens over this many processes (context parallelism), so a row longer than one device holds can train; it must divide the world size, the remaining factor splits the batch (DDP). Attention sees the whole causal row through Ulysses (an all-to-all, when the query heads divide by it) or else ring attention; positions and packed documents are the whole row's; the loss is normalised by the whole step's token count, so the update equals one process's. Objective sft with DDP; 1 = off. See docs/distributed.md.")
     log_every: int = Field(1, ge=1, description="Print/log every N optimizer steps (metrics.jsonl always gets every step).")
     memory_meter: Literal["auto", "every_step", "sampled"] = Field("auto", description="Which steps run under the memory meter. `every_step`: all of them. `sampled`: on the CPU, where the meter sees every op and can nearly double a small model's step, only the steps that can set a new peak (the first two, a step with longer rows or more tokens than every metered one, the first after a re-plan, every 25th and the last; GRPO decides on its sampled rows, and its sampling is always metered); the others log no memory. `auto`: every step on CUDA (the allocator's counters cost nothing), `sampled` elsewhere.")
 
@@ -487,6 +488,24 @@ class Config(_Section):
                    "grpo": "its held-out greedy reward (the exact_answer reward for exact match)"}[self.objective]
             raise ConfigError(f"{used[0]} does not apply to objective {self.objective}",
                               f"remove it; objective {self.objective} reports {own}")
+        return self
+
+    @model_validator(mode="after")
+    def _context_parallel_fits(self):
+        """What context parallelism cannot split yet is refused here, before anything loads."""
+        t = self.training
+        if t.context_parallel == 1:
+            return self
+        if self.optimization.kronecker is not None:
+            raise ConfigError(f"training.context_parallel {t.context_parallel} cannot split Kronecker Sketching attention "
+                              "(optimization.kronecker_sketching): its sketch summarises the whole row on one process",
+                              "turn off optimization.kronecker_sketching or set training.context_parallel: 1")
+        if self.objective != "sft":
+            raise ConfigError(f"training.context_parallel {t.context_parallel} supports objective sft only, not {self.objective}",
+                              "set training.context_parallel: 1")
+        if t.distributed == "fsdp":
+            raise ConfigError(f"training.context_parallel {t.context_parallel} runs under DDP, not training.distributed: fsdp",
+                              "set training.distributed: ddp or auto")
         return self
 
     @model_validator(mode="after")

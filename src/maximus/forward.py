@@ -137,6 +137,15 @@ def shift_labels(labels: torch.Tensor, position_ids: torch.Tensor | None = None)
     return target
 
 
+def batch_target(batch: dict) -> torch.Tensor:
+    """A micro-batch's next-token targets: ``shift_labels`` when the batch carries them already
+    shifted (Transformers' name; a context-parallel share, whose tokens are not contiguous, is
+    shifted on the whole row first), else its ``labels`` shifted here."""
+    if "shift_labels" in batch:
+        return batch["shift_labels"]
+    return shift_labels(batch["labels"], batch.get("position_ids"))
+
+
 def token_loss_sum(hidden: torch.Tensor, head: OutputHead, target: torch.Tensor, *, mode: str = "exact",
                    chunk_size: int | None = None, ghost: dict | None = None) -> torch.Tensor:
     """Sum over non-ignored tokens of the next-token cross-entropy (divide by the token count of
@@ -169,7 +178,7 @@ def sft_loss_sum(model, batch: dict, *, mode: str = "exact", chunk_size: int | N
     router: list = []
     hidden = hidden_states(model, batch["input_ids"], position_ids, batch.get("attention_mask"), router=router,
                            media=media_inputs(batch))
-    target = shift_labels(batch["labels"], position_ids)
+    target = batch_target(batch)
     count = (target != IGNORE_INDEX).sum()
     loss = through_head(model, hidden, lambda h: _head_loss(model, h, target, mode, chunk_size, ghost, matryoshka))
     if router:

@@ -59,6 +59,7 @@ class DistEnv:
     local_rank: int = 0
     device: torch.device | None = None
     strategy: str = "single"
+    context_parallel: int = 1  # ranks that share each row (training.context_parallel); the rest split the batch
     _hooks: list = field(default_factory=list, repr=False)
 
     @property
@@ -70,20 +71,29 @@ class DistEnv:
         return {"strategy": self.strategy, "world_size": self.world_size}
 
     # ------------------------------------------------------------------------------ data
+    @property
+    def data_world_size(self) -> int:
+        """Processes that take different rows: the world over the ranks that share each row."""
+        return self.world_size // self.context_parallel
+
     def shard(self, rows: list) -> list:
-        """This rank's contiguous slice of one step's rows (all of them in one process)."""
+        """This rank's contiguous slice of one step's rows (all of them in one process); the ranks
+        of one context-parallel group take the same slice."""
         if not self.enabled:
             return rows
-        per = -(-len(rows) // self.world_size)
-        return rows[self.rank * per:(self.rank + 1) * per]
+        per = -(-len(rows) // self.data_world_size)
+        at = self.rank // self.context_parallel
+        return rows[at * per:(at + 1) * per]
 
     def check_batch(self, batch_size: int) -> None:
         """Every rank must get the same number of rows: a rank with fewer micro-batches would
         leave its peers waiting in a gradient collective."""
-        if self.enabled and batch_size % self.world_size:
+        n = self.data_world_size
+        if self.enabled and batch_size % n:
+            groups = f": {self.world_size} / context_parallel {self.context_parallel}" if self.context_parallel > 1 else ""
             raise ConfigError(f"training.batch_size ({batch_size}) must be a multiple of the number of processes "
-                              f"({self.world_size})",
-                              f"use a batch_size divisible by {self.world_size} or change --nproc_per_node")
+                              f"({n}{groups})",
+                              f"use a batch_size divisible by {n} or change --nproc_per_node")
 
     # ------------------------------------------------------------------------------ collectives
     def all_reduce_int(self, value: int) -> int:

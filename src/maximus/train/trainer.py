@@ -54,6 +54,7 @@ from maximus.memory.run_plan import lean_lora_applies, plan_run, replan, resolve
 from maximus.models import check_model_source, load_model, load_tokenizer, resolve_device
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import latest_good_checkpoint, save_checkpoint
+from maximus.train.context_parallel import ContextParallel
 from maximus.train.lock import RunLock
 from maximus.train.metering import MeterPolicy, meter_mode
 from maximus.train.objectives import ObjectiveModule, build_objective
@@ -105,6 +106,8 @@ class Trainer:
     def setup(self) -> None:
         cfg = self.cfg
         self.dist = dist_env.init()
+        # training.context_parallel: the ranks that share each row (a collective; checked first).
+        self.context = ContextParallel.join(self.dist, cfg.training.context_parallel)
         self.device = resolve_device(cfg.device) if not self.dist.enabled else self.dist.device
         self.dtype = resolve_dtype(cfg.training.dtype, self.device)
         # CPU: as many threads as cores are free for this process (see maximus.kernels.cpu_threads).
@@ -121,9 +124,9 @@ class Trainer:
         self.total_steps = run_steps(cfg, len(self.data.train))
         self.order = RowOrder(len(self.data.train), cfg.training.batch_size, cfg.training.seed)
         # Tokenized before planning: the plan is for the rows the data really has.
-        self.lengths = run_lengths(cfg, self.data.train, steps=self.total_steps, world_size=self.dist.world_size)
+        self.lengths = run_lengths(cfg, self.data.train, steps=self.total_steps, world_size=self.dist.data_world_size)
         # The one config -> plan translation (also `maximus plan` and every torchrun rank's).
-        self.plan = plan_run(cfg, device=self.device, world_size=self.dist.world_size, lengths=self.lengths)
+        self.plan = plan_run(cfg, device=self.device, world_size=self.dist.data_world_size, lengths=self.lengths)
         self.method = self.plan.method
         check_in_backward(cfg, grad_accum=self.plan.grad_accum, world_size=self.dist.world_size)
         if cfg.training.optimizer_in_backward and cfg.training.max_grad_norm:
@@ -152,6 +155,7 @@ class Trainer:
         self.kernels.threads = self.threads
         for notice in self.kernels.notices:
             self.dist.say(notice)
+        self.context.install(self.model, self.dist.say)
         # DDP or FSDP2 under torchrun; FSDP2 replaces parameters by shards, so before the optimizer.
         self.dist.prepare_model(self.model, cfg, self.plan, dtype=self.dtype)
         self.optimizer = self._build_optimizer()
@@ -273,6 +277,7 @@ class Trainer:
                 micro = self.plan.micro_batch_size
                 chunks = [rows[i:i + micro] for i in range(0, len(rows), micro)]
             batches = [flatten(c) if self._flatten(c) else collate(c, self.tokenizer.pad_token_id) for c in chunks]
+            batches = [self.context.share(b, self.tokenizer.pad_token_id) for b in batches]
         units = self.dist.all_reduce_int(sum(obj.count(b) for b in batches))
         tokens = sum(obj.tokens(b) for b in batches)
         scale = self.dist.world_size / max(units, 1)
@@ -319,7 +324,7 @@ class Trainer:
             # DDP: gradients are all-reduced once per optimizer step, on the last micro-batch.
             sync = nullcontext() if i == len(batches) - 1 or not hasattr(self.step_module, "no_sync") \
                 else self.step_module.no_sync()
-            with sync:
+            with sync, self.context.attending(batch):
                 with autocast_for(self.device, self.dtype):
                     loss_sum, metric_sums = self.step_module(batch)
                 (loss_sum * scale).backward()

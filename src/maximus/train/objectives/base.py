@@ -10,7 +10,7 @@ import torch
 
 from maximus.data import trains_on_chat
 from maximus.evaluate import evaluate_sft
-from maximus.forward import IGNORE_INDEX, sft_loss_sum, shift_labels
+from maximus.forward import IGNORE_INDEX, batch_target, sft_loss_sum
 from maximus.memory.plan import Plan
 
 
@@ -83,7 +83,7 @@ class SFTObjective(Objective):
         pass
 
     def count(self, batch: dict) -> int:
-        return int((shift_labels(batch["labels"], batch.get("position_ids")) != IGNORE_INDEX).sum())
+        return int((batch_target(batch) != IGNORE_INDEX).sum())
 
     def tokens(self, batch: dict) -> int:
         return int((batch["input_ids"] != self.pad_token_id).sum())

@@ -1,0 +1,141 @@
+"""Context parallelism in training (`training.context_parallel: N`): each row's tokens are split
+over N ranks of the torchrun world, and attention still sees the whole causal row.
+
+- `join` checks N against the world size and forms the groups of N consecutive ranks that share
+  rows (the other factor of the world splits the batch, `DistEnv.shard`);
+- `install` switches the model's attention to ``"maximus_context_parallel"``: Ulysses
+  (`maximus.attention.ulysses`) when the query heads divide by N, else ring attention
+  (`maximus.attention.ring`, with a notice). Outside a training micro-batch (evaluation,
+  generation: whole rows on every rank) it is padding-free attention, as without the split;
+- `share` turns a collated micro-batch of whole rows into this rank's zigzag share: padded to a
+  multiple of 2N tokens (padding has no target), targets shifted on the whole row (``shift_labels``),
+  positions the whole row's (RoPE sees global positions), and the whole row's document ids for the
+  attention when documents are packed (or padding follows a row);
+- `attending(batch)` holds that layout while the micro-batch's forward and backward run.
+
+Everything but attention (embeddings, MLP, norms, LoRA, the loss) runs on the local tokens. The
+loss stays a sum over the local targets divided by the step's target count summed over all
+ranks; DDP averages gradients over the world and the trainer scales by the world size, so the
+update is the one-process update on the same rows.
+"""
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from maximus.attention.context_split import ContextSplit
+from maximus.attention.ring import ring_attention
+from maximus.attention.ulysses import ulysses_attention, ulysses_fits
+from maximus.errors import ConfigError, ModelError
+from maximus.forward import IGNORE_INDEX, shift_labels
+from maximus.structure import causal_lm_of, document_starts
+
+IMPLEMENTATION = "maximus_context_parallel"
+EXCHANGES = {"ulysses": ulysses_attention, "ring": ring_attention}
+
+#: (split, exchange, document ids [B, T] or None) of the micro-batch in flight; None outside one.
+_ACTIVE: list = [None]
+
+
+def context_parallel_attention_forward(module, query, key, value, attention_mask, dropout=0.0, scaling=None,
+                                       **kwargs):
+    """Transformers attention function: this rank's share of query [B, H, t, D] and key/value
+    [B, Hkv, t, D] -> ([B, t, H, D], None) for the whole causal row; attention dropout is not
+    applied under the split."""
+    from maximus.attention.varlen import varlen_attention_forward
+
+    active = _ACTIVE[0]
+    if active is None:
+        return varlen_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                                        **kwargs)
+    split, exchange, document_ids = active
+    out = EXCHANGES[exchange](query, key, value, split, scale=scaling, document_ids=document_ids)
+    return out.transpose(1, 2).contiguous(), None
+
+
+@dataclass
+class ContextParallel:
+    """This rank's part in splitting rows; degree 1 (the default) changes nothing."""
+
+    split: ContextSplit = ContextSplit()
+    exchange: str = "ulysses"
+
+    @classmethod
+    def join(cls, env, degree: int) -> "ContextParallel":
+        """The group of `degree` ranks this one shares rows with (`env`: the trainer's `DistEnv`,
+        whose batch split it adjusts). A collective: every rank calls it."""
+        if degree == 1:
+            return cls()
+        if env.world_size % degree or env.world_size == 1:
+            raise ConfigError(f"training.context_parallel ({degree}) does not divide the number of processes "
+                              f"({env.world_size})",
+                              f"launch with torchrun --nproc_per_node a multiple of {degree}, or change context_parallel")
+        env.context_parallel = degree
+        group = None
+        if degree != env.world_size:
+            for first in range(0, env.world_size, degree):
+                ranks = list(range(first, first + degree))
+                made = dist.new_group(ranks)  # every rank creates every group (torch.distributed's rule)
+                if env.rank in ranks:
+                    group = made
+        return cls(ContextSplit(degree, env.rank % degree, group))
+
+    def install(self, model, say) -> None:
+        """Route `model`'s attention through the split; `say` prints the one-line notice when the
+        heads send it to ring attention."""
+        if not self.split.enabled:
+            return
+        from transformers import AttentionInterface
+        from transformers.masking_utils import AttentionMaskInterface
+
+        from maximus.attention.varlen import _mask
+
+        base = causal_lm_of(model)
+        if not getattr(base, "_supports_attention_backend", False):
+            raise ModelError(f"{type(base).__name__} does not route attention through Transformers' attention registry, "
+                             "which training.context_parallel needs", "use a Llama, Mistral or Qwen2-family model")
+        heads = base.config.num_attention_heads
+        if not ulysses_fits(heads, self.split.degree):
+            self.exchange = "ring"
+            say(f"notice: training.context_parallel {self.split.degree}: the model's {heads} attention heads do not "
+                f"divide by {self.split.degree}; attention runs as ring attention")
+        AttentionInterface.register(IMPLEMENTATION, context_parallel_attention_forward)
+        AttentionMaskInterface.register(IMPLEMENTATION, _mask)
+        base.set_attn_implementation(IMPLEMENTATION)
+
+    def share(self, batch: dict, pad_token_id: int | None) -> dict:
+        """This rank's share of a collated SFT micro-batch of whole rows (unchanged at degree 1)."""
+        if not self.split.enabled:
+            return batch
+        ids, labels = batch["input_ids"], batch["labels"]
+        rows, length = ids.shape
+        positions = batch.get("position_ids")
+        if positions is None:
+            positions = torch.arange(length).expand(rows, -1)
+        multiple = 2 * self.split.degree
+        extra = -length % multiple
+        if extra:  # padding after the row: its own "document" (positions from 0), without targets
+            ids = torch.cat([ids, ids.new_full((rows, extra), pad_token_id or 0)], dim=1)
+            labels = torch.cat([labels, labels.new_full((rows, extra), IGNORE_INDEX)], dim=1)
+            positions = torch.cat([positions, torch.arange(extra).expand(rows, -1).to(positions)], dim=1)
+        share = {"input_ids": self.split.take(ids, 1), "position_ids": self.split.take(positions, 1),
+                 "shift_labels": self.split.take(shift_labels(labels, positions), 1)}
+        documents = document_starts(positions)
+        if documents is not None:
+            share["document_ids"] = documents
+        return share
+
+    @contextlib.contextmanager
+    def attending(self, batch: dict):
+        """The span of one micro-batch's forward and backward (recomputed layers attend again)."""
+        if not self.split.enabled:
+            yield
+            return
+        _ACTIVE[0] = (self.split, self.exchange, batch.get("document_ids"))
+        try:
+            yield
+        finally:
+            _ACTIVE[0] = None
