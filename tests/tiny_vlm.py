@@ -195,20 +195,32 @@ def draw_image(path: Path, color: str, size: tuple[int, int] = (40, 32)) -> Path
     return path
 
 
+def draw_shade(path: Path, color: str, rng: random.Random, size: tuple[int, int] = (40, 32), jitter: int = 40) -> Path:
+    """A picture of `color` in its own shade (each channel moved by up to `jitter`) and its own
+    size (each side 0.75-1.25x `size`), so that no two rows show the same image."""
+    from PIL import Image
+
+    rgb = tuple(min(255, max(0, v + rng.randint(-jitter, jitter))) for v in COLORS[color])
+    Image.new("RGB", tuple(int(s * rng.uniform(0.75, 1.25)) for s in size), rgb).save(path)
+    return path
+
+
 def write_color_chat(folder: Path, n: int = 48, *, seed: int = 0, size: tuple[int, int] = (40, 32),
-                     style: str = "parts", colors: list[str] | None = None) -> Path:
+                     style: str = "parts", colors: list[str] | None = None, shades: bool = False) -> Path:
     """`n` chat rows asking for the colour of an image drawn into folder/images/ (paths relative
     to the data file). `style`: `parts` (content lists with image parts) or `column` (an images
-    column and an `<image>` placeholder). `colors`: the colours drawn (default: all six)."""
+    column and an `<image>` placeholder). `colors`: the colours drawn (default: all six).
+    `shades`: each row its own picture (`draw_shade`) instead of one picture per colour."""
     rng = random.Random(seed)
     (folder / "images").mkdir(parents=True, exist_ok=True)
     names = list(colors or COLORS)
     drawn = {c: draw_image(folder / "images" / f"{c}.png", c, size) for c in names}
     data = folder / "data.jsonl"
     with open(data, "w", encoding="utf-8") as f:
-        for _ in range(n):
+        for i in range(n):
             color = rng.choice(names)
-            image = str(drawn[color].relative_to(folder))
+            picture = draw_shade(folder / "images" / f"{i}-{color}.png", color, rng, size) if shades else drawn[color]
+            image = str(picture.relative_to(folder))
             if style == "parts":
                 row = {"messages": [
                     {"role": "user", "content": [{"type": "image", "image": image}, {"type": "text", "text": QUESTION}]},
