@@ -1,4 +1,4 @@
-"""`maximus data check --config run.yaml [--json]`: the run's data checked as the trainer reads it
+"""`maximus data check --config run.yaml [--json] [--plot PNG]`: the run's data checked as the trainer reads it
 (same tokenizer, formats, template, masks, seq_len and split), before paying for a GPU.
 
 Prints the check summary and the template preview (trained tokens in colour on a terminal), or
@@ -31,13 +31,23 @@ def data_main(argv: list[str]) -> int:
                            "structure, preference pairs; the template preview")
     check.add_argument("--config", "-c", required=True, help="the run's YAML config")
     check.add_argument("--json", action="store_true", help="print one JSON object")
+    check.add_argument("--plot", metavar="PNG", help="also draw the training documents' token lengths against "
+                       "seq_len to this file (a run draws it as data_lengths.png)")
     check.add_argument("overrides", nargs="*", help="key.sub=value overrides, validated like the file")
     args = parser.parse_args(argv)
     from maximus.builtin import resolve
     from maximus.config import Config
     from maximus.data.check import preview_text
 
-    report = data_report(resolve(Config.from_yaml(args.config, args.overrides)))
+    cfg = resolve(Config.from_yaml(args.config, args.overrides))
+    report = data_report(cfg)
+    if args.plot:
+        from pathlib import Path
+
+        from maximus.data.length_plot import plot_lengths
+
+        plot_lengths(report.lengths, report.seq_len, Path(args.plot), title=f"{Path(cfg.model).name}: tokens per "
+                     "training document")
     if args.json:
         print(json.dumps(report.to_dict()))
     else:

@@ -145,9 +145,10 @@ def test_cli_json_lists_every_check_and_on_problem_error_is_one_line(tmp_path, c
     config = tmp_path / "run.yaml"
     config.write_text(f"model: unused\ntokenizer: {tmp_path / 'tok'}\ndataset: {data}\ntraining:\n  seq_len: 128\n"
                       "eval:\n  split: 0.1\n")
-    assert main(["data", "check", "--config", str(config), "--json"]) == 0
+    assert main(["data", "check", "--config", str(config), "--json", "--plot", str(tmp_path / "lengths.png")]) == 0
     report = json.loads(capsys.readouterr().out)
     assert [c["name"] for c in report["checks"]] == list(CHECKS)
+    assert (tmp_path / "lengths.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     duplicates = report["checks"][0]
     assert (duplicates["count"], duplicates["share"], duplicates["rows"]) == (
         3, 0.130435, [{"file": str(data), "line": line} for line in (21, 22, 23)])
@@ -175,24 +176,34 @@ def test_unreadable_data_is_the_trainers_error(tmp_path, chat_tok, capsys):
     assert trainer_error.value.message.startswith(f"{data}:2: malformed JSON")
 
 
-def test_run_writes_the_report_and_on_problem_error_stops_before_the_model(tmp_path, tiny_llama, chat_tok, write_jsonl):
+def test_run_writes_the_report_dedupe_exact_is_bit_identical_and_on_problem_error_stops_early(tmp_path, tiny_llama,
+                                                                                                write_jsonl):
     from tiny import tiny_config
 
     from maximus.train.trainer import Trainer
 
     rows = [{"prompt": f"Reverse: {a} {b}\nAnswer:", "completion": f" {b} {a}"}
             for a in "red green blue gold".split() for b in "stone river cloud tiger eagle".split()]
-    data = write_jsonl(rows + rows[:2])
-    raw = tiny_config(tiny_llama, data, tmp_path / "run", training={"max_steps": 1}, eval={"enabled": False})
-    summary = Trainer(Config.from_dict(raw)).train()
-    assert summary["data_check"]["checks"]["exact_duplicates"] == {"count": 2, "share": round(2 / 22, 6)}
-    written = json.loads((tmp_path / "run" / "data_report.json").read_text())
-    assert written["checks"][0]["rows"] == [{"file": str(data), "line": 21}, {"file": str(data), "line": 22}]
-    assert (tmp_path / "run" / "data_lengths.png").stat().st_size > 0
+    rows[7]["completion"] = ""  # no answer: untrainable (it would train only the end-of-text token)
+    data = write_jsonl(rows)  # no duplicates
+    adapters = {}
+    for mode in ("off", "exact"):
+        raw = tiny_config(tiny_llama, data, tmp_path / mode, training={"max_steps": 1}, eval={"enabled": False})
+        raw["data"] = {"dedupe": mode}
+        summary = Trainer(Config.from_dict(raw)).train()
+        adapters[mode] = (tmp_path / mode / "adapter" / "adapter_model.safetensors").read_bytes()
+        assert summary["data_check"]["checks"]["untrainable"] == {"count": 1, "share": 0.05}
+        assert summary["data_check"]["checks"]["exact_duplicates"] == {"count": 0, "share": 0.0}
+        written = json.loads((tmp_path / mode / "data_report.json").read_text())
+        assert next(c for c in written["checks"] if c["name"] == "untrainable")["rows"] == [{"file": str(data), "line": 8}]
+        assert (tmp_path / mode / "data_lengths.png").stat().st_size > 0
+    assert adapters["off"] == adapters["exact"]
 
-    raw = tiny_config(tiny_llama, data, tmp_path / "stopped", eval={"enabled": False})
+    duplicated = write_jsonl(rows + rows[:2], name="duplicated.jsonl")
+    raw = tiny_config(tiny_llama, duplicated, tmp_path / "stopped", eval={"enabled": False})
     raw["data"] = {"on_problem": "error"}
     trainer = Trainer(Config.from_dict(raw))
-    with pytest.raises(DataError, match=r"^data check: exact_duplicates in 9.1% of training records \(2 of 22\)"):
+    with pytest.raises(DataError, match=r"^data check: exact_duplicates in 9.1% of training records \(2 of 22\), "
+                                        rf"over its threshold 1%; first row {duplicated}:21 \(hint: fix the data"):
         trainer.train()
     assert not hasattr(trainer, "model") and not (tmp_path / "stopped").exists()

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 
 from maximus.errors import DataError
 
-from maximus.data.duplicates import DuplicateIndex, boilerplate, normalise
+from maximus.data.duplicates import DuplicateIndex, Fingerprint, boilerplate, normalise
 from maximus.data.records import DEDUPED, EMPTY, EVAL, SKIPPED, TRAIN, UNTRAINABLE, KNOWN_ROLES, RecordInfo
 
 CHECKS = ("exact_duplicates", "near_duplicates", "leakage", "truncated", "untrainable", "repeated_answer",
@@ -156,18 +156,19 @@ def check_data(splits, *, seq_len: int, objective: str = "sft", dedupe: str = "o
     """Run every check on `splits.records` (a `maximus.data.DataSplits`). `tokenizer`: to render
     the template preview from `splits.preview`."""
     n_sources = len(splits.stats.get("sources", []))
-    records = [r for r in splits.records if r.split != SKIPPED or r.problem]
+    records = splits.records
     training = sorted((r for r in records if r.source < n_sources and r.split != SKIPPED),
                       key=lambda r: (r.source, r.position))
     held_out = [r for r in records if r.split in HELD_OUT]
     used = [r for r in records if r.split != SKIPPED]
     pairs = [r for r in used if r.rejected is not None]
-    common = boilerplate(r.content for r in training)
-    exact, near = _duplicates(training, common)
+    fingerprints = {id(r): Fingerprint.of(r.content) for r in (*training, *held_out)}
+    common = boilerplate(fingerprints[id(r)] for r in training)
+    exact, near = _duplicates(training, fingerprints, common)
     checks = [
         CheckResult("exact_duplicates", len(exact), len(training), exact),
         CheckResult("near_duplicates", len(near), len(training), near),
-        _leakage(training, held_out, common),
+        _leakage(training, held_out, fingerprints, common),
         _truncated(used),
         _untrainable(used, objective),
         _repeated_answers(training),
@@ -216,25 +217,27 @@ def render_preview(tokenizer, document) -> dict:
 
 
 # ------------------------------------------------------------------------------------------ checks
-def _duplicates(training: list[RecordInfo], common: frozenset) -> tuple[list[RecordInfo], list[RecordInfo]]:
+def _duplicates(training: list[RecordInfo], fingerprints: dict,
+                common: frozenset) -> tuple[list[RecordInfo], list[RecordInfo]]:
     """(exact copies, near copies) of earlier training records, in file order."""
     index = DuplicateIndex(near=True, common=common)
     exact, near = [], []
     for i, record in enumerate(training):
-        found = index.add(i, record.content)
+        found = index.add(i, fingerprints[id(record)])
         if found is not None:
             (exact if found[0] == "exact" else near).append(record)
     return exact, near
 
 
-def _leakage(training: list[RecordInfo], held_out: list[RecordInfo], common: frozenset) -> CheckResult:
+def _leakage(training: list[RecordInfo], held_out: list[RecordInfo], fingerprints: dict,
+             common: frozenset) -> CheckResult:
     index = DuplicateIndex(near=True, common=common)
     for i, record in enumerate(r for r in training if r.split == TRAIN):
-        index.add(i, record.content)
+        index.add(i, fingerprints[id(record)])
     exact = near = 0
     leaked = []
     for record in held_out:
-        found = index.match(record.content)
+        found = index.match(fingerprints[id(record)])
         if found is not None:
             leaked.append(record)
             exact += found[0] == "exact"
@@ -285,6 +288,8 @@ def broken_text_kind(text: str) -> str | None:
         return "replacement"
     if _CONTROL.search(text):
         return "control"
+    if text.isascii():  # mojibake is non-ASCII by nature: skip ftfy's detector
+        return None
     from ftfy.badness import is_bad
 
     return "mojibake" if is_bad(text) else None

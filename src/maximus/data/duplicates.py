@@ -21,6 +21,9 @@ import hashlib
 import re
 import unicodedata
 from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rensa import RMinHash, RMinHashLSH
 
 NEAR_THRESHOLD = 0.7
 """Word-bigram Jaccard similarity from which two texts are near-duplicates."""
@@ -48,18 +51,35 @@ def digest(text: str) -> bytes:
 
 def bigrams(text: str) -> frozenset[str]:
     """The word bigrams of a text (its single word, for a one-word text)."""
-    words = _WORD.findall(unicodedata.normalize("NFKC", text).casefold())
+    return _bigrams_of_normalised(normalise(text))
+
+
+def _bigrams_of_normalised(text: str) -> frozenset[str]:
+    words = _WORD.findall(text)
     return frozenset(f"{a} {b}" for a, b in zip(words, words[1:])) if len(words) > 1 else frozenset(words)
 
 
-def boilerplate(texts) -> frozenset[str]:
-    """The bigrams in more than BOILERPLATE_SHARE of `texts` (and at least BOILERPLATE_MIN_TEXTS)."""
+@dataclass
+class Fingerprint:
+    """What a text is compared on, computed once: its digest and its word bigrams."""
+
+    digest: bytes
+    bigrams: frozenset[str]
+
+    @classmethod
+    def of(cls, text: str) -> "Fingerprint":
+        normal = normalise(text)
+        return cls(hashlib.blake2b(normal.encode("utf-8"), digest_size=16).digest(), _bigrams_of_normalised(normal))
+
+
+def boilerplate(fingerprints) -> frozenset[str]:
+    """The bigrams in more than BOILERPLATE_SHARE of the texts (and at least BOILERPLATE_MIN_TEXTS)."""
     from collections import Counter
 
     counts: Counter = Counter()
     n = 0
-    for text in texts:
-        counts.update(bigrams(text))
+    for fingerprint in fingerprints:
+        counts.update(fingerprint.bigrams)
         n += 1
     floor = max(BOILERPLATE_MIN_TEXTS, BOILERPLATE_SHARE * n)
     return frozenset(b for b, c in counts.items() if c > floor)
@@ -72,10 +92,10 @@ def jaccard(a: frozenset, b: frozenset) -> float:
 
 
 class DuplicateIndex:
-    """Texts added in order; `add` says which earlier kept text a new one copies.
+    """Texts (as `Fingerprint`s) added in order; `add` says which earlier kept text a new one copies.
 
     With `near=False` only exact duplicates are looked for (no MinHash work at all). `common`:
-    the boilerplate bigrams left out of the comparison (`boilerplate(texts)`)."""
+    the boilerplate bigrams left out of the comparison (`boilerplate(fingerprints)`)."""
 
     def __init__(self, near: bool = True, threshold: float = NEAR_THRESHOLD, common: frozenset = frozenset()):
         self.near = near
@@ -85,53 +105,52 @@ class DuplicateIndex:
         self._shingles: dict[int, frozenset] = {}
         self._lsh = None
         if near:
-            from rensa import RMinHashLSH
-
             self._lsh = RMinHashLSH(threshold=threshold, num_perm=NUM_PERM, num_bands=NUM_BANDS)
 
-    def match(self, text: str) -> tuple[str, int] | None:
+    def match(self, fingerprint: Fingerprint) -> tuple[str, int] | None:
         """("exact" | "near", key of the earlier text) for a duplicate, else None; adds nothing."""
-        found = self._first.get(digest(text))
-        if found is not None:
-            return "exact", found
-        if not self.near:
-            return None
-        shingles = self.shingles(text)
-        candidates = self._lsh.query(_minhash(shingles)) if shingles else []
-        best = None
-        for key in sorted(candidates):
-            if jaccard(shingles, self._shingles[key]) >= self.threshold:
-                best = key
-                break
-        return ("near", best) if best is not None else None
+        return self._match(fingerprint)[0]
 
-    def add(self, key: int, text: str) -> tuple[str, int] | None:
-        """Match `text` against the kept texts, and keep it when it is no duplicate."""
-        found = self.match(text)
+    def add(self, key: int, fingerprint: Fingerprint) -> tuple[str, int] | None:
+        """Match `fingerprint` against the kept texts, and keep it when it is no duplicate."""
+        found, shingles, minhash = self._match(fingerprint)
         if found is None:
-            self._first[digest(text)] = key
+            self._first[fingerprint.digest] = key
             if self.near:
-                shingles = self.shingles(text)
                 self._shingles[key] = shingles
-                if shingles:
-                    self._lsh.insert(key, _minhash(shingles))
+                if minhash is not None:
+                    self._lsh.insert(key, minhash)
         return found
 
-    def shingles(self, text: str) -> frozenset[str]:
+    def _match(self, fingerprint: Fingerprint):
+        """(what `match` returns, the bigrams compared, their MinHash or None)."""
+        found = self._first.get(fingerprint.digest)
+        if found is not None:
+            return ("exact", found), None, None
+        if not self.near:
+            return None, None, None
+        shingles = self.shingles(fingerprint)
+        if not shingles:
+            return None, shingles, None
+        minhash = _minhash(shingles)
+        for key in sorted(self._lsh.query(minhash)):
+            if jaccard(shingles, self._shingles[key]) >= self.threshold:
+                return ("near", key), shingles, minhash
+        return None, shingles, minhash
+
+    def shingles(self, fingerprint: Fingerprint) -> frozenset[str]:
         """The bigrams compared: a text's own, boilerplate left out (all of them when that is all it has)."""
-        own = bigrams(text)
-        return (own - self.common) or own
+        return (fingerprint.bigrams - self.common) or fingerprint.bigrams
 
 
 def find_duplicates(texts: Sequence[str], near: bool = True) -> list[tuple[str, int] | None]:
     """For each text, in order: ("exact" | "near", index of the first copy) or None."""
-    index = DuplicateIndex(near=near, common=boilerplate(texts) if near else frozenset())
-    return [index.add(i, text) for i, text in enumerate(texts)]
+    fingerprints = [Fingerprint.of(text) for text in texts]
+    index = DuplicateIndex(near=near, common=boilerplate(fingerprints) if near else frozenset())
+    return [index.add(i, f) for i, f in enumerate(fingerprints)]
 
 
 def _minhash(shingles: frozenset):
-    from rensa import RMinHash
-
     m = RMinHash(num_perm=NUM_PERM, seed=MINHASH_SEED)
-    m.update(sorted(shingles))
+    m.update(list(shingles))  # MinHash is order-free
     return m

@@ -23,7 +23,7 @@ from maximus.data.encoding import IGNORE_INDEX, Document, Encoder
 from maximus.data.splits import DataSplits, eval_count
 from maximus.data.formats import ChatExample, PairExample, PreferenceExample, PromptCompletion, detect_format, to_example
 from maximus.data.packing import RowStats, pack_documents, truncate_documents
-from maximus.data.duplicates import DuplicateIndex, boilerplate
+from maximus.data.duplicates import DuplicateIndex, Fingerprint, boilerplate
 from maximus.data.pairs import encode_pair, fit_pair_row
 from maximus.data.prompts import check_prompt_format, encode_prompt, fit_prompt_rows, to_prompt_example
 from maximus.data.preference import PreferencePair, chat_prompt_and_answers, encode_preference, fit_pair
@@ -139,11 +139,12 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
 
 def _drop_duplicates(documents: list, infos: list[RecordInfo], near: bool) -> tuple[list, list[RecordInfo]]:
     """Documents without the copies of earlier ones (in file order: source, then position)."""
-    index = DuplicateIndex(near=near, common=boilerplate(i.content for i in infos) if near else frozenset())
+    fingerprints = [Fingerprint.of(info.content) for info in infos]
+    index = DuplicateIndex(near=near, common=boilerplate(fingerprints) if near else frozenset())
     first_order = sorted(range(len(infos)), key=lambda i: (infos[i].source, infos[i].position))
     keep = [True] * len(infos)
     for i in first_order:
-        keep[i] = index.add(i, infos[i].content) is None
+        keep[i] = index.add(i, fingerprints[i]) is None
     return _keep(documents, infos, keep, DEDUPED)
 
 

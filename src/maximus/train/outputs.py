@@ -1,6 +1,6 @@
 """What a run writes and prints besides its checkpoints: the live plan.json, the header and the
-before/after table on the terminal, and at the end the final weights (`adapter/` or `model/`),
-run.json and loss.png.
+before/after table on the terminal, data_report.json, and at the end the final weights
+(`adapter/` or `model/`), run.json, data_lengths.png and loss.png.
 """
 from __future__ import annotations
 
@@ -25,18 +25,25 @@ def write_live_plan(trainer) -> None:
 
 
 def write_data_report(trainer) -> None:
-    """output_dir/data_report.json (every check with its rows, the template preview) and
-    data_lengths.png (token lengths against seq_len), on a fresh start and on resume alike."""
+    """output_dir/data_report.json: every check with its rows, and the template preview (rank 0,
+    when the data was checked). data_lengths.png is drawn at the end, with loss.png
+    (`plot_data_lengths`): matplotlib stays out of the start-up."""
     report = getattr(trainer, "data_report", None)
-    if report is None or not trainer.dist.is_main:
+    if report is not None and trainer.dist.is_main:
+        write_json(trainer.run_dir / "data_report.json", report.to_dict())
+
+
+def plot_data_lengths(trainer) -> None:
+    """output_dir/data_lengths.png: the training documents' token lengths against seq_len."""
+    report = getattr(trainer, "data_report", None)
+    if report is None:
         return
     from maximus.data.length_plot import plot_lengths
 
-    write_json(trainer.run_dir / "data_report.json", report.to_dict())
     try:
         plot_lengths(report.lengths, report.seq_len, trainer.run_dir / "data_lengths.png",
                      title=f"{Path(trainer.cfg.model).name}: tokens per training document")
-    except Exception as exc:  # a plot must never fail a run
+    except Exception as exc:  # a plot must never fail a finished run
         print(f"warning: could not draw data_lengths.png: {exc}")
 
 
@@ -65,6 +72,7 @@ def write_outputs(trainer, state: dict, eval_after: dict, peak: int, skipped: in
         "kernels": trainer.kernels.to_dict(),
     }
     write_json(run_dir / "run.json", summary)
+    plot_data_lengths(trainer)
     try:
         plot_loss(run_dir / "metrics.jsonl", run_dir / "loss.png", title=f"{Path(trainer.cfg.model).name} ({trainer.method})",
                   summary=summary)
