@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import re
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -54,7 +55,8 @@ def dry_runs(tmp_path_factory) -> dict[str, tuple[int, str, str]]:
         work = tmp_path_factory.mktemp(step)
         budget = DRY_BUDGET_S
         env = {**os.environ, "OUT": str(work / "out"), "MAXIMUS_CACHE": str(work / "cache"),
-               "PYTHONPATH": str(REPO / "src")}
+               "PYTHONPATH": str(REPO / "src"),  # gpu.sh's python3: this interpreter's, where it has one
+               "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}"}
         log = open(work / "output.txt", "w")
         proc = subprocess.Popen(["bash", str(REPO / "benchmarks" / "gpu.sh"), "--dry", "--budget-s", str(budget), step],
                                 stdout=log, stderr=subprocess.STDOUT, text=True, env=env)
@@ -107,8 +109,6 @@ def test_dry_run_of_the_giant_step(dry_runs):
 
 
 def test_a_child_that_times_out_is_one_failure_with_its_stderr_tail():
-    import sys
-
     sys.path.insert(0, str(REPO / "benchmarks"))
     from _child import ChildFailed, run_child
 
