@@ -76,6 +76,9 @@ def _eval(argv: list[str]) -> int:
     parser.add_argument("--dataset", metavar="FILE", action="append",
                         help="held-out data to score on instead of the run's (repeatable; any form `dataset` takes)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--gguf", metavar="FILE", action="append",
+                        help="also score this GGUF export in llama.cpp (llama-cpp-python) on the same rows: the "
+                        "'deployed' column (repeatable; default: the GGUF exports in RUN/exports/)")
     parser.add_argument("--plot", metavar="PNG", help="also draw the run's loss (with these held-out points) and "
                         "memory (peak per step, budget, planner prediction) to this file")
     args = parser.parse_args(argv)
@@ -112,6 +115,9 @@ def _eval(argv: list[str]) -> int:
                 result["prompted"] = tasks.score_prompted(model, device=torch.device("cpu"), dtype=torch.float32,
                                                           batch_size=4)
                 result["verdict"] = verdict(after, result["prompted"], task_metrics(cfg.eval))
+    deployed = _score_deployed(args.gguf, run_dir, cfg, model, tokenizer, data, tasks)
+    if deployed:
+        result["deployed"] = deployed
     summary = json.loads((run_dir / "run.json").read_text())
     memory = summary.get("memory", {})
     result["memory"] = {"peak_bytes": memory.get("peak_bytes"), "budget_bytes": memory.get("budget_bytes"),
@@ -128,7 +134,7 @@ def _eval(argv: list[str]) -> int:
         from maximus.config import format_bytes
 
         for line in summary_lines(result.get("before", {}), after, result.get("prompted"), result.get("verdict"),
-                                  metrics=task_metrics(cfg.eval), prompts=cfg.eval.prompts):
+                                  metrics=task_metrics(cfg.eval), prompts=cfg.eval.prompts, deployed=deployed):
             print(line)
         m = result["memory"]
         print(f"training memory: peak {format_bytes(m['peak_bytes'])} measured, budget {format_bytes(m['budget_bytes'])}, "
@@ -136,6 +142,28 @@ def _eval(argv: list[str]) -> int:
         if args.plot:
             print(f"wrote {args.plot}")
     return 0
+
+
+def _score_deployed(files: list[str] | None, run_dir: Path, cfg, model, tokenizer, data, tasks) -> list[dict]:
+    """`--gguf` files (else the run's own GGUF exports, when llama-cpp-python is installed) scored
+    in llama.cpp on the held-out rows and examples the Transformers model was scored on."""
+    import importlib.util
+
+    from maximus.evaluate import _stop_ids
+    from maximus.evaluate.deployed import deployed_files, score_gguf
+
+    if files:
+        paths = [Path(f) for f in files]
+        missing = [p for p in paths if not p.is_file()]
+        if missing:
+            raise ConfigError(f"--gguf {missing[0]}: no such file", "pass a .gguf file written by maximus export")
+    elif importlib.util.find_spec("llama_cpp") is not None:
+        paths = deployed_files(run_dir)
+    else:
+        return []
+    context = cfg.training.seq_len + cfg.eval.max_new_tokens + 8
+    return [score_gguf(p, tokenizer, data.eval, tasks, context=context, stops=_stop_ids(model, tokenizer))
+            for p in paths]
 
 
 # ---------------------------------------------------------------------------------------- export
@@ -148,7 +176,8 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--format", default="merged", choices=["merged", "adapter", "gguf", "ollama"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="merged: weight dtype")
     parser.add_argument("--quant", default=None, help="gguf / ollama: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; "
-                        "k-quants (q4_k_m ...) with llama-cpp-python installed (default f16 for gguf, q8_0 for ollama)")
+                        "k-quants (q4_k_m ...) with llama-cpp-python installed (default: the run's training.qat target, else f16 for "
+                        "gguf, q8_0 for ollama)")
     parser.add_argument("--overwrite", action="store_true", help="replace a previous export at --out (nothing else)")
     parser.add_argument("--progress", metavar="FILE", help="keep FILE (JSON: stage, done, total, text) up to date "
                         "while the export runs (maximus ui shows it)")
@@ -168,10 +197,9 @@ def _export(argv: list[str]) -> int:
         print(f"wrote {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     else:
         fn = export.export_gguf if args.format == "gguf" else export.export_ollama
-        out, notices = fn(args.run_dir, args.out, quant=args.quant or ("f16" if args.format == "gguf" else "q8_0"),
-                          overwrite=args.overwrite, progress=progress)
+        out, notices = fn(args.run_dir, args.out, quant=args.quant, overwrite=args.overwrite, progress=progress)
         for notice in notices:
-            print(f"notice: {notice}")
+            print(notice if notice.startswith("warning: ") else f"notice: {notice}")
         how = f"llama-cli -m {out}" if args.format == "gguf" else f"cd {out} && ollama create NAME -f Modelfile"
         print(f"wrote {out} (run with: {how})")
     return 0

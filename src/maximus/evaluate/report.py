@@ -96,13 +96,19 @@ def cost_line(before: dict, prompted: dict) -> str | None:
     return f"prompting baseline: {p:.1f} s, {p / b:.2f}x the base's evaluation ({b:.1f} s){per}"
 
 
+def deployed_label(deployed: dict) -> str:
+    """A deployed file's column title: its quant type as the export wrote it (`maximus eval --gguf`)."""
+    return f"deployed {deployed.get('quant') or 'gguf'}"
+
+
 def summary_lines(before: dict, after: dict, prompted: dict | None, result: dict | None, *,
-                  metrics: list[str], prompts: list[str]) -> list[str]:
+                  metrics: list[str], prompts: list[str], deployed: list[dict] = ()) -> list[str]:
     """The table: a row per reported value (held-out loss, task metrics, rewards, recall), a
-    column per model, then failures and notes, the verdict line and the prompts' generations."""
+    column per model (`deployed`: exported GGUF files scored in llama.cpp, after the tuned
+    model), then failures and notes, the verdict line and the prompts' generations."""
     prompted = prompted or {}
     columns = [("base (before)", before)] + ([(column_label(prompted), prompted)] if prompted else []) + \
-        [("tuned (after)", after)]
+        [("tuned (after)", after)] + [(deployed_label(d), d) for d in deployed]
     lines = [f"{'':<26}" + "".join(f"{title:>16}" for title, _ in columns)]
     extra = sorted(k for k in after if k.startswith("reward/")) + \
         sorted((k for k in after if k.startswith("recall@")), key=lambda k: (len(k), k))

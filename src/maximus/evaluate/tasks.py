@@ -247,9 +247,11 @@ class TaskEval:
 
     # ---------------------------------------------------------------------------------- scoring
     def score(self, model, *, device, batch_size: int = 1, shots: list[TaskExample] = (),
-              system: str | None = None) -> dict:
+              system: str | None = None, complete=None) -> dict:
         """{metric: value} of greedy completions of the held-out examples (plus `metrics_failed`
-        and `metrics_note` where they apply); {} without metrics."""
+        and `metrics_note` where they apply); {} without metrics. `complete(prompts) -> texts`
+        replaces the Transformers model's greedy decoding (a GGUF file in llama.cpp:
+        `maximus.evaluate.deployed`)."""
         from maximus.evaluate import greedy_texts
         from maximus.evaluate.metrics import score_all
 
@@ -261,8 +263,11 @@ class TaskEval:
             prompts = [self.vision.prompt(x.turns, [self.vision.load(p)[0] for p in x.images]) for x in self.examples]
         else:
             prompts = [self.prompter.prompt_ids(x, shots, system) for x in self.examples]
-        predictions = greedy_texts(model, self.tokenizer, prompts, device=device, max_new_tokens=self.max_new_tokens,
-                                   batch_size=batch_size)
+        if complete is not None:
+            predictions = complete(prompts)
+        else:
+            predictions = greedy_texts(model, self.tokenizer, prompts, device=device,
+                                       max_new_tokens=self.max_new_tokens, batch_size=batch_size)
         columns = {k: [x.columns.get(k) for x in self.examples] for k in dict.fromkeys(c for x in self.examples for c in x.columns)}
         values, failed = score_all(self.metrics, predictions, [x.reference for x in self.examples], columns)
         result: dict = {**values, "scored": len(self.examples),

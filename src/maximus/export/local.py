@@ -23,21 +23,47 @@ def _merged_for_gguf(run_dir: Path, progress: ExportProgress):
     return cfg, model, tokenizer
 
 
-def export_gguf(run_dir: str | Path, out: str | Path, *, quant: str = "f16", overwrite: bool = False,
+def quant_for_run(run_dir: Path, quant: str | None, fmt: str) -> tuple[str, list[str]]:
+    """The `--quant` of a GGUF / Ollama export of `run_dir`, and warnings: the run's
+    `training.qat` target when `quant` is None (else f16 for gguf, q8_0 for ollama); a warning when
+    `quant` is not the type the run trained for. ExportError for a QAT target the format cannot
+    hold (int4) when no `quant` is given."""
+    target = run_config(run_dir).training.qat
+    default = "f16" if fmt == "gguf" else "q8_0"
+    if target == "off":
+        return quant or default, []
+    from maximus.qat.targets import GGUF_TARGETS
+
+    if target not in GGUF_TARGETS:
+        if quant is None:
+            raise ExportError(f"{run_dir} was trained for {target} (training.qat), which --format {fmt} cannot hold "
+                              f"(GGUF has no {target} type)",
+                              f"pass --quant (e.g. --quant {default}) to write it anyway, or --format merged")
+        return quant, [f"warning: {run_dir} was trained for {target} (training.qat), which --format {fmt} cannot "
+                       f"hold; --quant {quant} rounds its weights differently than it trained for"]
+    if quant is None or quant == target:
+        return target, []
+    return quant, [f"warning: {run_dir} was trained for {target} (training.qat); --quant {quant} rounds its weights "
+                   f"differently than it trained for (omit --quant to write {target})"]
+
+
+def export_gguf(run_dir: str | Path, out: str | Path, *, quant: str | None = None, overwrite: bool = False,
                 progress: ExportProgress | None = None) -> tuple[Path, list[str]]:
-    """Write the run's merged model as the GGUF file `out`. Returns (path, notices). `progress`
-    hears each stage and the tensor count (`maximus.export.progress`).
+    """Write the run's merged model as the GGUF file `out`. Returns (path, notices). `quant`
+    defaults to the run's `training.qat` target, else f16 (`quant_for_run`). `progress` hears
+    each stage and the tensor count (`maximus.export.progress`).
 
     Raises ExportError for an unsupported quant, architecture or tokenizer, and for an `out` that
     is not a new path or (with `overwrite`) a previous GGUF export."""
     run_dir, out = Path(run_dir), Path(out)
     if out.suffix != ".gguf":
         raise ExportError(f"--out {out} should name a .gguf file", "e.g. --out model-q8_0.gguf")
+    quant, warnings = quant_for_run(run_dir, quant, "gguf")
     check_quant(quant)
     check_file_target(out, overwrite=overwrite, is_ours=is_maximus_gguf)
     progress = progress or ExportProgress()
     cfg, model, tokenizer = _merged_for_gguf(run_dir, progress)
-    notices: list[str] = []
+    notices: list[str] = list(warnings)
     source = {"run": str(run_dir.absolute()), "base": cfg.model}
     write_file(out, lambda tmp: notices.extend(write_gguf(model, tokenizer, tmp, quant=quant, name=run_dir.name,
                                                           source=source, progress=progress)),
@@ -46,12 +72,14 @@ def export_gguf(run_dir: str | Path, out: str | Path, *, quant: str = "f16", ove
     return out, notices
 
 
-def export_ollama(run_dir: str | Path, out: str | Path, *, quant: str = "q8_0", overwrite: bool = False,
+def export_ollama(run_dir: str | Path, out: str | Path, *, quant: str | None = None, overwrite: bool = False,
                   progress: ExportProgress | None = None) -> tuple[Path, list[str]]:
     """Write `out/` = `model.gguf` + `Modelfile` (FROM, TEMPLATE from the chat template, stop tokens).
-    Returns (path, notices). Raises ExportError like `export_gguf`, and for a chat template Ollama's
-    template language cannot express."""
+    `quant` defaults to the run's `training.qat` target, else q8_0. Returns (path, notices).
+    Raises ExportError like `export_gguf`, and for a chat template Ollama's template language
+    cannot express."""
     run_dir, out = Path(run_dir), Path(out)
+    quant, warnings = quant_for_run(run_dir, quant, "ollama")
     check_quant(quant)
     check_directory_target(out, overwrite=overwrite)
     progress = progress or ExportProgress()
@@ -59,7 +87,7 @@ def export_ollama(run_dir: str | Path, out: str | Path, *, quant: str = "q8_0", 
     from maximus.export.gguf_vocab import build_vocab
 
     text = modelfile("model.gguf", tokenizer, add_bos=build_vocab(tokenizer, model.get_input_embeddings().num_embeddings).add_bos)
-    notices: list[str] = []
+    notices: list[str] = list(warnings)
 
     def fill(tmp: Path) -> None:
         notices.extend(write_gguf(model, tokenizer, tmp / "model.gguf", quant=quant, name=run_dir.name,

@@ -116,6 +116,11 @@ class Trainer:
         check_output_dir(self.run_dir)  # a folder someone else filled is refused before anything loads
         check_model_source(cfg)
         require_packages(cfg)  # the optimizer's package, before anything heavy loads
+        if cfg.training.qat != "off":  # a target the model's export cannot hold: one line, before the data
+            from maximus.models import base_model_config
+            from maximus.qat.check import check_qat
+
+            check_qat(cfg, base_model_config(cfg))
         # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
         self.tokenizer = load_tokenizer(cfg)
         self.data = self._load_data()
@@ -147,9 +152,12 @@ class Trainer:
             # Frozen base weights live on the host (or in a file) and reach the device one layer ahead
             # of use; first, since a model loaded layer by layer has none of them on the device.
             self.streamer = FrozenWeightStreamer(self.model, self.weight_store)
+        self.qat = None
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
-        self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device, lean_lora=lean_lora_applies(cfg),
+        # A QAT QLoRA base layer dequantizes and rounds in its own forward, which the lean kernel would skip.
+        lean_lora = lean_lora_applies(cfg) and not (cfg.training.qat != "off" and self.method == "qlora")
+        self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device, lean_lora=lean_lora,
                                      lean_norm=cfg.optimization.lean_norm,
                                      grouped_experts=cfg.optimization.grouped_experts)
         self.kernels.threads = self.threads
@@ -159,6 +167,9 @@ class Trainer:
         # DDP or FSDP2 under torchrun; FSDP2 replaces parameters by shards, so before the optimizer.
         self.dist.prepare_model(self.model, cfg, self.plan, dtype=self.dtype)
         self.optimizer = self._build_optimizer()
+        # After the optimizer: from here `module.weight` reads as the rounded weight in training mode,
+        # while the optimizer (and checkpoints) hold the parameters themselves.
+        self.qat = self._install_qat()
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         from maximus.memory.meter import MemoryMeter
 
@@ -180,6 +191,20 @@ class Trainer:
 
         return weight_store_for_run(self.cfg, mode, device=self.device, dtype=self.dtype, method=self.method,
                                     model_config=base_model_config(self.cfg))
+    def _install_qat(self):
+        """`training.qat`: the model's matrices read as the export will round them, in training
+        mode (`maximus.qat.install`); None when off."""
+        target = self.cfg.training.qat
+        if target == "off":
+            return None
+        from collections import Counter
+
+        from maximus.qat.install import install_qat
+
+        report = install_qat(self.model, target)
+        kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(report.types.values()).items()))
+        self.dist.say(f"quantization-aware training for {target}: {len(report.types)} matrices fake-quantized ({kinds})")
+        return report
 
     def _load_data(self):
         from maximus.data import build_run_datasets

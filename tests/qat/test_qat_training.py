@@ -1,0 +1,171 @@
+"""Quantization-aware training on tiny random models: the weights a QAT run trains against are the
+weights the export writes (bit for bit, read back from the GGUF file; K-quants through llama.cpp's
+own quantiser), the forward and the straight-through gradient, the export's default type and
+warning, scoring the export in llama.cpp, and the one-line refusals."""
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from maximus.cli import main
+from maximus.config import Config
+from maximus.errors import ConfigError
+from maximus.qat.install import fake_quantized_weight, install_qat
+from tiny import build_tiny_model_dir, one_thread, tiny_config, write_prompt_completion  # noqa: F401  (one_thread: a fixture)
+
+try:
+    import llama_cpp  # noqa: F401  (the K-quant export and the deployed scoring run in llama.cpp)
+except ImportError:
+    if os.environ.get("CI") == "true":
+        raise
+    pytest.skip("llama-cpp-python is not installed", allow_module_level=True)
+
+pytestmark = [pytest.mark.llama_cpp, pytest.mark.usefixtures("one_thread")]
+
+#: (training.qat, method, tied head, hidden size): hidden 256 gives K-quant rows (256, 512 columns).
+CASES = {"q4_0-lora": ("q4_0", "lora", False, 64), "q8_0-full": ("q8_0", "full", False, 64),
+         "q4_k_m-lora-tied": ("q4_k_m", "lora", True, 256)}
+
+
+def _train(root, target, method, tie, hidden, steps=2):
+    from maximus.train.trainer import Trainer
+
+    model_dir = build_tiny_model_dir(root / "model", "llama", hidden=hidden, tie=tie)
+    data = write_prompt_completion(root / "data.jsonl")
+    cfg = tiny_config(model_dir, data, root / "run", method=method, eval={"split": 0.1, "before": False},
+                      training={"max_steps": steps, "qat": target})
+    trainer = Trainer(Config.from_dict(cfg))
+    trainer.train()
+    return trainer
+
+
+@pytest.fixture(scope="module", params=list(CASES))
+def qat_run(request, tmp_path_factory):
+    target, method, tie, hidden = CASES[request.param]
+    root = tmp_path_factory.mktemp(request.param)
+    trainer = _train(root, target, method, tie, hidden)
+    out = root / "export.gguf"
+    assert main(["export", str(root / "run"), "--format", "gguf", "--out", str(out)]) == 0  # --quant: the target
+    return target, trainer, out
+
+
+def test_trained_weights_equal_the_exported_gguf_bit_for_bit(qat_run):
+    import gguf
+
+    from maximus.export.gguf_arch import permute_for_llama_rope
+
+    target, trainer, out = qat_run
+    reader = gguf.GGUFReader(str(out))
+    assert json.loads(bytes(reader.fields["maximus.export"].parts[-1]).decode())["quant"] == target
+    in_file = {t.name: gguf.quants.dequantize(t.data, t.tensor_type) for t in reader.tensors}
+    lm = trainer.model.get_base_model() if hasattr(trainer.model, "get_base_model") else trainer.model
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, lm.config.num_hidden_layers)
+    heads = {"q_proj": lm.config.num_attention_heads, "k_proj": lm.config.num_key_value_heads}
+    compared, types = 0, set()
+    for path, module in lm.named_modules():
+        if path.endswith("base_layer") or (path == "lm_head" and lm.config.tie_word_embeddings):
+            continue
+        weight = fake_quantized_weight(module)
+        if weight is None:
+            continue
+        name = names.get_name(path + ".weight", try_suffixes=(".weight",))
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in heads:  # llama.cpp's RoPE layout, as the export writes Q and K
+            weight = permute_for_llama_rope(weight, heads[leaf])
+        assert np.array_equal(weight.numpy(), np.asarray(in_file[name], np.float32).reshape(weight.shape)), name
+        types.add(next(t.tensor_type.name for t in reader.tensors if t.name == name))
+        compared += 1
+    assert compared == 2 * 7 + 1 + (not lm.config.tie_word_embeddings)
+    if target == "q4_k_m":  # llama.cpp's mixture: Q4_K, Q6_K on layer 1's attn_v / ffn_down and the tied embedding
+        assert types == {"Q4_K", "Q6_K"}
+
+
+def test_another_quant_is_exported_with_a_warning(qat_run, tmp_path, capsys):
+    target, trainer, _ = qat_run
+    if target != "q4_0":
+        pytest.skip("one target shows it")
+    run = trainer.run_dir
+    assert main(["export", str(run), "--format", "gguf", "--quant", "q8_0", "--out", str(tmp_path / "q8.gguf")]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"warning: {run} was trained for q4_0 (training.qat); --quant q8_0 rounds its weights differently than it "
+        f"trained for (omit --quant to write q4_0)")
+
+
+def test_eval_scores_the_deployed_file_beside_the_model(qat_run, tmp_path, capsys):
+    """An f32 export scored in llama.cpp equals the Transformers model's held-out loss."""
+    target, trainer, _ = qat_run
+    if target != "q8_0":
+        pytest.skip("one run shows it")
+    run, f32 = trainer.run_dir, tmp_path / "f32.gguf"
+    assert main(["export", str(run), "--format", "gguf", "--quant", "f32", "--out", str(f32)]) == 0
+    capsys.readouterr()
+    assert main(["eval", str(run), "--gguf", str(f32), "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    deployed = result["deployed"][0]
+    assert deployed["quant"] == "f32" and deployed["tokens"] == result["after"]["tokens"] > 0
+    assert deployed["loss"] == pytest.approx(result["after"]["loss"], rel=1e-4)
+    assert main(["eval", str(run), "--gguf", str(f32)]) == 0
+    assert capsys.readouterr().out.splitlines()[0].split() == ["base", "(before)", "tuned", "(after)", "deployed", "f32"]
+
+
+@pytest.mark.parametrize("method", ["lora", "qlora"])
+def test_lora_forward_uses_the_quantized_merged_weight(tmp_path, method):
+    """In training mode a QAT LoRA layer computes x Q(W + s B A)^T (+ bias); in eval mode x (W + s B A)^T."""
+    from maximus.models import load_model
+
+    model_dir = build_tiny_model_dir(tmp_path / "model", "llama", hidden=64)
+    cfg = Config.from_dict(tiny_config(model_dir, tmp_path / "d.jsonl", tmp_path / "run", method=method))
+    model, _ = load_model(cfg, device=torch.device("cpu"), method=method)
+    layer = model.get_base_model().model.layers[0].self_attn.q_proj
+    torch.nn.init.normal_(layer.lora_B["default"].weight, std=0.5)
+    install_qat(model, "q4_0")
+    x = torch.randn(3, 64)
+    model.train()
+    expected = x @ fake_quantized_weight(layer).T
+    torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
+    model.eval()
+    assert not torch.allclose(layer(x), expected, rtol=1e-3, atol=1e-3)
+
+
+def test_full_finetune_gradient_is_straight_through():
+    """d loss / d W of a QAT linear is d loss / d Q(W), the gradient at the rounded weight."""
+    from maximus.qat.install import _Rounding, _swap_class, gguf_rounding
+
+    linear, twin = torch.nn.Linear(64, 8, bias=False), torch.nn.Linear(64, 8, bias=False)
+    torch.nn.init.normal_(linear.weight, std=0.5)
+    _swap_class(linear, _Rounding(gguf_rounding("q4_0", fp16_first=False)))
+    with torch.no_grad():
+        twin.weight.copy_(fake_quantized_weight(linear))
+    x = torch.randn(5, 64)
+    (linear(x) ** 2).sum().backward()
+    (twin(x) ** 2).sum().backward()
+    master = linear._parameters["weight"]  # `linear.weight` reads as the rounded weight
+    assert torch.equal(master.grad, twin.weight.grad)
+    assert not torch.equal(master, twin.weight)  # the master weight is kept, not rounded
+
+
+def test_int4_run_refuses_a_gguf_export_naming_both(tmp_path, capsys):
+    _train(tmp_path, "int4", "lora", False, 64, steps=1)
+    assert main(["export", str(tmp_path / "run"), "--format", "gguf", "--out", str(tmp_path / "x.gguf")]) == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        f"error: {tmp_path / 'run'} was trained for int4 (training.qat), which --format gguf cannot hold (GGUF has no "
+        "int4 type) (hint: pass --quant (e.g. --quant f16) to write it anyway, or --format merged)")
+
+
+def test_qat_on_a_family_without_gguf_export_is_refused_before_training(tmp_path):
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from maximus.train.trainer import Trainer
+
+    GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=300)).save_pretrained(tmp_path / "gpt2")
+    cfg = tiny_config(tmp_path / "gpt2", tmp_path / "d.jsonl", tmp_path / "run", training={"qat": "q4_0"})
+    with pytest.raises(ConfigError) as err:
+        Trainer(Config.from_dict(cfg)).setup()
+    assert err.value.one_line() == (
+        "training.qat: q4_0 trains for a GGUF export, and model type 'gpt2' has no GGUF export (hint: use "
+        "training.qat: int4 or off for this model)")
+    assert not (tmp_path / "run").exists()
