@@ -48,3 +48,33 @@ def rank_report(proc: subprocess.CompletedProcess, logs: Path) -> str:
         if text.strip():
             parts += [f"----- rank {path.parent.name} {path.stem} ({path.parent.parent.name}, whole) -----", text.rstrip()]
     return "\n".join(parts)
+
+
+def run_two_nodes(args: list[str], logs: Path, *, env: dict[str, str], timeout_s: float = 300) -> str:
+    """Two torchrun "nodes" on this machine (`--nnodes 2 --node_rank 0|1`, one process each,
+    static rendezvous on 127.0.0.1), as a user launches one job over two machines. Returns node
+    0's stdout; a node that fails or outlives `timeout_s` fails the test with both nodes' reports."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = {**env, "TORCHELASTIC_LOG_LINE_PREFIX_TEMPLATE": "[rank${rank}]:"}
+    procs = []
+    for node in (0, 1):
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes=2", f"--node_rank={node}", "--nproc_per_node=1",
+               "--master_addr=127.0.0.1", f"--master_port={port}", "--log-dir", str(logs / f"node{node}"),
+               "--redirects", "3", "--tee", "3", *args]
+        procs.append((cmd, subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)))
+    done = []
+    for cmd, proc in procs:
+        try:
+            out, err = proc.communicate(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            out, err = proc.communicate()
+        done.append(subprocess.CompletedProcess(cmd, proc.returncode, out, err))
+    if any(d.returncode != 0 for d in done):
+        raise AssertionError("\n".join(f"===== node {i} =====\n{rank_report(d, logs / f'node{i}')}"
+                                       for i, d in enumerate(done)))
+    return done[0].stdout

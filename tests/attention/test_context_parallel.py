@@ -1,37 +1,11 @@
-"""Ring and Ulysses attention over 2 and 4 gloo processes equal one process's SDPA on the whole
-row: outputs and the gradients of queries, keys and values (MHA and GQA, plain causal rows and
-packed documents whose boundaries fall inside chunks and across ranks), to 1e-5 in fp32; and
-causality by perturbation: changing every input after position t changes no output at or before
-t on any rank (and does change later ones). The ranks run `context_parallel_worker.py`."""
-import json
-import os
-from pathlib import Path
-
+"""The zigzag split of a row over the ranks of a context-parallel group (no process group needed).
+Ring and Ulysses attention over 2 and 4 processes are checked against SDPA, with the training
+they serve, in tests/train/test_context_parallel_training.py (one torchrun launch for both)."""
 import pytest
 import torch
 
 from maximus.attention.context_split import ContextSplit, zigzag_indices
 from maximus.errors import ConfigError
-from two_ranks import rank_report, run_two_ranks
-
-WORKER = Path(__file__).with_name("context_parallel_worker.py")
-
-
-@pytest.mark.parametrize("ranks", [2, 4])
-def test_split_attention_equals_one_process(tmp_path, ranks):
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
-    proc = run_two_ranks([str(WORKER), str(tmp_path)], tmp_path / "logs", env=env, nproc=ranks)
-    assert proc.returncode == 0, rank_report(proc, tmp_path / "logs")
-    for rank in range(ranks):
-        results = json.loads((tmp_path / f"rank{rank}.json").read_text())
-        assert len(results) == 12
-        for case, errors in results.items():
-            if case.endswith("perturbation"):
-                assert errors["early"] == 0.0, (rank, case)
-                assert errors["late"] > 0.1, (rank, case)
-            else:
-                assert set(errors) == {"out", "grad_q", "grad_k", "grad_v"}
-                assert max(errors.values()) < 1e-5, (rank, case, errors)
 
 
 def test_zigzag_split_balances_causal_work_and_covers_the_row():

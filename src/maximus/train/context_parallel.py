@@ -107,12 +107,18 @@ class ContextParallel:
         base.set_attn_implementation(IMPLEMENTATION)
 
     def share(self, batch: dict, pad_token_id: int | None) -> dict:
-        """This rank's share of a collated SFT micro-batch of whole rows (unchanged at degree 1)."""
-        if not self.split.enabled:
+        """This rank's share of a collated SFT micro-batch of whole rows (unchanged at degree 1,
+        and for preference pairs, which the objective splits itself: `share_rows`)."""
+        if not self.split.enabled or "input_ids" not in batch:
             return batch
-        ids, labels = batch["input_ids"], batch["labels"]
+        return self.share_rows(batch["input_ids"], batch["labels"], batch.get("position_ids"), pad_token_id)
+
+    def share_rows(self, ids: torch.Tensor, labels: torch.Tensor, positions: torch.Tensor | None,
+                   pad_token_id: int | None) -> dict:
+        """This rank's share of whole rows [R, T]: ``input_ids``, ``position_ids`` (global),
+        ``shift_labels`` (shifted on the whole row) and, when the rows hold several documents
+        (or padding), the whole rows' ``document_ids``."""
         rows, length = ids.shape
-        positions = batch.get("position_ids")
         if positions is None:
             positions = torch.arange(length).expand(rows, -1)
         multiple = 2 * self.split.degree
@@ -130,12 +136,30 @@ class ContextParallel:
 
     @contextlib.contextmanager
     def attending(self, batch: dict):
-        """The span of one micro-batch's forward and backward (recomputed layers attend again)."""
+        """The span of one micro-batch's forward and backward (recomputed layers attend again).
+        An objective that splits its own rows (`share_rows`) names their documents by `attend`."""
         if not self.split.enabled:
             yield
             return
-        _ACTIVE[0] = (self.split, self.exchange, batch.get("document_ids"))
+        self.attend(batch.get("document_ids"))
         try:
             yield
         finally:
             _ACTIVE[0] = None
+
+    def attend(self, document_ids: torch.Tensor | None) -> None:
+        """Attention splits from here until the micro-batch ends, over rows with these documents."""
+        _ACTIVE[0] = (self.split, self.exchange, document_ids)
+
+    def sum_over_row(self, partial: torch.Tensor) -> torch.Tensor:
+        """Per-row sums of the ranks' shares (e.g. a sequence's log-probability), summed over the
+        group; differentiable (the gradient of the whole sum reaches every share)."""
+        from torch.distributed.nn.functional import all_reduce
+
+        if not self.split.enabled:
+            return partial
+        if not partial.is_floating_point():  # counts: no gradient
+            total = partial.clone()
+            dist.all_reduce(total, group=self.split.group)
+            return total
+        return all_reduce(partial, group=self.split.group or dist.group.WORLD)

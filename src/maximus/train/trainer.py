@@ -174,6 +174,8 @@ class Trainer:
         from maximus.memory.meter import MemoryMeter
 
         self.objective = build_objective(cfg, self.plan, self.tokenizer.pad_token_id)
+        if hasattr(self.objective, "context_parallel"):  # DPO splits its chosen and rejected rows itself
+            self.objective.context_parallel = self.context
         # What the loop calls each micro-batch; under torchrun, wrapped for DDP / FSDP2.
         self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.optimizer)
         self.meter = MemoryMeter(self.device, budget_bytes=self.plan.budget_bytes)

@@ -51,13 +51,15 @@ _CACHE_VERSION = "1"
 SIDES = ("chosen", "rejected")
 
 
-def sequence_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, labels: torch.Tensor,
-                   chunk_size: int | None = None, mode: str = "exact") -> tuple[torch.Tensor, torch.Tensor]:
+def sequence_logps(model, input_ids: torch.Tensor, position_ids: torch.Tensor | None, labels: torch.Tensor | None,
+                   chunk_size: int | None = None, mode: str = "exact", *,
+                   target: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(summed log p of each row's labelled tokens [R] float32, labelled token count [R]).
 
-    mode: ``exact`` (chunked, no full logits) or ``naive`` (full logits: the reference path)."""
+    mode: ``exact`` (chunked, no full logits) or ``naive`` (full logits: the reference path).
+    `target`: the labels already shifted (a context-parallel share), instead of `labels`."""
     hidden = hidden_states(model, input_ids, position_ids)
-    target = shift_labels(labels, position_ids)
+    target = shift_labels(labels, position_ids) if target is None else target
 
     def logps_of(hidden: torch.Tensor) -> torch.Tensor:
         head = output_head(model)  # read inside: under FSDP2 the sharded head is gathered only for this call
@@ -112,6 +114,9 @@ class PreferenceObjective(Objective):
         self.cache: dict[bytes, tuple[float, float]] = {}
         self.cache_path: Path | None = None
         self.cache_reused = False
+        #: The trainer's `ContextParallel` (training.context_parallel): chosen and rejected rows
+        #: are split over its ranks alike; None or degree 1: whole rows.
+        self.context_parallel = None
 
     @property
     def mode(self) -> str:
@@ -137,7 +142,7 @@ class PreferenceObjective(Objective):
             self._prepare_cache(trainer)
 
     def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
-        losses, chosen_rewards, rejected_rewards, _ = self._pair_losses(model, batch)
+        losses, chosen_rewards, rejected_rewards, _ = self._pair_losses(model, batch, split=True)
         return losses.sum(), _reward_sums(chosen_rewards, rejected_rewards)
 
     @torch.no_grad()
@@ -183,19 +188,34 @@ class PreferenceObjective(Objective):
         return result
 
     # ------------------------------------------------------------------------------ internals
-    def _pair_losses(self, model, batch: dict):
-        """Per-pair losses [N], rewards [N] x 2, and the policy's (logps [2N], token counts [2N])."""
+    def _pair_losses(self, model, batch: dict, *, split: bool = False):
+        """Per-pair losses [N], rewards [N] x 2, and the policy's (logps [2N], token counts [2N]).
+        `split` (training): under context parallelism each rank runs its share of every row and
+        the sequence sums are summed over the ranks, so every rank holds the whole pair losses."""
         n = self.count(batch)
         input_ids, position_ids, labels = _concat_sides(batch)
+        cp = self.context_parallel if split and self.context_parallel is not None and self.context_parallel.split.enabled \
+            else None
+        if cp is None:
+            def logps_of_rows():
+                return sequence_logps(model, input_ids, position_ids, labels, self.chunk_size, self.mode)
+        else:
+            share = cp.share_rows(input_ids, labels, position_ids, self.pad_token_id)
+            cp.attend(share.get("document_ids"))
+
+            def logps_of_rows():
+                logps, counts = sequence_logps(model, share["input_ids"], share["position_ids"], None, self.chunk_size,
+                                               self.mode, target=share["shift_labels"])
+                return cp.sum_over_row(logps), cp.sum_over_row(counts)
         ref_chosen = ref_rejected = None
         if self.reference == "adapter_off":
             # Before the policy forward, so its activations are gone before the policy's are made.
             with torch.no_grad(), peft_model_of(model).disable_adapter():
-                ref, _ = sequence_logps(model, input_ids, position_ids, labels, self.chunk_size, self.mode)
+                ref, _ = logps_of_rows()
             ref_chosen, ref_rejected = ref[:n], ref[n:]
         elif self.reference == "precomputed":
             ref_chosen, ref_rejected = self._lookup(batch)
-        logps, counts = sequence_logps(model, input_ids, position_ids, labels, self.chunk_size, self.mode)
+        logps, counts = logps_of_rows()
         losses, rc, rr = dpo_loss(logps[:n], logps[n:], ref_chosen, ref_rejected, reduction="none",
                                   chosen_lengths=counts[:n], rejected_lengths=counts[n:], **self.loss_kwargs)
         return losses, rc, rr, (logps.detach(), counts)

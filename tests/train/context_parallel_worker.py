@@ -1,6 +1,14 @@
-"""Run under torchrun (gloo): ring and Ulysses attention over the zigzag split against one
-process's SDPA on the whole row. Every rank builds the same seeded tensors, computes the
-reference itself, and writes the largest differences it saw to OUT/rank<r>.json."""
+"""What the context-parallel tests run under torchrun (gloo), in one launch per world size:
+
+1. `attention_checks` (unless the launch says "attention": false): ring and Ulysses attention
+   over the zigzag split against one process's SDPA on the whole row. Every rank builds the same
+   seeded tensors, computes the reference itself, and writes the largest differences it saw to
+   OUT/attention-rank<r>.json;
+2. `two_steps` of each training config: each step's loss and gradients (after DDP's average);
+   rank 0 writes OUT/<name>.safetensors. The one-process oracle imports and calls `two_steps`.
+
+Usage: context_parallel_worker.py LAUNCH.json OUT (LAUNCH: {"attention": bool, "configs": {name: cfg}}).
+"""
 import json
 import sys
 from pathlib import Path
@@ -8,7 +16,9 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from safetensors.torch import save_file
 
+from maximus import Config, Trainer
 from maximus.attention.context_split import ContextSplit
 from maximus.attention.ring import ring_attention
 from maximus.attention.ulysses import ulysses_attention
@@ -69,8 +79,7 @@ def causality(attention, split, kv_heads) -> float:
     return (outs[0] - outs[1])[:, :, early].abs().max().item(), changed_late
 
 
-def main(out_dir: Path) -> None:
-    dist.init_process_group("gloo")
+def attention_checks(out_dir: Path) -> None:
     split = ContextSplit(dist.get_world_size(), dist.get_rank())
     results = {}
     for name, attention in ATTENTIONS.items():
@@ -80,10 +89,41 @@ def main(out_dir: Path) -> None:
                     attention, split, kv_heads, documents() if packed else None)
             early, late = causality(attention, split, kv_heads)
             results[f"{name} kv{kv_heads} perturbation"] = {"early": early, "late": late}
-    (out_dir / f"rank{split.rank}.json").write_text(json.dumps(results))
-    dist.barrier()
-    dist.destroy_process_group()
+    (out_dir / f"attention-rank{split.rank}.json").write_text(json.dumps(results))
+
+
+STEPS = 2
+
+
+def two_steps(cfg: dict) -> tuple[dict[str, torch.Tensor], Trainer]:
+    """{"loss": [step losses], "<step>/<parameter>": gradient} of the first STEPS steps of `cfg`."""
+    kept: dict[str, torch.Tensor] = {}
+
+    def keep_grads(trainer, step):  # the gradient itself, before AdamW turns it into ~sign(grad)
+        for name, p in trainer.model.named_parameters():
+            if p.requires_grad:
+                kept[f"{step}/{name}"] = p.grad.detach().clone()
+
+    trainer = Trainer(Config.from_dict(cfg), hooks={"after_backward": keep_grads})
+    trainer.setup()
+    losses = [trainer.train_step(step)["loss"] for step in range(1, STEPS + 1)]
+    kept["loss"] = torch.tensor(losses, dtype=torch.float64)
+    return kept, trainer
+
+
+def main(launch: Path, out: Path) -> None:
+    spec = json.loads(launch.read_text())
+    dist.init_process_group("gloo")  # the trainers below join this group
+    if spec["attention"]:
+        attention_checks(out)
+    trainer = None
+    for name, cfg in spec["configs"].items():
+        kept, trainer = two_steps(cfg)
+        if trainer.dist.is_main:
+            save_file(kept, str(out / f"{name}.safetensors"))
+            print(f"{name}: exchange {trainer.context.exchange}", flush=True)
+    trainer.dist.shutdown(clean=True)
 
 
 if __name__ == "__main__":
-    main(Path(sys.argv[1]))
+    main(Path(sys.argv[1]), Path(sys.argv[2]))
