@@ -56,9 +56,14 @@ def ulysses_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tenso
     gqa = k.shape[1] != q.shape[1]
     if document_ids is None:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
-    else:
-        length = q.shape[2]
-        causal = torch.ones(length, length, dtype=torch.bool, device=q.device).tril()
-        mask = (document_ids[:, None, :, None] == document_ids[:, None, None, :]) & causal
-        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
+    else:  # one causal call per packed document: no T x T mask, no FLOPs across documents
+        rows = []
+        length = document_ids.shape[1]
+        for b, ids in enumerate(document_ids):
+            cuts = [0, *(torch.nonzero(ids[1:] != ids[:-1]).flatten() + 1).tolist(), length]
+            rows.append(torch.cat([F.scaled_dot_product_attention(q[b:b + 1, :, s:e], k[b:b + 1, :, s:e],
+                                                                  v[b:b + 1, :, s:e], is_causal=True, scale=scale,
+                                                                  enable_gqa=gqa)
+                                   for s, e in zip(cuts[:-1], cuts[1:])], dim=2))
+        out = torch.cat(rows, dim=0)
     return _tokens_to_heads(out, split)

@@ -1,0 +1,26 @@
+"""The per-rank memory of context parallelism: Ulysses' exchange buffers and the longest row
+over N cards (predicted, Llama-3.1-8B QLoRA r=32, the figures of docs/long_context.md)."""
+from maximus.memory.context_parallel import exchange_bytes_per_token, longest_context_over_ranks
+from maximus.memory.estimate import load_model_config
+from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
+
+EIGHT_B = "meta-llama/Llama-3.1-8B"
+
+
+def test_exchange_buffers_count_the_kept_qkv_and_four_output_copies():
+    shape = load_model_config(EIGHT_B)  # 32 query heads, 8 key-value heads of 128, bf16
+    assert exchange_bytes_per_token(shape, 1) == 0
+    assert exchange_bytes_per_token(shape, 8) == 2 * 128 * ((32 + 2 * 8) + 4 * 32)
+    # 16 ranks: 8 key-value heads do not divide, they travel repeated to 32
+    assert exchange_bytes_per_token(shape, 16) == 2 * 128 * ((32 + 2 * 32) + 4 * 32)
+
+
+def test_longest_row_over_cards_is_predicted_past_four_million_on_eight_80gb_cards():
+    budget = resolve_budget("80GB")
+    one = longest_context_over_ranks(EIGHT_B, budget, 1, method="qlora", lora_r=32)
+    assert one == max_seq_len_for_budget(EIGHT_B, budget, method="qlora", lora_r=32) >= 500_000
+    two, eight = (longest_context_over_ranks(EIGHT_B, budget, n, method="qlora", lora_r=32) for n in (2, 8))
+    assert two % 4 == 0 and eight % 16 == 0
+    assert one < two < eight and eight >= 4_000_000
+    # the buffers cost: 8 cards hold less than 8 times one card's row
+    assert eight < 8 * one
