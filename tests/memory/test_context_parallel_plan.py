@@ -1,6 +1,7 @@
 """The per-rank memory of context parallelism: Ulysses' exchange buffers and the longest row
 over N cards (predicted, Llama-3.1-8B QLoRA r=32, the figures of docs/long_context.md)."""
-from maximus.memory.context_parallel import exchange_bytes_per_token, longest_context_over_ranks
+from maximus.memory.context_parallel import (exchange_bytes_per_token, fewest_cards, longest_context_over_ranks,
+                                             longest_over_cards)
 from maximus.memory.estimate import load_model_config
 from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
 
@@ -24,3 +25,12 @@ def test_longest_row_over_cards_is_predicted_past_four_million_on_eight_80gb_car
     assert one < two < eight and eight >= 4_000_000
     # the buffers cost: 8 cards hold less than 8 times one card's row
     assert eight < 8 * one
+
+
+def test_the_degree_a_row_needs_is_the_fewest_cards_that_hold_it():
+    from maximus.config import GPU_CARDS
+
+    h100 = longest_over_cards(EIGHT_B, GPU_CARDS["H100"][0], 2, method="qlora", lora_r=32)
+    assert list(h100) == [1, 2] and h100[1] < 1_000_000 <= h100[2]  # one H100 is short of 1M tokens, two are not
+    assert fewest_cards(h100, 1_000_000) == 2 and fewest_cards(h100, 1000) == 1
+    assert fewest_cards(h100, 10 ** 8) is None

@@ -60,3 +60,15 @@ def longest_context_over_ranks(model_config: Any, budget_bytes: int, degree: int
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid) else (lo, mid)
     return lo * degree // (2 * degree) * (2 * degree)
+
+
+def longest_over_cards(model_config: Any, budget_bytes: int, gpus: int, **longest_kw: Any) -> dict[int, int]:
+    """{cards: longest row in tokens} for 1, 2, 4, ... up to `gpus` cards of `budget_bytes` each."""
+    degrees = [1 << k for k in range(gpus.bit_length()) if 1 << k <= gpus]
+    return {n: longest_context_over_ranks(model_config, budget_bytes, n, **longest_kw) for n in degrees}
+
+
+def fewest_cards(longest: dict[int, int], seq_len: int) -> int | None:
+    """The smallest context-parallel degree of `longest` ({cards: tokens}) whose row holds
+    `seq_len` tokens; None when none does."""
+    return next((n for n, tokens in sorted(longest.items()) if tokens >= seq_len), None)

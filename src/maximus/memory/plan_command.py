@@ -64,6 +64,8 @@ def _parser() -> ArgumentParser:
     p.add_argument("--loss", choices=["exact", "naive", "ghost"], help="default: exact (chunked)")
     p.add_argument("--checkpointing", choices=["off", "full", "selective", "auto"])
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
+    p.add_argument("--gpus", type=int, help="also show, per card, the longest context over 1, 2, 4, ... up to this many "
+                                            "cards with training.context_parallel, and the degree --seq needs")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     p.add_argument("--measure", action="store_true", help="with --config: run a few real optimizer steps at a small "
                    "micro-batch on this device, calibrate the estimator with the measured peak, and size the cards "
@@ -176,7 +178,8 @@ def data_lengths(cfg: Config, world_size: int = 1) -> tuple[RowLengths | None, s
                       f"({cfg.training.seq_len:,} tokens)")
 
 
-def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None = None) -> dict[str, Any]:
+def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None = None,
+                gpus: int | None = None) -> dict[str, Any]:
     """Everything `maximus plan` shows, as one JSON-ready dict (bytes for memory); the plans
     themselves (`Plan` objects) under the keys ``_requested`` / ``_budget`` for the tables.
     ``lengths``: the data's rows (`data_lengths`), else every row at ``seq_len``."""
@@ -210,8 +213,16 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
             speed = plan.tokens_per_s_guess * CARD_TFLOPS[name] * 1e12 / DEVICE_FLOPS["cuda"]
         longest = max_seq_len_for_budget(shape, memory, **longest_kw) if world_size == 1 else None
         image = largest_image(shape, memory, seq_len=t.seq_len, **longest_kw) if vision and world_size == 1 else None
-        cards.append({"card": name, "memory_bytes": memory, "price_per_hour": price, "fits": plan is not None,
-                      "plan": plan.to_dict() if plan else None, "why_not": why, "longest_context_tokens": longest,
+        if gpus:
+            from maximus.memory.context_parallel import fewest_cards, longest_over_cards
+
+            over_cards = longest_over_cards(shape, memory, gpus, **longest_kw)
+            longest_cp = {"longest_context_over_cards": over_cards,
+                          "context_parallel_for_seq": fewest_cards(over_cards, t.seq_len)}
+        else:
+            longest_cp = {}
+        cards.append({**longest_cp, "card": name, "memory_bytes": memory, "price_per_hour": price,
+                      "fits": plan is not None, "plan": plan.to_dict() if plan else None, "why_not": why, "longest_context_tokens": longest,
                       "largest_image": image,
                       "tokens_per_s_guess": speed,
                       "usd_per_million_tokens": price / (speed * 3600) * 1e6 if speed else None})
@@ -380,6 +391,16 @@ def _print_tables(report: dict[str, Any]) -> None:
             cards.add_row(c["card"], format_bytes(c["memory_bytes"]), f"{c['price_per_hour']:.2f}",
                           "does not fit", "-", "-", "-", *longest)
     console.print(cards)
+    if report["cards"] and "longest_context_over_cards" in report["cards"][0]:
+        degrees = list(report["cards"][0]["longest_context_over_cards"])
+        over = Table(title=f"longest context over several cards (training.context_parallel, predicted); "
+                           f"degree: the fewest cards for {s['seq_len']:,} tokens")
+        for col in ("card", *(f"{n} card{'s' if n > 1 else ''}" for n in degrees), "degree"):
+            over.add_column(col, justify="left" if col == "card" else "right", no_wrap=True)
+        for c in report["cards"]:
+            over.add_row(c["card"], *(f"{tokens:,}" for tokens in c["longest_context_over_cards"].values()),
+                         str(c["context_parallel_for_seq"] or "-"))
+        console.print(over)
     if report["cheapest_card"]:
         console.print(f"cheapest card that fits: [bold]{report['cheapest_card']}[/bold]")
     else:
@@ -423,7 +444,7 @@ def _report(args: argparse.Namespace) -> dict[str, Any]:
         lengths, why = read_lengths(cfg, world_size=args.world_size), None  # the probe needs the data anyway
     else:
         lengths, why = data_lengths(cfg, args.world_size) if args.config else (None, None)
-    report = plan_report(cfg, world_size=args.world_size, lengths=lengths)
+    report = plan_report(cfg, world_size=args.world_size, lengths=lengths, gpus=args.gpus)
     if args.measure:
         report["measure"] = measure_report(cfg, lengths, world_size=args.world_size, steps=args.probe_steps,
                                            micro_batch=args.probe_micro_batch)
