@@ -10,7 +10,8 @@
   two optimizer steps equal one process's on the same packed rows to 1e-5 in fp32, for GQA
   models of two families. Two processes run Ulysses on Llama and Qwen2 (4 query / 2 key-value
   heads); four run Ulysses with the key-value heads repeated (Llama) and ring attention on a
-  Qwen2 whose 2 heads do not divide by 4 (with its notice); DPO over 2 processes (chosen and
+  Qwen2 whose 2 heads do not divide by 4 (with its notice), both Qwen2 runs with full gradient
+  checkpointing (the recomputed layers exchange again inside the backward); DPO over 2 processes (chosen and
   rejected rows split alike, reference log-probs with the adapter off). Two torchrun nodes on this machine
   (`--nnodes 2`) train Llama as one process does;
 - the refusals, each one line.
@@ -38,12 +39,14 @@ MODELS = {2: {"llama": ("llama", 4, 2), "qwen2": ("qwen2", 4, 2), "llama_dpo": (
 ENV = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1"}
 
 
-def _cfg(model: Path, data: Path, out: Path, ranks: int, *, dpo: bool = False) -> dict:
+def _cfg(model: Path, data: Path, out: Path, ranks: int, *, dpo: bool = False, checkpointing: bool = False) -> dict:
     cfg = tiny_config(model, data, out, eval={"enabled": False},
                       training={"batch_size": 2, "micro_batch_size": 1, "max_steps": 2, "seq_len": 96,
                                 "context_parallel": ranks, "max_grad_norm": None})
     if dpo:  # pairs of unequal lengths: the shorter side is padded, and both are split alike
         cfg.update(objective="dpo", dataset={"path": str(data.with_name("pairs.jsonl")), "format": "preference"})
+    if checkpointing:  # recomputed layers attend again, inside the backward
+        cfg["optimization"]["gradient_checkpointing"] = "full"
     return cfg
 
 
@@ -57,7 +60,8 @@ def _launch_spec(tmp: Path, ranks: int, names: dict, *, attention: bool) -> Path
         model = tmp / name
         if not model.exists():
             build_tiny_model_dir(model, arch, heads=heads, kv_heads=kv_heads)
-        configs[name] = _cfg(model, data, tmp / f"{name}-split", ranks, dpo=name.endswith("dpo"))
+        configs[name] = _cfg(model, data, tmp / f"{name}-split", ranks, dpo=name.endswith("dpo"),
+                             checkpointing=name.startswith("qwen2"))
     spec = tmp / "launch.json"
     spec.write_text(json.dumps({"attention": attention, "configs": configs}))
     return spec
