@@ -72,7 +72,7 @@ def score(run: Path, files: list[Path]) -> dict:
                         dtype=torch.float32, batch_size=4, chat=trains_on_chat(data.stats))
     context = cfg.training.seq_len + cfg.eval.max_new_tokens + 8
     deployed = {f.stem.split("-", 1)[1]: score_gguf(f, tokenizer, data.eval, tasks, context=context,
-                                                    stops=_stop_ids(model, tokenizer)) for f in files}
+                                                    stops=_stop_ids(model, tokenizer), threads=1) for f in files}
     return {"fp32": fp32, "deployed": deployed}
 
 
@@ -83,13 +83,13 @@ def run_facts(run: Path) -> dict:
     return {"step_time_s": statistics.median(times[1:] or times), "peak_bytes": summary.get("memory", {}).get("peak_bytes")}
 
 
-def measure(out: Path, steps: int, settings: list[str]) -> dict:
+def measure(out: Path, steps: int, settings: list[str], runs: list[str]) -> dict:
     results = {}
     path = out / "results.json"
     if path.exists():
         results = json.loads(path.read_text())
     for setting in settings:
-        for qat in ("off", *TARGETS):
+        for qat in runs:
             key = f"{setting}-{qat}"
             if key in results:
                 continue
@@ -130,15 +130,53 @@ def table(results: dict) -> str:
     return "\n".join(lines)
 
 
+def rounding_cost(target: str) -> dict:
+    """What QAT adds to a LoRA step of the real model, independent of the machine's load: the CPU
+    seconds (this process, one thread) of one re-rounding of every quantized matrix (what each
+    optimizer step pays: the adapters change every merged weight), and the bytes of the cache of
+    rounded weights (`QatReport.cache_bytes`)."""
+    import torch
+
+    from maximus.config import Config
+    from maximus.models import load_model
+    from maximus.qat.install import _Rounding, install_qat
+
+    torch.set_num_threads(1)
+    cfg = Config.from_yaml(ROOT / "examples/real_chat.yaml", [f"model={model_path()}"])
+    model, _ = load_model(cfg, device=torch.device("cpu"), method="lora")
+    report = install_qat(model, target)
+    roundings = {id(m.__dict__["_qat_rounding"]): m for m in model.modules() if "_qat_rounding" in m.__dict__}
+    started = time.process_time()
+    for module in roundings.values():
+        rounding: _Rounding = module.__dict__["_qat_rounding"]
+        rounding.key = None  # as after an optimizer step
+        rounding.rounded(module._parameters["weight"])
+    return {"rounding_cpu_s": time.process_time() - started, "cache_bytes": report.cache_bytes,
+            "matrices": len(report.types)}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--out", type=Path, default=ROOT / "runs" / "bench-qat")
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
+    parser.add_argument("--qat", nargs="+", default=["off", *TARGETS], choices=["off", *TARGETS],
+                        help="which runs (a parallel invocation may take some into its own --out)")
+    parser.add_argument("--merge", type=Path, nargs="*", default=[], help="results.json of other --out folders to "
+                        "print in the table")
+    parser.add_argument("--cost", action="store_true", help="only the rounding's CPU time and cache per target")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    if args.cost:
+        for target in TARGETS:
+            cost = rounding_cost(target)
+            print(f"{target}: {cost['matrices']} matrices, one re-rounding {cost['rounding_cpu_s']:.2f} CPU s, "
+                  f"cache {cost['cache_bytes'] / 2**20:.0f} MiB", flush=True)
+        return
     args.out.mkdir(parents=True, exist_ok=True)
-    results = measure(args.out, args.steps, args.settings)
+    results = measure(args.out, args.steps, args.settings, args.qat)
+    for other in args.merge:
+        results = {**json.loads(other.read_text()), **results}
     print(table(results))
 
 

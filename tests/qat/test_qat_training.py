@@ -169,3 +169,23 @@ def test_qat_on_a_family_without_gguf_export_is_refused_before_training(tmp_path
         "training.qat: q4_0 trains for a GGUF export, and model type 'gpt2' has no GGUF export (hint: use "
         "training.qat: int4 or off for this model)")
     assert not (tmp_path / "run").exists()
+
+
+@pytest.mark.parametrize("method,target", [("lora", "q4_0"), ("full", "int4")])
+def test_planner_counts_the_rounded_copies_qat_keeps(tmp_path, method, target):
+    """The estimate's weights grow by exactly the bytes the rounded weights hold after a training forward."""
+    from maximus.memory.estimate import estimate_peak
+    from maximus.models import load_model
+
+    model_dir = build_tiny_model_dir(tmp_path / "model", "llama", hidden=64, tie=True)
+    cfg = Config.from_dict(tiny_config(model_dir, tmp_path / "d.jsonl", tmp_path / "run", method=method))
+    model, _ = load_model(cfg, device=torch.device("cpu"), method=method)
+    install_qat(model, target)
+    model.train()
+    model(torch.tensor([[1, 2, 3]]))
+    held = {id(m.__dict__["_qat_rounding"]): m.__dict__["_qat_rounding"].value for m in model.modules()
+            if "_qat_rounding" in m.__dict__}
+    held_bytes = sum(v.numel() * v.element_size() for v in held.values())
+    kwargs = dict(method=method, dtype="fp32", seq_len=64, device="cpu")
+    plain, rounded = estimate_peak(model_dir, **kwargs), estimate_peak(model_dir, qat=target, **kwargs)
+    assert rounded.breakdown["weights"] - plain.breakdown["weights"] == held_bytes > 0

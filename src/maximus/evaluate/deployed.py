@@ -42,7 +42,10 @@ class LlamaCppModel:
             raise ConfigError("maximus eval --gguf scores the file in llama.cpp, and llama-cpp-python is not installed",
                               "pip install 'maximusllm[llamacpp]'") from None
         self.path = Path(path)
-        self.llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=threads, logits_all=True, verbose=False)
+        # the batch (prompt) threads too: llama.cpp's default takes every core, whose spinning
+        # workers crawl on a machine shared with other jobs
+        self.llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                                   logits_all=True, verbose=False)
         self.vocab = self.llm.n_vocab()
 
     def loss_sum(self, ids: list[int], labels: list[int]) -> tuple[float, int]:

@@ -513,7 +513,7 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
                 lora_dropout=cfg.lora.dropout,
                 lean_norm=opt.lean_norm and opt.kernels != "compile", lora_experts=lora_reaches_experts(cfg),
                 grouped_experts=opt.grouped_experts and opt.kernels != "compile", vision=_vision_spec(cfg),
-                **optimizer_kwargs(cfg))
+                qat=cfg.training.qat, **optimizer_kwargs(cfg))
 
 
 def _vision_spec(cfg: Any):
@@ -830,6 +830,8 @@ class StepSpec:
     masked_attention: bool = False
     #: GRPO: the completion tokens of a row (the labelled ones: the head runs over them only).
     completion_tokens: int | None = None
+    #: `training.qat`: one rounded copy of each quantized matrix is kept (`qat_copy_bytes`).
+    qat: str = "off"
 
     @property
     def b(self) -> int:
@@ -902,7 +904,7 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
               master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
               modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
               vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False,
-              completion_tokens: int | None = None) -> StepSpec:
+              completion_tokens: int | None = None, qat: str = "off") -> StepSpec:
     """The `StepSpec` of `estimate_peak`'s arguments (documented there); raises its ConfigErrors."""
     shape = model_shape(model_config)
     _check_step(method, dtype, loss_mode, micro_batch, seq_len, world_size)
@@ -926,7 +928,7 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
         optimizer_in_backward=optimizer_in_backward, master_weights=master_weights, lora_experts=lora_experts,
         grouped_experts=grouped_experts, modules_to_save=tuple(modules_to_save or ()), use_dora=use_dora, lora_dropout=lora_dropout,
         vision=vision, embedding_optimizer=embedding_optimizer, masked_attention=masked_attention and attention == "sdpa",
-        completion_tokens=completion_tokens if objective == "grpo" else None)
+        completion_tokens=completion_tokens if objective == "grpo" else None, qat=qat)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -972,7 +974,21 @@ def _weight_bytes(spec: StepSpec, notes: list[str]) -> tuple[int, int, int]:
         weights_dev += (2 * (shape.layer_linear_params + shape.layer_other_params)
                         + (shape.embedding_params + shape.head_params if not whole else 0)) * wb
     streamed = _streamed_weight_bytes(shape, spec.method, b, spec.device_type, notes) if spec.offload_params else 0
-    return weights_dev - streamed, streamed, whole
+    return weights_dev - streamed + qat_copy_bytes(spec), streamed, whole
+
+
+def qat_copy_bytes(spec: StepSpec) -> int:
+    """`training.qat`'s cache (`maximus.qat.install`): one rounded copy of every quantized matrix,
+    kept between weight updates. GGUF targets round the decoder's linears, the embedding and an
+    untied head; int4 the linears only. A copy is in the weight's dtype (float32 for QLoRA's
+    dequantized base)."""
+    if spec.qat == "off":
+        return 0
+    shape = spec.shape
+    matrices = shape.num_layers * shape.layer_linear_params
+    if spec.qat != "int4":
+        matrices += shape.embedding_params + shape.head_params
+    return matrices * (4 if spec.method == "qlora" else spec.weight_bytes) // spec.shard
 
 
 def _mlp_targets(targets: Sequence[str]) -> int:
@@ -1356,7 +1372,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
                   modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
                   vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False,
-                  completion_tokens: int | None = None) -> Estimate:
+                  completion_tokens: int | None = None, qat: str = "off") -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -1425,6 +1441,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             embed_tokens, lm_head), DoRA and LoRA dropout (`maximus.memory.adapter_terms`); adapters only.
         masked_attention: SDPA gets a document mask (`MicroBatch.masked`: many short packed
             documents), which it keeps with keys and values repeated to every head.
+        qat: `training.qat` (``off`` or a target): the cache of rounded weights joins the weights
+            term (`qat_copy_bytes`).
 
     Returns:
         An `Estimate` whose breakdown (weights, adapters, gradients, optimizer, activations,
@@ -1442,7 +1460,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         lora_experts=lora_experts, grouped_experts=grouped_experts,
         modules_to_save=modules_to_save, use_dora=use_dora, lora_dropout=lora_dropout, vision=vision,
         embedding_optimizer=embedding_optimizer, masked_attention=masked_attention,
-        completion_tokens=completion_tokens))
+        completion_tokens=completion_tokens, qat=qat))
 
 
 def estimate_step(spec: StepSpec) -> Estimate:
