@@ -62,13 +62,22 @@ def write_row(out: Path, row: dict) -> None:
 
 def prediction(seq: int, card: str) -> dict:
     """The planner's figures for the run this script makes: QLoRA r=16 all-linear, bf16, micro-batch 1,
-    full recompute, exact chunked loss, AdamW on the adapters, 4-bit weights streamed."""
+    full recompute, exact chunked loss, AdamW on the adapters, 4-bit weights streamed from host
+    memory; tokens/s on `card` (its compute and host-to-device rate, `maximus plan`'s card table)."""
+    from maximus.config import GPU_CARDS
+    from maximus.memory.coefficients import DEVICE_FLOPS
     from maximus.memory.estimate import estimate_peak
+    from maximus.memory.plan_command import CARD_TFLOPS, card_tokens_per_s
+    from maximus.memory.planner import plan_for_budget
 
     est = estimate_peak(MODEL, method="qlora", dtype="bf16", micro_batch=1, seq_len=seq, checkpointing="full",
-                        lora_r=16, optimizer="adamw", loss_mode="exact", offload_params=True, device="cuda")
+                        lora_r=16, optimizer="adamw", loss_mode="exact", offload_params="on", device="cuda")
+    plan = plan_for_budget(MODEL, None, method="qlora", batch_size=1, seq_len=seq, micro_batch_size=1,
+                           gradient_checkpointing="full", offload_activations="off", offload_optimizer="off",
+                           tile_tokens="off", lean_lora=False, offload_params="on")
+    speed, bound = card_tokens_per_s(plan, CARD_TFLOPS[card] * 1e12 / DEVICE_FLOPS["cuda"], GPU_CARDS[card][2])
     return {"row": "prediction", "card": card, "peak_gib": est.peak_bytes / GIB, "host_gib": est.host_bytes / GIB,
-            "tokens_per_s_guess": est.tokens_per_s_guess}
+            "streamed_gb_per_step": est.streamed_bytes_per_step / 1e9, "tokens_per_s": speed, "bound": bound}
 
 
 def build(config, device, store, seq: int):

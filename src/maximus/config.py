@@ -27,18 +27,23 @@ _UNITS = {
 }
 
 # Memory a card offers to one process, in bytes (what torch.cuda.mem_get_info reports when empty,
-# rounded down). Prices are indicative on-demand US$/hour from public cloud lists (2025-2026).
-GPU_CARDS: dict[str, tuple[int, float]] = {
-    "T4": (15 * 2**30, 0.35),
-    "L4": (22 * 2**30, 0.70),
-    "A10": (22 * 2**30, 1.00),
-    "RTX3090": (23 * 2**30, 0.45),
-    "RTX4090": (23 * 2**30, 0.70),
-    "A100-40GB": (39 * 2**30, 1.80),
-    "A100-80GB": (79 * 2**30, 2.50),
-    "H100": (79 * 2**30, 3.50),
-    "H200": (139 * 2**30, 4.50),
+# rounded down). Prices are indicative on-demand US$/hour from public cloud lists (2025-2026). The
+# third figure is the host-to-device copy rate from pinned memory, bytes/s, that streamed weights
+# (`optimization.offload.params`) get: about 80 % of the card's PCIe link (T4: PCIe 3.0 x16; L4,
+# A10, RTX 3090/4090, A100: PCIe 4.0 x16; H100 / H200: PCIe 5.0 x16). Data-sheet figures, not measured.
+GPU_CARDS: dict[str, tuple[int, float, float]] = {
+    "T4": (15 * 2**30, 0.35, 12e9),
+    "L4": (22 * 2**30, 0.70, 25e9),
+    "A10": (22 * 2**30, 1.00, 25e9),
+    "RTX3090": (23 * 2**30, 0.45, 25e9),
+    "RTX4090": (23 * 2**30, 0.70, 25e9),
+    "A100-40GB": (39 * 2**30, 1.80, 25e9),
+    "A100-80GB": (79 * 2**30, 2.50, 25e9),
+    "H100": (79 * 2**30, 3.50, 50e9),
+    "H200": (139 * 2**30, 4.50, 50e9),
 }
+#: The host-to-device rate assumed where the card is not known (a PCIe 4.0 x16 link), bytes/s.
+DEFAULT_H2D_BYTES_PER_S = 25e9
 
 
 def _card_key(name: str) -> str:
@@ -166,7 +171,7 @@ class OffloadConfig(_Section):
 
     activations: Literal["auto", "on", "off"] = Field("auto", description="Checkpointed layer inputs to host memory, prefetched one layer ahead in backward.")
     optimizer: Literal["auto", "on", "off"] = Field("auto", description="Optimizer state in host memory (or 8-bit/paged), chosen by the planner when `auto`.")
-    params: Literal["on", "off", "disk"] = Field("off", description="Stream frozen base-model layers (4-bit ones too) to the device one ahead of use: `on` keeps them in host memory (pinned), `disk` in a memory-mapped file under $MAXIMUS_CACHE/streamed-weights (written once per model and quantization, read ahead by a background thread).")
+    params: Literal["auto", "on", "off", "disk"] = Field("auto", description="Stream frozen base-model layers (4-bit ones too) to the device one ahead of use: `on` keeps them in host memory (pinned), `disk` in a memory-mapped file under $MAXIMUS_CACHE/streamed-weights (written once per model and quantization, read ahead by a background thread); `auto` streams only when no plan without it fits target_vram (from host memory when it has room, else from disk).")
 
     @field_validator("activations", "optimizer", "params", mode="before")
     @classmethod

@@ -34,6 +34,8 @@ from typing import Any, Literal, Sequence
 from maximus.errors import ConfigError, ModelError
 from maximus.gguf_base import gguf_config, is_gguf
 from maximus.memory.adapter_terms import AdapterTerms, adapter_terms
+from maximus.config import DEFAULT_H2D_BYTES_PER_S
+from maximus.memory.streamed_weights import STAGING_LAYERS, STREAMED_IN_FLIGHT, streamed_layer_bytes
 from maximus.memory.coefficients import (ATTENTION_BACKWARD_PROBS, ATTENTION_PROBS, ATTENTION_SINK_MASKS, QK_EXTRA, EXPERT_GATE_TENSORS, DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF,  # noqa: F401
                                          LAYER_COEF)
 from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_note,
@@ -89,6 +91,13 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
                             num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
                             tie_word_embeddings=False, max_position_embeddings=131072),
+    "Qwen/Qwen2.5-72B": dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                             num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                             tie_word_embeddings=False, max_position_embeddings=131072),
+    "mistralai/Mistral-Large-Instruct-2407": dict(model_type="mistral", vocab_size=32768, hidden_size=12288,
+                                                  intermediate_size=28672, num_hidden_layers=88,
+                                                  num_attention_heads=96, num_key_value_heads=8, head_dim=128,
+                                                  tie_word_embeddings=False, max_position_embeddings=131072),
     "TinyLlama/TinyLlama-1.1B-Chat-v1.0": dict(model_type="llama", vocab_size=32000, hidden_size=2048,
                                                intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
                                                num_key_value_heads=4, tie_word_embeddings=False,
@@ -108,6 +117,8 @@ for _alias, _name in {
     # The config in the project's source article names this model; the 12B Mistral is Nemo.
     "mistralai/Mistral-12B-v0.1": "mistralai/Mistral-Nemo-Base-2407",
     "Qwen/Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B",
+    "Qwen/Qwen2.5-72B-Instruct": "Qwen/Qwen2.5-72B",
+    "mistralai/Mistral-Large-Instruct-2411": "mistralai/Mistral-Large-Instruct-2407",
     "Qwen/Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B",
     "Qwen/Qwen2.5-1.5B-Instruct": "Qwen/Qwen2.5-1.5B",
 }.items():
@@ -454,9 +465,23 @@ class Estimate:
     #: Host memory the plan's offloading fills (checkpointed layer inputs, optimizer state and
     #: masters, streamed frozen weights); 0 when nothing is offloaded. Not part of ``peak_bytes``.
     host_bytes: int = 0
+    #: Streamed frozen weights (`optimization.offload.params`): the file they fill (``disk``), the
+    #: bytes copied to the device per micro-step (every streamed layer in forward and again in
+    #: backward), and the tokens/s of the compute alone (`tokens_per_s_guess` is the slower of the
+    #: compute and the copies at `DEFAULT_H2D_BYTES_PER_S`: they overlap, one layer ahead).
+    disk_bytes: int = 0
+    streamed_bytes_per_step: int = 0
+    compute_tokens_per_s: float = 0.0
+
+    @property
+    def transfer_bound(self) -> bool:
+        """Whether the copies of streamed weights, not the compute, set the step time."""
+        return bool(self.streamed_bytes_per_step) and self.tokens_per_s_guess < self.compute_tokens_per_s
 
     def to_dict(self) -> dict[str, Any]:
-        return {"peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes, "breakdown": dict(self.breakdown),
+        return {"peak_bytes": self.peak_bytes, "host_bytes": self.host_bytes, "disk_bytes": self.disk_bytes,
+                "streamed_bytes_per_step": self.streamed_bytes_per_step,
+                "compute_tokens_per_s": self.compute_tokens_per_s, "breakdown": dict(self.breakdown),
                 "phase": self.phase,
                 "flops_per_token": self.flops_per_token, "tokens_per_s_guess": self.tokens_per_s_guess,
                 "settings": dict(self.settings), "notes": list(self.notes)}
@@ -507,7 +532,7 @@ def technique_kwargs(cfg: Any) -> dict[str, Any]:
                 completion_tokens=cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else None,
                 matryoshka_dims=None if mat is None else list(mat.dims),
                 matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
-                offload_params=opt.offload.params in ("on", "disk"),
+                offload_params=opt.offload.params,
                 # adapters only: estimate_peak ignores them for full fine-tuning
                 modules_to_save=list(cfg.lora.modules_to_save), use_dora=cfg.lora.use_dora,
                 lora_dropout=cfg.lora.dropout,
@@ -758,19 +783,17 @@ def contrastive_loss_bytes(shape: ModelShape, T: int, b: int) -> int:
 
 
 def _streamed_weight_bytes(shape: ModelShape, method: str, b: int, device_type: str, notes: list[str]) -> int:
-    """Device bytes that `optimization.offload.params` moves to the host: the frozen plain weights
-    of every decoder layer but the three in flight (the running layer, the prefetched one, the
-    one being released in backward). 4-bit and trainable weights never stream."""
+    """Device bytes that `optimization.offload.params` moves off the device: every decoder layer's
+    frozen weights (QLoRA: 4-bit data with its quantization state, and the norms; LoRA: the plain
+    weights) but the three in flight (the running layer, the prefetched one, the one being
+    released in backward). Trainable weights never stream."""
     if device_type == "cpu":
         notes.append("offload.params on a CPU: host and device memory are the same, nothing is saved")
         return 0
     if method == "full":
         notes.append("offload.params streams frozen weights only: full fine-tuning has none")
         return 0
-    per_layer = shape.layer_other_params * b + (shape.layer_linear_params * b if method == "lora" else 0)
-    if method == "qlora":
-        notes.append("offload.params: 4-bit weights stay on the device; only norms stream")
-    return max(0, shape.num_layers - 3) * per_layer
+    return max(0, shape.num_layers - STREAMED_IN_FLIGHT) * streamed_layer_bytes(shape, method, b)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -810,6 +833,8 @@ class StepSpec:
     matryoshka_dims: tuple[int, ...] | None
     matryoshka_token_fraction: float
     offload_params: bool
+    #: Where streamed layers live: ``host`` (pinned host memory) or ``disk`` (a memory-mapped file).
+    params_store: str
     tile_tokens: int | None
     #: Lean LoRA projections in use (an adapter and `lean_lora`).
     lean: bool
@@ -899,7 +924,7 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
               device: str = "cuda", sharded: bool | None = None, attention: Attention = "sdpa", kronecker: Any = None,
               objective: Objective = "sft", dpo_reference: DpoReference = "adapter_off",
               matryoshka_dims: Sequence[int] | None = None, matryoshka_token_fraction: float = 0.0625,
-              offload_params: bool = False, tile_tokens: int | None = None, lean_lora: bool = False,
+              offload_params: bool | str = False, tile_tokens: int | None = None, lean_lora: bool = False,
               lean_norm: bool = True, optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
               master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
               modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
@@ -923,7 +948,8 @@ def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16"
         loss_chunk_tokens=loss_chunk_tokens, grad_accum=grad_accum, ghost_candidates=ghost_candidates,
         device_type=str(device).split(":")[0], attention=attention, layout=layout, objective=objective,
         dpo_reference=dpo_reference, matryoshka_dims=None if matryoshka_dims is None else tuple(matryoshka_dims),
-        matryoshka_token_fraction=matryoshka_token_fraction, offload_params=offload_params, tile_tokens=tile_tokens,
+        matryoshka_token_fraction=matryoshka_token_fraction, offload_params=offload_params in (True, "on", "disk"),
+        params_store="disk" if offload_params == "disk" else "host", tile_tokens=tile_tokens,
         lean=bool(lean_lora and adapter), lean_norm=lean_norm, optimizer_rank=optimizer_rank,
         optimizer_in_backward=optimizer_in_backward, master_weights=master_weights, lora_experts=lora_experts,
         grouped_experts=grouped_experts, modules_to_save=tuple(modules_to_save or ()), use_dora=use_dora, lora_dropout=lora_dropout,
@@ -1346,7 +1372,7 @@ def _settings(spec: StepSpec, static: StaticTerms, tile_fraction: float) -> dict
         settings.update(matryoshka_dims=list(spec.matryoshka_dims),
                         matryoshka_token_fraction=spec.matryoshka_token_fraction)
     if spec.offload_params:
-        settings["offload_params"] = True
+        settings["offload_params"] = spec.params_store
     if spec.masked_attention:
         settings["masked_attention"] = True
     if static.extras.trainable_params or static.extras.layer_bytes_per_token:
@@ -1366,7 +1392,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   ghost_candidates: int = 1024, device: str = "cuda", sharded: bool | None = None,
                   attention: Attention = "sdpa", kronecker: Any = None, objective: Objective = "sft",
                   dpo_reference: DpoReference = "adapter_off", matryoshka_dims: Sequence[int] | None = None,
-                  matryoshka_token_fraction: float = 0.0625, offload_params: bool = False,
+                  matryoshka_token_fraction: float = 0.0625, offload_params: bool | str = False,
                   tile_tokens: int | None = None, lean_lora: bool = False, lean_norm: bool = True,
                   optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
                   master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
@@ -1427,8 +1453,10 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             ``none`` (SimPO / ORPO need no reference).
         matryoshka_dims, matryoshka_token_fraction: the SFT Matryoshka auxiliary pass (prefix
             losses over a sampled share of the tokens); None = off.
-        offload_params: frozen decoder weights stream from host memory one layer ahead
-            (`optimization.offload.params: on`).
+        offload_params: frozen decoder weights (4-bit ones too) stream to the device one layer ahead
+            (`optimization.offload.params`): True or ``on`` from pinned host memory, ``disk`` from a
+            memory-mapped file (host memory then holds two pinned staging layers on CUDA); ``auto``
+            and ``off`` are False here (the planner decides ``auto``).
         tile_tokens: the MLP of each fully recomputed layer runs over tiles of this many tokens
             in backward (`optimization.tile_tokens`); None: untiled.
         lean_norm: the RMSNorms are Maximus' lean ones (`optimization.lean_norm`, or the Triton
@@ -1484,10 +1512,22 @@ def estimate_step(spec: StepSpec) -> Estimate:
                              spec.offload_optimizer, spec.loss_mode, static.trainable, spec.grad_accum, spec.device_type,
                              spec.b, chunk_used, spec.lora_r, len(spec.targets), layers.tile_fraction)
     L = spec.shape.num_layers
+    streamed_layers = static.streamed // max(1, L - STREAMED_IN_FLIGHT) * L  # every layer lives off the device
+    per_layer = streamed_layers // L
+    host_streamed, disk = (STAGING_LAYERS * per_layer, streamed_layers) if spec.params_store == "disk" else (
+        streamed_layers, 0)
+    # Forward fetches every layer but the first (resident since the last backward); backward every
+    # layer but the last again (for the recompute and the input gradients).
+    per_step = 2 * max(0, L - 1) * per_layer
+    step_tps = tps
+    if per_step:
+        transfer_s = (per_step + per_layer) / DEFAULT_H2D_BYTES_PER_S  # the first layer's copy is not hidden
+        step_tps = spec.T / max(spec.T / tps, transfer_s)
     return Estimate(peak_bytes=int(peak), breakdown={k: int(v) for k, v in breakdown.items()},
-                    flops_per_token=flops, tokens_per_s_guess=tps, phase=phase,
+                    flops_per_token=flops, tokens_per_s_guess=step_tps, phase=phase,
                     settings=_settings(spec, static, layers.tile_fraction), notes=static.notes + layers.notes,
-                    host_bytes=int(layers.host_acts + static.host_opt + static.streamed * L / max(1, L - 3)))
+                    host_bytes=int(layers.host_acts + static.host_opt + host_streamed), disk_bytes=int(disk),
+                    streamed_bytes_per_step=int(per_step), compute_tokens_per_s=tps)
 
 
 def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: list[str], offload_act: bool,

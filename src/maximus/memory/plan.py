@@ -44,9 +44,18 @@ def plan_summary(p: dict[str, Any]) -> str:
     a plan written before `checkpointing_label` existed is labelled from its recompute modes."""
     label = p.get("checkpointing_label") or recompute_label(p.get("recompute") or ("none",))
     offload = "+".join(n for n, k in (("act", "offload_activations"), ("opt", "offload_optimizer"),
-                                      ("params", "offload_params")) if p.get(k))
+                                      ("params" + ("(disk)" if p.get("params_store") == "disk" else ""),
+                                       "offload_params")) if p.get(k))
     return (f"{p.get('method')} mb {p.get('micro_batch_size')} x acc {p.get('grad_accum')}, ckpt {label}"
             + (f", offload {offload}" if offload else "") + (f", tiles {p['tile_tokens']}" if p.get("tile_tokens") else ""))
+
+
+def streaming_summary(bytes_per_step: int, compute_tokens_per_s: float, tokens_per_s: float) -> str:
+    """One line on streamed weights: the bytes copied per micro-step and whether the copies or the
+    compute set the step time (they overlap), with the tokens/s that gives."""
+    bound = "transfer-bound" if tokens_per_s < compute_tokens_per_s else "compute-bound"
+    return (f"{format_bytes(bytes_per_step)} copied to the device per micro-step; {bound}, "
+            f"~{tokens_per_s:,.0f} tokens/s (compute alone: ~{compute_tokens_per_s:,.0f})")
 
 
 @dataclass(frozen=True)
@@ -103,6 +112,14 @@ class Plan:
     attention: Attention = field(default_factory=Attention)
     ghost_candidates: int | None = None
     offload_params: bool = False
+    #: Where streamed frozen weights live (``offload_params``): ``host`` (pinned memory) or ``disk``
+    #: (a file under $MAXIMUS_CACHE), the file's bytes, the bytes copied to the device per
+    #: micro-step, and the tokens/s of the compute alone (`tokens_per_s_guess` also counts the
+    #: copies: whichever is slower sets the step).
+    params_store: str = "host"
+    disk_bytes: int = 0
+    streamed_bytes_per_step: int = 0
+    compute_tokens_per_s: float = 0.0
     tile_tokens: int | None = None
     free_memory_bytes: int | None = None
     generation: Mapping[str, int] | None = None
@@ -201,7 +218,8 @@ class Plan:
         host_is_device = self.device == "cpu"
         offload = ", ".join(n for n, on in (("activations", self.offload_activations),
                                             ("optimizer", self.offload_optimizer),
-                                            ("frozen weights", self.offload_params)) if on)
+                                            ("frozen weights" + (" (from disk)" if self.params_store == "disk"
+                                                                 else ""), self.offload_params)) if on)
         if host_is_device:
             offload = (f"{offload} (no effect on CPU: " if offload else "does not apply (CPU: ") + \
                 "host and device memory are the same)"
@@ -239,6 +257,11 @@ class Plan:
             checked = (f" of {format_bytes(self.host_budget_bytes)} available" if self.host_budget_bytes
                        else ": not checked against this machine's RAM")
             rows.append(("host memory", f"{format_bytes(self.host_bytes)} for offloaded state{checked}"))
+        if self.disk_bytes and not host_is_device:
+            rows.append(("disk", f"{format_bytes(self.disk_bytes)} for the streamed layers (a file under the cache)"))
+        if self.streamed_bytes_per_step and not host_is_device:
+            rows.append(("streaming", streaming_summary(self.streamed_bytes_per_step, self.compute_tokens_per_s,
+                                                        self.tokens_per_s_guess)))
         if self.free_memory_bytes:
             rows.append(("free memory", f"{format_bytes(self.free_memory_bytes)} (no target_vram: fitted to it, "
                                         "not held to it)"))

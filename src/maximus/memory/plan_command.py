@@ -34,12 +34,25 @@ from maximus.memory.plan import Plan, plan_summary, recompute_label
 from maximus.memory.planner import max_seq_len_for_budget, plan_for_budget, resolve_budget
 from maximus.memory.run_plan import lean_lora_applies, plan_run
 
-__all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS"]
+__all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS", "card_tokens_per_s"]
 
 #: Dense bf16 (fp16 on the T4) tensor-core TFLOP/s from the vendors' data sheets, to turn the
 #: planner's tokens/s guess (made for `DEVICE_FLOPS["cuda"]`) into one per card. Indicative only.
 CARD_TFLOPS = {"T4": 65, "L4": 121, "A10": 125, "RTX3090": 71, "RTX4090": 165, "A100-40GB": 312, "A100-80GB": 312,
                "H100": 989, "H200": 989}
+
+
+def card_tokens_per_s(plan: Plan, compute_scale: float, h2d_bytes_per_s: float) -> tuple[float, str]:
+    """(tokens/s, ``compute`` or ``transfer``) of `plan` on a card whose compute runs
+    `compute_scale` times the planner's reference GPU and whose host-to-device copies run at
+    `h2d_bytes_per_s`: a plan that streams weights takes the slower of its compute and its copies
+    (they overlap, one layer ahead); any other plan is compute-bound."""
+    if not plan.streamed_bytes_per_step:
+        return plan.tokens_per_s_guess * compute_scale, "compute"
+    tokens = plan.micro_batch_tokens_max or plan.micro_batch_size * plan.seq_len
+    compute_s = tokens / (plan.compute_tokens_per_s * compute_scale)
+    transfer_s = plan.streamed_bytes_per_step / h2d_bytes_per_s
+    return tokens / max(compute_s, transfer_s), "transfer" if transfer_s > compute_s else "compute"
 
 
 def _parser() -> ArgumentParser:
@@ -206,11 +219,11 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
             return None, exc.message
 
     cards = []
-    for name, (memory, price) in GPU_CARDS.items():
+    for name, (memory, price, h2d) in GPU_CARDS.items():
         plan, why = plan_or_none(memory)
-        speed = None
+        speed = bound = None
         if plan is not None and name in CARD_TFLOPS:
-            speed = plan.tokens_per_s_guess * CARD_TFLOPS[name] * 1e12 / DEVICE_FLOPS["cuda"]
+            speed, bound = card_tokens_per_s(plan, CARD_TFLOPS[name] * 1e12 / DEVICE_FLOPS["cuda"], h2d)
         longest = max_seq_len_for_budget(shape, memory, **longest_kw) if world_size == 1 else None
         image = largest_image(shape, memory, seq_len=t.seq_len, **longest_kw) if vision and world_size == 1 else None
         if gpus:
@@ -224,7 +237,7 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
         cards.append({**longest_cp, "card": name, "memory_bytes": memory, "price_per_hour": price,
                       "fits": plan is not None, "plan": plan.to_dict() if plan else None, "why_not": why, "longest_context_tokens": longest,
                       "largest_image": image,
-                      "tokens_per_s_guess": speed,
+                      "tokens_per_s_guess": speed, "bound": bound,
                       "usd_per_million_tokens": price / (speed * 3600) * 1e6 if speed else None})
     fitting = [c for c in cards if c["fits"]]
     cheapest = min(fitting, key=lambda c: (c["price_per_hour"], c["memory_bytes"]))["card"] if fitting else None
@@ -296,7 +309,7 @@ def measure_report(cfg: Config, lengths: RowLengths, *, world_size: int = 1, ste
         return plan.micro_batch_tokens_max or plan.micro_batch_size * plan.seq_len
 
     cards = []
-    for name, (memory, price) in GPU_CARDS.items():
+    for name, (memory, price, _) in GPU_CARDS.items():
         plan = fit_card(memory, cal, plan_for, DEFAULT_MARGIN)
         cards.append({"card": name, "memory_bytes": memory, "price_per_hour": price, "fits": plan is not None,
                       "plan": plan.to_dict() if plan else None,
@@ -372,7 +385,7 @@ def _print_tables(report: dict[str, Any]) -> None:
 
     cards = Table(title="best plan per card; longest context: tokens per sequence that fit the card at micro-batch "
                         f"{report['longest_context_micro_batch']}")
-    for col in ("card", "memory", "$/hour", "plan", "predicted peak", "tokens/s (guess)", "$/M tokens"):
+    for col in ("card", "memory", "$/hour", "plan", "predicted peak", "tokens/s (guess)", "bound", "$/M tokens"):
         cards.add_column(col, justify="right" if col not in ("card", "plan") else "left")
     cards.add_column("longest context", justify="right", no_wrap=True)
     vision = report.get("vision")
@@ -385,11 +398,11 @@ def _print_tables(report: dict[str, Any]) -> None:
             longest.append(_image_label(c.get("largest_image")))
         if p:
             cards.add_row(c["card"], format_bytes(c["memory_bytes"]), f"{c['price_per_hour']:.2f}", plan_summary(p),
-                          format_bytes(p["peak_bytes"]), f"{c['tokens_per_s_guess'] or 0:.0f}",
+                          format_bytes(p["peak_bytes"]), f"{c['tokens_per_s_guess'] or 0:.0f}", c.get("bound") or "-",
                           f"{c['usd_per_million_tokens']:.2f}" if c["usd_per_million_tokens"] else "-", *longest)
         else:
             cards.add_row(c["card"], format_bytes(c["memory_bytes"]), f"{c['price_per_hour']:.2f}",
-                          "does not fit", "-", "-", "-", *longest)
+                          "does not fit", "-", "-", "-", "-", *longest)
     console.print(cards)
     if report["cards"] and "longest_context_over_cards" in report["cards"][0]:
         degrees = list(report["cards"][0]["longest_context_over_cards"])

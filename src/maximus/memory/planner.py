@@ -222,6 +222,9 @@ class _Space:
     def describe(self, kw: dict) -> str:
         key = kw["micro_batch"]
         text = _describe(dict(kw, micro_batch=self.rows_for(key)), self.seq_for(key), self.step.shape.num_layers)
+        store = self.step.settings.get("offload_params")
+        if store in (True, "on", "disk"):
+            text += ", frozen weights streamed from " + ("disk" if store == "disk" else "host memory")
         return text + (f", micro-batches of up to {key:,} tokens" if self.token_budgets else "")
 
 
@@ -299,13 +302,29 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     step = model_config if isinstance(model_config, RunStep) else RunStep.of(
         model_config, dtype=dtype, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size, device=device,
         lean_lora=lean_lora, **techniques)
-    space = _search_space(step, budget_bytes, method=method, batch_size=batch_size, seq_len=seq_len, allow=allow,
-                          optimizer=optimizer, loss_mode=loss_mode, loss_chunk_size=loss_chunk_size,
-                          micro_batch_size=micro_batch_size, gradient_checkpointing=gradient_checkpointing,
-                          offload_activations=offload_activations, offload_optimizer=offload_optimizer,
-                          margin=margin, sharded=sharded, tile_tokens=tile_tokens, lengths=lengths,
-                          micro_batch_tokens=micro_batch_tokens)
+    space_kw = dict(method=method, batch_size=batch_size, seq_len=seq_len, allow=allow,
+                    optimizer=optimizer, loss_mode=loss_mode, loss_chunk_size=loss_chunk_size,
+                    micro_batch_size=micro_batch_size, gradient_checkpointing=gradient_checkpointing,
+                    offload_activations=offload_activations, offload_optimizer=offload_optimizer,
+                    margin=margin, sharded=sharded, tile_tokens=tile_tokens, lengths=lengths,
+                    micro_batch_tokens=micro_batch_tokens)
+    streaming = step.settings.get("offload_params", False)
+    if streaming == "auto":
+        step = RunStep(step.shape, {**step.settings, "offload_params": False})
+    space = _search_space(step, budget_bytes, **space_kw)
     found = _search(space, gradient_checkpointing, host_budget_bytes)
+    if streaming == "auto" and found.best is None and budget_bytes is not None and _can_stream(step, method):
+        # Every cheaper lever was searched and nothing fits: stream the frozen weights, from host
+        # memory when it has room for them, else from a file on disk.
+        for store in ("on", "disk"):
+            streamed = _search_space(RunStep(step.shape, {**step.settings, "offload_params": store}), budget_bytes,
+                                     **space_kw)
+            found_streamed = _search(streamed, gradient_checkpointing, host_budget_bytes)
+            if found_streamed.best is not None or (store == "on" and found_streamed.smallest is not None):
+                # The one that fits; else streaming from host memory names the smallest plan there is.
+                space, found = streamed, found_streamed
+            if found.best is not None:
+                break
     if found.smallest is None:  # every plan needs more host memory than there is
         raise BudgetError(f"every plan that fits needs more host memory than the {format_bytes(host_budget_bytes)} "
                           f"available for offloaded state (the least: {format_bytes(found.host_short.host_bytes)})",
@@ -329,6 +348,12 @@ def plan_for_budget(model_config: Any, budget_bytes: int | None, *, method: str 
     if free_memory:
         plan = replace(plan, notes=plan.notes + (f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory",))
     return plan
+
+
+def _can_stream(step: RunStep, method: str) -> bool:
+    """Whether streaming frozen weights can save device memory: a GPU (on a CPU the host is the
+    device) and an adapter method (full fine-tuning has no frozen weights)."""
+    return str(step.device).split(":")[0] != "cpu" and method != "full"
 
 
 def _check_tile_tokens(tile_tokens: Any) -> None:
@@ -547,7 +572,14 @@ def _to_plan(kw: dict, e: Estimate, shape, budget: int | None, margin: float, pe
                 peak_phase=e.phase, seq_len=seq_len, world_size=world_size, dtype=dtype,
                 lora_r=lora_r if kw["method"] != "full" else None, device=str(device).split(":")[0],
                 strategy=strategy, tokens_per_s_guess=e.tokens_per_s_guess, notes=tuple(notes), tile_tokens=tile,
-                host_bytes=e.host_bytes)
+                host_bytes=e.host_bytes, **_streaming_fields(e))
+
+
+def _streaming_fields(e: Estimate) -> dict[str, Any]:
+    """The plan's streamed-weights fields from its estimate (`optimization.offload.params`)."""
+    store = e.settings.get("offload_params")
+    return dict(offload_params=bool(store), params_store=store or "host", disk_bytes=e.disk_bytes,
+                streamed_bytes_per_step=e.streamed_bytes_per_step, compute_tokens_per_s=e.compute_tokens_per_s)
 
 
 def max_seq_len_for_budget(model_config: Any, budget_bytes: int, *, method: str = "qlora", micro_batch: int = 1,
@@ -601,8 +633,13 @@ def _fits_at(model_config: Any, budget_bytes: int | None, **plan_kw: Any) -> Cal
         model_config, dtype=a["dtype"], lora_r=a["lora_r"], lora_targets=a["lora_targets"], world_size=a["world_size"],
         device=a["device"], lean_lora=a["lean_lora"], **a["techniques"])
     space_kw = {k: a[k] for k in inspect.signature(_search_space).parameters if k not in ("step", "budget_bytes", "seq_len")}
+    steps = [step]
+    if step.settings.get("offload_params") == "auto":  # streaming only where nothing else fits (plan_for_budget)
+        steps = [RunStep(step.shape, {**step.settings, "offload_params": store}) for store in (False, "on", "disk")]
+        if not _can_stream(step, a["method"]):
+            steps = steps[:1]
 
     def fits(seq: int) -> bool:
-        space = _search_space(step, budget_bytes, seq_len=seq, **space_kw)
-        return _some_plan_fits(space, a["gradient_checkpointing"], a["host_budget_bytes"])
+        return any(_some_plan_fits(_search_space(s, budget_bytes, seq_len=seq, **space_kw), a["gradient_checkpointing"],
+                                   a["host_budget_bytes"]) for s in steps)
     return fits

@@ -111,7 +111,7 @@ def plan_run(cfg: Config, *, device: Any, world_size: int = 1, budget_bytes: int
 def _from_config(cfg: Config) -> dict[str, Any]:
     """The Plan fields the config decides alone (the search does not vary them)."""
     opt = cfg.optimization
-    return dict(objective=cfg.objective, attention=_attention(cfg), offload_params=opt.offload.params in ("on", "disk"),
+    return dict(objective=cfg.objective, attention=_attention(cfg),
                 ghost_candidates=opt.ghost_logit.candidates if opt.loss_mode == "ghost" else None)
 
 
@@ -141,6 +141,8 @@ def _unplanned(cfg: Config, device_type: str, world_size: int, dtype: str) -> Pl
                 peak_bytes=None, breakdown={}, budget_bytes=None, margin_bytes=0, seq_len=t.seq_len,
                 world_size=world_size, dtype=dtype, lora_r=cfg.lora.r if method != "full" else None,
                 device=device_type, strategy=strategy, **_from_config(cfg),
+                offload_params=opt.offload.params in ("on", "disk"),
+                params_store="disk" if opt.offload.params == "disk" else "host",
                 tile_tokens=opt.tile_tokens if isinstance(opt.tile_tokens, int) else None,
                 micro_batch_tokens=t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else None,
                 rows_per_step=per_rank,
@@ -172,8 +174,7 @@ def plan_below_measured(cfg: Config, plan: Plan, measured_bytes: int, budget_byt
     calibration = (f"re-planned after a measured peak of {measured_bytes:,} bytes against {plan.peak_bytes:,} "
                    f"predicted: planned for {scaled:,} bytes of estimate")
     return replace(found, budget_bytes=budget_bytes, margin_bytes=plan.margin_bytes, strategy=plan.strategy,
-                   objective=plan.objective, attention=plan.attention, offload_params=plan.offload_params,
-                   ghost_candidates=plan.ghost_candidates, notes=found.notes + (calibration,))
+                   objective=plan.objective, attention=plan.attention, ghost_candidates=plan.ghost_candidates, notes=found.notes + (calibration,))
 
 
 def replan(cfg: Config, plan: Plan, lengths: RowLengths | None = None, **changes: Any) -> Plan:

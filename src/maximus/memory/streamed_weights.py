@@ -12,7 +12,14 @@ from pathlib import Path
 
 from maximus.errors import ConfigError
 
-__all__ = ["NF4_BYTES_PER_WEIGHT", "check_stream_capacity", "streamed_layer_bytes"]
+__all__ = ["NF4_BYTES_PER_WEIGHT", "STAGING_LAYERS", "STREAMED_IN_FLIGHT", "check_stream_capacity",
+           "streamed_layer_bytes"]
+
+#: Layers whose weights are on the device at once: the running one, the prefetched one, and in
+#: backward the one just finished (`FrozenWeightStreamer`).
+STREAMED_IN_FLIGHT = 3
+#: Pinned staging buffers a disk store reads layers into on CUDA (`DiskWeightStore`).
+STAGING_LAYERS = 2
 
 #: NF4 with double quantization: 4 bits per weight, a uint8 absmax per 64 weights, a float32 absmax
 #: per 256 of those (bitsandbytes' `quantize_4bit`, ``compress_statistics=True``).

@@ -146,7 +146,7 @@ class Trainer:
             self.dist.say(untested)
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
         self.streamer = None
-        if cfg.optimization.offload.params in ("on", "disk"):
+        if self.plan.offload_params:
             from maximus.memory.weight_streaming import FrozenWeightStreamer
 
             # Frozen base weights live on the host (or in a file) and reach the device one layer ahead
@@ -182,12 +182,12 @@ class Trainer:
         self.meter_policy = MeterPolicy(meter_mode(cfg.training.memory_meter, self.device.type), self.total_steps)
 
     def _weight_store(self):
-        """Where `optimization.offload.params` keeps the streamed layers (host memory or a file),
-        checked against this machine's free memory or disk before the model loads; None without
-        streaming or for full fine-tuning (nothing is frozen)."""
-        mode = self.cfg.optimization.offload.params
-        if mode not in ("on", "disk") or self.method == "full":
+        """Where the plan's streamed layers live (`optimization.offload.params`, or the planner's
+        choice under `auto`: host memory or a file), checked against this machine's free memory or
+        disk before the model loads; None without streaming or for full fine-tuning (nothing is frozen)."""
+        if not self.plan.offload_params or self.method == "full":
             return None
+        mode = "disk" if self.plan.params_store == "disk" else "on"
         from maximus.layerwise_load import weight_store_for_run
         from maximus.models import base_model_config
 
