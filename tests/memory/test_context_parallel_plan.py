@@ -34,3 +34,21 @@ def test_the_degree_a_row_needs_is_the_fewest_cards_that_hold_it():
     assert list(h100) == [1, 2] and h100[1] < 1_000_000 <= h100[2]  # one H100 is short of 1M tokens, two are not
     assert fewest_cards(h100, 1_000_000) == 2 and fewest_cards(h100, 1000) == 1
     assert fewest_cards(h100, 10 ** 8) is None
+
+
+def test_a_rank_of_four_is_predicted_under_a_third_of_one_process_activations_at_4096_tokens():
+    """The benchmark model of docs/distributed.md (benchmarks/context_parallel.py), LoRA r=16, fp32."""
+    from transformers import LlamaConfig
+
+    from maximus.memory.context_parallel import rank_activation_bytes
+    from maximus.memory.estimate import estimate_peak
+
+    shape = LlamaConfig(vocab_size=300, hidden_size=256, intermediate_size=768, num_hidden_layers=4,
+                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=8192)
+    kw = dict(method="lora", lora_r=16, checkpointing="off", dtype="fp32", device="cpu")
+    one = rank_activation_bytes(shape, 4096, 1, dtype_bytes=4, **kw)
+    four = rank_activation_bytes(shape, 4096, 4, dtype_bytes=4, **kw)
+    assert one == estimate_peak(shape, seq_len=4096, **kw).breakdown["activations"]
+    buffers = exchange_bytes_per_token(shape, 4, 4) * 1024  # fp32 copies of 1,024 local tokens
+    assert four == estimate_peak(shape, seq_len=1024, **kw).breakdown["activations"] + buffers
+    assert four < 0.35 * one

@@ -72,3 +72,16 @@ def fewest_cards(longest: dict[int, int], seq_len: int) -> int | None:
     """The smallest context-parallel degree of `longest` ({cards: tokens}) whose row holds
     `seq_len` tokens; None when none does."""
     return next((n for n, tokens in sorted(longest.items()) if tokens >= seq_len), None)
+
+
+def rank_activation_bytes(model_config: Any, seq_len: int, degree: int, *, dtype_bytes: int = 2,
+                          **estimate_kw: Any) -> int:
+    """Predicted activation bytes of one rank (the step's peak less weights, gradients and
+    optimizer state) for rows of `seq_len` tokens split over `degree` ranks: the one-card
+    estimate (`estimate_peak` keywords in `estimate_kw`) at ``seq_len / degree`` tokens plus
+    Ulysses' exchange buffers for those tokens."""
+    from maximus.memory.estimate import estimate_peak
+
+    local = seq_len // degree
+    activations = estimate_peak(model_config, seq_len=local, **estimate_kw).breakdown["activations"]
+    return int(activations + exchange_bytes_per_token(model_config, degree, dtype_bytes) * local)
