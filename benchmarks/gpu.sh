@@ -76,9 +76,10 @@ for step in "${steps[@]}"; do
 done
 started=$SECONDS
 # step_timeout CAP: the cap, or what is left of the budget (5 s kept for the end of this script), at least 1.
+# A dry run checks wiring, not time: on a loaded CPU a step's cap would fail it for being slow.
 step_timeout() {
     local left=$((budget - (SECONDS - started) - 5))
-    left=$((left < $1 ? left : $1))
+    [ "$dry" = 1 ] || left=$((left < $1 ? left : $1))
     echo $((left < 1 ? 1 : left))
 }
 out="${OUT:-gpu-results}"
