@@ -26,7 +26,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from maximus.errors import ConfigError
-from maximus.memory.weight_streaming import FrozenWeightStreamer
+from maximus.memory.weight_streaming import FrozenWeightStreamer, _tensor_outputs
 
 __all__ = ["ActivationOffloader", "FrozenWeightStreamer", "OffloadedAdamW", "OPTIMIZERS", "build_optimizer"]
 
@@ -166,14 +166,6 @@ class ActivationOffloader:
         if entry.ready is not None:
             torch.cuda.current_stream().wait_event(entry.ready)
             entry.ready = None
-
-
-def _tensor_outputs(out) -> list[torch.Tensor]:
-    if isinstance(out, torch.Tensor):
-        return [out]
-    if isinstance(out, (tuple, list)):
-        return [t for t in out if isinstance(t, torch.Tensor)]
-    return []
 
 
 # --------------------------------------------------------------------------------------------
