@@ -601,7 +601,8 @@ def test_export_from_the_api_obeys_the_export_rules_and_downloads(served, finish
     (foreign / "notes.txt").write_text("mine")
     assert api.post("/api/runs/fin/export", {"format": "gguf", "quant": "q9_9"})[0] == 400
     status, answer = api.post("/api/runs/fin/export", {"format": "gguf", "quant": "q8_0"})
-    assert (status, answer) == (202, {"run": "fin", "export": "gguf-q8_0", "path": str(run / "exports" / "gguf-q8_0.gguf")})
+    assert (status, answer) == (202, {"run": "fin", "export": "gguf-q8_0", "path": str(run / "exports" / "gguf-q8_0.gguf"),
+                                      "warnings": []})
     assert api.post("/api/runs/fin/export", {"format": "adapter"})[0] == 202
     assert api.jobs.wait("export-gguf-q8_0", "fin", timeout=180) == 0
     assert api.jobs.wait("export-adapter", "fin", timeout=180) == 2
@@ -623,6 +624,38 @@ def test_export_from_the_api_obeys_the_export_rules_and_downloads(served, finish
         pytest.skip("llama-cpp-python is not installed: the exported GGUF was checked by the export rules only")
     llm = llama_cpp.Llama(str(gguf), n_ctx=128, n_threads=1, verbose=False)
     assert llm.n_vocab() == json.loads((api.models / "llama" / "config.json").read_text())["vocab_size"]
+
+
+def test_export_defaults_to_the_runs_qat_target_and_warns_on_another_quant_as_the_cli_does(served, finished):
+    """A run trained for q4_0 (training.qat): the page's default quantization names it, an export
+    without a quant writes q4_0, another quant is written with the CLI's own warning
+    (tests/qat/test_qat_training.py), and a target GGUF cannot hold (int4) is refused in the CLI's line."""
+    from maximus.evaluate.deployed import gguf_quant
+
+    api = served
+    run, _ = finished
+    recorded = json.loads((run / "run.json").read_text())["config"]
+    qat = _run_like(run, "qatrun", training={**recorded["training"], "qat": "q4_0"})
+    status, page = api.call("GET", "/runs/qatrun")
+    assert status == 200 and '<option value="">default: q4_0 (trained for it, training.qat)</option>' in page.decode()
+    assert '<option value="">default</option>' in api.call("GET", "/runs/fin")[1].decode()
+    status, answer = api.post("/api/runs/qatrun/export", {"format": "gguf"})
+    assert (status, answer) == (202, {"run": "qatrun", "export": "gguf-q4_0", "path": str(qat / "exports" / "gguf-q4_0.gguf"),
+                                      "warnings": []})
+    status, answer = api.post("/api/runs/qatrun/export", {"format": "gguf", "quant": "q8_0"})
+    warning = (f"warning: {qat} was trained for q4_0 (training.qat); --quant q8_0 rounds its weights differently than "
+               "it trained for (omit --quant to write q4_0)")
+    assert (status, answer["export"], answer["warnings"]) == (202, "gguf-q8_0", [warning])
+    assert api.jobs.wait("export-gguf-q4_0", "qatrun", timeout=180) == 0
+    assert api.jobs.wait("export-gguf-q8_0", "qatrun", timeout=180) == 0
+    assert gguf_quant(qat / "exports" / "gguf-q4_0.gguf") == "q4_0"
+    assert gguf_quant(qat / "exports" / "gguf-q8_0.gguf") == "q8_0"
+    _run_like(run, "int4run", training={**recorded["training"], "qat": "int4"})
+    status, answer = api.post("/api/runs/int4run/export", {"format": "ollama"})
+    assert (status, answer) == (400, {"error": f"{api.runs / 'int4run'} was trained for int4 (training.qat), which --format "
+                                               "ollama cannot hold (GGUF has no int4 type) (hint: pass --quant (e.g. "
+                                               "--quant q8_0) to write it anyway, or --format merged)"})
+    assert not (api.runs / "int4run" / "exports").exists()
 
 
 def test_export_progress_names_each_stage_and_counts_every_tensor(finished, tmp_path, monkeypatch):

@@ -23,6 +23,10 @@ blueprint = Blueprint("export", __name__)
 
 @blueprint.route("/api/runs/<path:run>/export", methods=["POST"])
 def api_export(run: Run):
+    """Starts `maximus export`. Without a quant, a GGUF / Ollama export writes the run's
+    `training.qat` target (else f16 / q8_0), as the CLI does (`maximus.export.local.quant_for_run`);
+    the answer's ``warnings`` are the CLI's, e.g. for a quant other than the one the run trained for."""
+    from maximus.export.local import quant_for_run
     from maximus.export.to_gguf import check_quant
 
     data = json_body()
@@ -32,21 +36,24 @@ def api_export(run: Run):
         raise ConfigError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}", 'e.g. "format": "gguf"')
     if quant is not None and fmt not in ("gguf", "ollama"):
         raise ConfigError(f"quant applies to format gguf or ollama, not {fmt}", "drop quant or change format")
-    if fmt in ("gguf", "ollama"):
-        quant = quant or ("f16" if fmt == "gguf" else "q8_0")
+    if quant is not None:
         if not isinstance(quant, str):
             raise ConfigError(f"quant must be a string, got {quant!r}", 'e.g. "quant": "q8_0"')
         check_quant(quant)
     if not (path / "run.json").is_file():
         raise Conflict(f"run {name} is not finished", "export a finished run")
     ui_state().guard.finished_config(run)  # the export child loads the model: no code without --allow-code
+    warnings: list[str] = []
+    if fmt in ("gguf", "ollama"):
+        quant, warnings = quant_for_run(path, quant or None, fmt)
+        check_quant(quant)
     export_id, out = export_target(path, fmt, quant)
     args = [str(path), "--out", str(out), "--format", fmt] + (["--quant", quant] if quant else [])
     if out.exists():
         args.append("--overwrite")  # replaces only a previous export of ours (maximus.export.target)
     out.parent.mkdir(exist_ok=True)
     ui_state().jobs.start_export(name, export_id, args)
-    return jsonify({"run": name, "export": export_id, "path": str(out)}), 202
+    return jsonify({"run": name, "export": export_id, "path": str(out), "warnings": warnings}), 202
 
 
 @blueprint.route("/runs/<path:run>/exports/<export_id>")

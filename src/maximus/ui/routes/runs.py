@@ -41,7 +41,9 @@ def run_page(run: Run) -> str:
 
     detail = detail_of(run)
     quants = list(QUANTS) + (list(K_QUANTS) if importlib.util.find_spec("llama_cpp") is not None else [])
+    recorded = detail["config"] or {}
     return render_template("run.html", name=run.name, detail=detail, export_formats=EXPORT_FORMATS, quants=quants,
+                           qat_target=(recorded.get("training") or {}).get("qat", "off"),
                            has_run_json=(run.path / "run.json").is_file(),
                            config_text=json.dumps(detail["config"], indent=2) if detail["config"] else "")
 
