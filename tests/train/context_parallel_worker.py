@@ -17,6 +17,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from safetensors.torch import save_file
+from torch.distributed.tensor import DTensor
 
 from maximus import Config, Trainer
 from maximus.attention.context_split import ContextSplit
@@ -102,7 +103,10 @@ def two_steps(cfg: dict) -> tuple[dict[str, torch.Tensor], Trainer]:
     def keep_grads(trainer, step):  # the gradient itself, before AdamW turns it into ~sign(grad)
         for name, p in trainer.model.named_parameters():
             if p.requires_grad:
-                kept[f"{step}/{name}"] = p.grad.detach().clone()
+                grad = p.grad.detach()
+                if isinstance(grad, DTensor):  # an FSDP2 shard: gathered whole (every rank takes part)
+                    grad = grad.full_tensor()
+                kept[f"{step}/{name}"] = grad.clone()
 
     trainer = Trainer(Config.from_dict(cfg), hooks={"after_backward": keep_grads})
     trainer.setup()
