@@ -313,7 +313,7 @@ class TrainingConfig(_Section):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute dtype: `auto` = bf16 where the device supports it, else fp32.")
     max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped).")
     distributed: Literal["auto", "ddp", "fsdp"] = Field("auto", description="Under torchrun: FSDP2 when the model does not fit one device, else DDP.")
-    context_parallel: int = Field(1, ge=1, description="Under torchrun: split each row's tokens over this many processes (context parallelism), so a row longer than one device holds can train; it must divide the world size, the remaining factor splits the batch (DDP). Attention sees the whole causal row through Ulysses (an all-to-all, when the query heads divide by it) or else ring attention; positions and packed documents are the whole row's; the loss is normalised by the whole step's token count, so the update equals one process's. Objectives sft and dpo (chosen and rejected rows split alike), with DDP; 1 = off. See docs/distributed.md.")
+    context_parallel: int = Field(1, ge=1, description="Under torchrun: split each row's tokens over this many processes (context parallelism), so a row longer than one device holds can train; it must divide the world size, the remaining factor splits the batch (DDP). Attention sees the whole causal row through Ulysses (an all-to-all, when the query heads divide by it) or else ring attention; positions and packed documents are the whole row's; the loss is normalised by the whole step's token count, so the update equals one process's. Objectives sft, dpo (chosen and rejected rows split alike) and grpo (its training pass; generation runs whole rows on every rank, and context_parallel must then equal the world size), with DDP; 1 = off. See docs/distributed.md.")
     log_every: int = Field(1, ge=1, description="Print/log every N optimizer steps (metrics.jsonl always gets every step).")
     qat: Literal["off", "q8_0", "q4_0", "q4_k_m", "int4"] = Field("off", description="Quantization-aware training for the file you deploy: in training mode every forward sees the weights rounded as the export will round them (a straight-through gradient; with LoRA / QLoRA the quantized merged weight base + adapter). `q8_0`, `q4_0`, `q4_k_m`: the GGUF types of `maximus export --format gguf | ollama --quant` (which then defaults to this), rounded exactly as the gguf package and llama.cpp's quantiser round each tensor (llama.cpp's own Q4_K_M mixture and fallbacks); `int4`: torchao's symmetric int4 in groups of 32 on the decoder's linears (no GGUF export holds it). Held-out evaluation scores the float model; `maximus eval --gguf FILE` scores the export in llama.cpp. Costs one fake-quantized copy of the quantized weights and their rounding each step (docs/benchmarks/qat.md). Not with DoRA, mixture-of-experts models or Kronecker sketching.")
     memory_meter: Literal["auto", "every_step", "sampled"] = Field("auto", description="Which steps run under the memory meter. `every_step`: all of them. `sampled`: on the CPU, where the meter sees every op and can nearly double a small model's step, only the steps that can set a new peak (the first two, a step with longer rows or more tokens than every metered one, the first after a re-plan, every 25th and the last; GRPO decides on its sampled rows, and its sampling is always metered); the others log no memory. `auto`: every step on CUDA (the allocator's counters cost nothing), `sampled` elsewhere.")
@@ -511,10 +511,15 @@ class Config(_Section):
             raise ConfigError(f"training.context_parallel {t.context_parallel} cannot split Kronecker Sketching attention "
                               "(optimization.kronecker_sketching): its sketch summarises the whole row on one process",
                               "turn off optimization.kronecker_sketching or set training.context_parallel: 1")
-        if self.objective not in ("sft", "dpo"):
-            raise ConfigError(f"training.context_parallel {t.context_parallel} supports objectives sft and dpo, "
+        if self.objective not in ("sft", "dpo", "grpo"):
+            raise ConfigError(f"training.context_parallel {t.context_parallel} supports objectives sft, dpo and grpo, "
                               f"not {self.objective}",
                               "set training.context_parallel: 1")
+        if self.objective == "grpo" and self.grpo.async_generation:
+            raise ConfigError(f"training.context_parallel {t.context_parallel} cannot run grpo.async_generation: "
+                              "the ranks exchange the sampled completions, which a second thread cannot do "
+                              "beside the training step's exchanges",
+                              "set grpo.async_generation: false or training.context_parallel: 1")
         if t.distributed == "fsdp":
             raise ConfigError(f"training.context_parallel {t.context_parallel} runs under DDP, not training.distributed: fsdp",
                               "set training.distributed: ddp or auto")

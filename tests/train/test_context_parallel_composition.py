@@ -10,7 +10,11 @@ on the same rows (loss and every LoRA gradient of two optimizer steps):
   bf16 sums (whole-row matmuls become share-sized ones), so it moves a result by about as much as
   bf16 itself does (measured on a 2-core AMD EPYC with AVX512-BF16: at most 0.86x, median 0.15x),
   while a wrong split (a missed row part, a wrong normalisation) moves it by the gradient itself;
-- DPO over 4 ranks: chosen and rejected rows split alike, to 1e-5.
+- DPO over 4 ranks: chosen and rejected rows split alike, to 1e-5;
+- GRPO's training pass over 4 ranks (generation is not split: every rank samples the whole
+  completions and keeps the first rank's), loss type ``grpo`` (each token divided by its whole
+  completion's length), a KL term to the reference and a second update on the same completions
+  (the kept sampling log-probs split alike), to 1e-5.
 """
 import copy
 import json
@@ -22,7 +26,11 @@ import torch
 from safetensors.torch import load_file
 
 from context_parallel_worker import two_steps
+from maximus import Config
+from maximus.errors import ConfigError
+from maximus.train.objectives.grpo import check_world
 from test_distributed_dpo import _pairs
+from test_grpo_objective import REWARDS, write_prompts
 from tiny import build_tiny_model_dir, tiny_config, write_prompt_completion
 from two_ranks import rank_report, run_two_ranks
 
@@ -48,7 +56,12 @@ def _configs(tmp: Path) -> dict[str, dict]:
     qlora_bf16["training"]["dtype"] = "bf16"
     dpo = cfg("dpo", RANKS, objective="dpo")
     dpo["dataset"] = {"path": str(pairs), "format": "preference"}
-    return {"qlora": qlora, "qlora_bf16": qlora_bf16, "dpo": dpo}
+    grpo = cfg("grpo", RANKS, objective="grpo",
+               grpo={"group_size": 4, "max_completion_tokens": 6, "rewards": [f"{REWARDS}:word_count"], "beta": 0.1,
+                     "loss_type": "grpo", "updates_per_generation": 2})
+    grpo["training"]["micro_batch_size"] = 4
+    grpo["dataset"] = {"path": str(write_prompts(tmp / "prompts.jsonl")), "format": "prompt"}
+    return {"qlora": qlora, "qlora_bf16": qlora_bf16, "dpo": dpo, "grpo": grpo}
 
 
 @pytest.fixture(scope="module")
@@ -84,7 +97,7 @@ def _assert_trained(result: dict[str, torch.Tensor]) -> None:
     assert any(result[k].abs().max() > 1e-3 for k in result if k.startswith("2/") and "lora_A" in k)
 
 
-@pytest.mark.parametrize("name", ["qlora", "dpo"])
+@pytest.mark.parametrize("name", ["qlora", "dpo", "grpo"])
 def test_split_equals_one_process_in_fp32(launched, name):
     tmp, configs, proc = launched
     assert f"{name}: exchange ulysses" in proc.stdout
@@ -106,3 +119,26 @@ def test_split_in_bf16_is_within_bf16_rounding_of_one_bf16_process(launched):
         error = (split[key].double() - one_bf16[key].double()).abs().max().item()
         assert error <= 2 * rounding, (key, error, rounding)
     assert (one_bf16["loss"] - one_fp32["loss"]).abs().max() > 1e-5  # bf16 really ran
+
+
+@pytest.mark.parametrize("world, degree, strategy, message", [
+    (4, 2, "ddp", "objective grpo under torchrun splits rows only: training.context_parallel (2) must equal the "
+                  "number of processes (4) (hint: set training.context_parallel: 4, or run maximus-train without torchrun)"),
+    (2, 1, "ddp", "objective grpo under torchrun splits rows only: training.context_parallel (1) must equal the "
+                  "number of processes (2) (hint: set training.context_parallel: 2, or run maximus-train without torchrun)"),
+    (2, 2, "fsdp", "objective grpo under training.context_parallel 2 runs under DDP, not FSDP2: every rank samples "
+                   "whole completions outside the training step (hint: set training.distributed: ddp)"),
+])
+def test_grpo_refuses_a_world_it_cannot_split(world, degree, strategy, message):
+    with pytest.raises(ConfigError) as err:
+        check_world(world, degree, strategy)
+    assert str(err.value) == message
+
+
+def test_grpo_refuses_asynchronous_generation_under_the_split():
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict({"model": "m", "dataset": "d.jsonl", "objective": "grpo",
+                          "grpo": {"async_generation": True}, "training": {"context_parallel": 2}})
+    assert str(err.value) == ("config: training.context_parallel 2 cannot run grpo.async_generation: the ranks exchange "
+                              "the sampled completions, which a second thread cannot do beside the training step's "
+                              "exchanges (hint: set grpo.async_generation: false or training.context_parallel: 1)")

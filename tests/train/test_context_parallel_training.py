@@ -141,7 +141,7 @@ def test_context_parallel_must_divide_the_world():
     ("training", {"distributed": "fsdp"},
      "training.context_parallel 2 runs under DDP, not training.distributed: fsdp "
      "(hint: set training.distributed: ddp or auto)"),
-    ("objective", "contrastive", "training.context_parallel 2 supports objectives sft and dpo, not contrastive "
+    ("objective", "contrastive", "training.context_parallel 2 supports objectives sft, dpo and grpo, not contrastive "
                                  "(hint: set training.context_parallel: 1)"),
 ])
 def test_what_cannot_be_split_is_refused_before_loading(section, value, message):

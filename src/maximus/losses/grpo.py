@@ -108,7 +108,7 @@ def grpo_loss_sum(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Ten
                   old_logps: torch.Tensor | None = None, ref_logps: torch.Tensor | None = None,
                   beta: float = 0.0, epsilon: float = 0.2, epsilon_high: float | None = None,
                   loss_type: LossType = "grpo", max_completion_tokens: int | None = None,
-                  kl_ratio_correction: bool = True) -> GrpoLossParts:
+                  kl_ratio_correction: bool = True, row_lengths: torch.Tensor | None = None) -> GrpoLossParts:
     """The GRPO loss of a micro-batch of completions, as a sum and a unit count (module doc).
 
     Args:
@@ -125,6 +125,9 @@ def grpo_loss_sum(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Ten
         loss_type: ``grpo`` | ``dr_grpo`` | ``dapo``.
         max_completion_tokens: ``L_max`` of ``dr_grpo`` (required for it).
         kl_ratio_correction: weight the KL term by the importance ratio (module doc).
+        row_lengths: ``[B]`` each whole completion's token count, the ``grpo`` divisor, when
+            ``logps`` hold only a share of each completion's tokens (context parallelism: the
+            shares' sums add up to the whole loss); default the mask's count per row.
 
     Raises:
         ConfigError: unknown ``loss_type``, ``beta > 0`` without ``ref_logps``, ``dr_grpo``
@@ -160,7 +163,8 @@ def grpo_loss_sum(logps: torch.Tensor, mask: torch.Tensor, advantages: torch.Ten
     masked = per_token * mask
     lengths = mask.sum(dim=1)
     if loss_type == "grpo":
-        loss_sum, units = (masked.sum(dim=1) / lengths.clamp(min=1)).sum(), torch.tensor(float(mask.shape[0]))
+        divisor = lengths if row_lengths is None else row_lengths.to(dtype)
+        loss_sum, units = (masked.sum(dim=1) / divisor.clamp(min=1)).sum(), torch.tensor(float(mask.shape[0]))
     elif loss_type == "dr_grpo":
         loss_sum, units = masked.sum() / float(max_completion_tokens), torch.tensor(float(mask.shape[0]))
     else:

@@ -134,6 +134,24 @@ class ContextParallel:
             share["document_ids"] = documents
         return share
 
+    def take_padded(self, values: torch.Tensor, fill) -> torch.Tensor:
+        """This rank's share of per-token `values` [R, T] of whole rows (e.g. log-probs aligned
+        with the targets), padded with `fill` to the length `share_rows` pads the rows to."""
+        extra = -values.shape[1] % (2 * self.split.degree)
+        if extra:
+            values = torch.cat([values, values.new_full((values.shape[0], extra), fill)], dim=1)
+        return self.split.take(values, 1)
+
+    def broadcast_from_first(self, value):
+        """`value` as the group's first rank holds it (a picklable object), on every rank of the
+        group: what every rank must see alike, e.g. sampled completions."""
+        if not self.split.enabled:
+            return value
+        box = [value]
+        first = dist.get_global_rank(self.split.group, 0) if self.split.group is not None else 0
+        dist.broadcast_object_list(box, src=first, group=self.split.group)
+        return box[0]
+
     @contextlib.contextmanager
     def attending(self, batch: dict):
         """The span of one micro-batch's forward and backward (recomputed layers attend again).

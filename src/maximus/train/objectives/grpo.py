@@ -27,9 +27,17 @@ Metrics per step (metrics.jsonl): `reward`, `reward_std`, `reward/<function>`, `
 loss, tokens_per_s and memory. `evaluate`: greedy completions of the held-out prompts, their mean
 reward and per-function means (the before/after table).
 
+Under torchrun with `training.context_parallel` equal to the number of processes, the training
+pass is split: every rank samples the generation batch whole (generation, rewards and the
+reference / sampling-policy log-probs are not split) and keeps the group's first rank's
+completions, then each micro-batch of completions is cut into the ranks' zigzag shares
+(`ContextParallel.share_rows`), with the kept log-probs cut alike; each rank's loss is the sum of
+its tokens' terms (a ``grpo`` token divided by its whole completion's length), and the ranks' sums
+make the one-process loss.
+
 Raises ConfigError: `optimization.use_ghost_logit` or `matryoshka`; `beta > 0` without an adapter
-to switch off; temperature != 1 on a soft-capped head; more than one process; reward loading
-errors. RewardError: a reward function raising or returning the wrong thing (one line, naming it).
+to switch off; temperature != 1 on a soft-capped head; torchrun without a context-parallel group
+of the whole world, or under FSDP2; reward loading errors. RewardError: a reward function raising or returning the wrong thing (one line, naming it).
 """
 from __future__ import annotations
 
@@ -45,7 +53,7 @@ from maximus.losses.grpo import group_advantages, grpo_loss_sum
 from maximus.losses.token_outputs import label_log_probs
 from maximus.memory.generation import sampler_records_logps
 from maximus.memory.plan import Plan
-from maximus.forward import IGNORE_INDEX, autocast_for, hidden_states, output_head, shift_labels, through_head
+from maximus.forward import IGNORE_INDEX, autocast_for, batch_target, hidden_states, output_head, through_head
 from maximus.structure import peft_model_of
 from maximus.train.objectives.base import Objective
 from maximus.train.rewards import load_rewards, score_group
@@ -61,9 +69,8 @@ def completion_logps(model, batch: dict, *, temperature: float = 1.0, chunk_size
     Position t holds log p(input[t + 1] | input[:t + 1]) where that token is labelled (a
     completion token), else 0. `mode` ``exact`` is chunked (no full logits); ``naive`` holds the
     full logits (the reference path, `optimization.loss: naive`)."""
-    position_ids = batch.get("position_ids")
-    hidden = hidden_states(model, batch["input_ids"], position_ids)
-    target = shift_labels(batch["labels"], position_ids)
+    hidden = hidden_states(model, batch["input_ids"], batch.get("position_ids"))
+    target = batch_target(batch)  # a context-parallel share carries its targets shifted on the whole row
 
     def logps_of(hidden: torch.Tensor) -> torch.Tensor:
         head = output_head(model)  # read inside: a sharded head is gathered only here
@@ -71,6 +78,19 @@ def completion_logps(model, batch: dict, *, temperature: float = 1.0, chunk_size
                                temperature=temperature, ignore_index=IGNORE_INDEX, chunk_size=chunk_size, mode=mode)
 
     return through_head(model, hidden, logps_of), target != IGNORE_INDEX
+
+
+def check_world(world_size: int, context_parallel: int, strategy: str) -> None:
+    """GRPO under torchrun: only the rows of the training pass are split (every rank of one
+    context-parallel group of the whole world), under DDP; a ConfigError otherwise."""
+    if world_size > 1 and context_parallel != world_size:
+        raise ConfigError(f"objective grpo under torchrun splits rows only: training.context_parallel "
+                          f"({context_parallel}) must equal the number of processes ({world_size})",
+                          f"set training.context_parallel: {world_size}, or run maximus-train without torchrun")
+    if world_size > 1 and strategy == "fsdp":
+        raise ConfigError(f"objective grpo under training.context_parallel {context_parallel} runs under DDP, not "
+                          "FSDP2: every rank samples whole completions outside the training step",
+                          "set training.distributed: ddp")
 
 
 @dataclass
@@ -107,6 +127,9 @@ class GRPOObjective(Objective):
         self._pending: "_PendingGeneration | None" = None
         self._vllm = None  # grpo.generation: vllm, started on the first generation
         self._sums: dict[str, float] = {}
+        #: The trainer's `ContextParallel` (training.context_parallel): the training pass's rows are
+        #: split over its ranks; None or degree 1: whole rows.
+        self.context_parallel = None
 
     @property
     def mode(self) -> str:
@@ -121,17 +144,24 @@ class GRPOObjective(Objective):
         out-of-memory error applies to the redone step."""
         return max(1, self.plan.micro_batch_size)
 
+    @property
+    def split(self):
+        """The context-parallel group when rows are split, else None."""
+        cp = self.context_parallel
+        return cp if cp is not None and cp.split.enabled else None
+
     def prepare(self, trainer) -> None:
-        if getattr(trainer.dist, "world_size", 1) > 1:
-            raise ConfigError("objective grpo runs in one process for now, not under torchrun",
-                              "run maximus-train without torchrun")
+        dist_env = trainer.dist
+        check_world(dist_env.world_size if dist_env.enabled else 1, dist_env.context_parallel, dist_env.strategy)
         if self.g.beta > 0 and peft_model_of(trainer.model) is None:
             raise ConfigError(f"grpo.beta > 0 compares with the model with its adapter switched off, but method is "
                               f"{trainer.method}", "use method: lora or qlora, or set grpo.beta: 0 (no reference)")
 
     def count(self, batch: dict) -> int:
         if self.g.loss_type == "dapo":
-            return int((shift_labels(batch["labels"], batch.get("position_ids")) != IGNORE_INDEX).sum())
+            return int((batch_target(batch) != IGNORE_INDEX).sum())
+        if self.split is not None and self.split.split.rank:  # a split row counts once, on the group's first rank
+            return 0
         return int(batch["input_ids"].shape[0])
 
     def tokens(self, batch: dict) -> int:
@@ -161,7 +191,7 @@ class GRPOObjective(Objective):
         if self.g.async_generation and within == per_batch - 1 and step < trainer.total_steps:
             self._start_pending(trainer, gen.index + 1)  # sampled with the weights before this step's update
         micro = self.micro_batch_size
-        return [self._collate(gen, rows[i:i + micro]) for i in range(0, len(rows), micro)]
+        return [self._share(self._collate(gen, rows[i:i + micro])) for i in range(0, len(rows), micro)]
 
     def sample_step(self, trainer, step: int) -> list[int]:
         """Sample step `step`'s generation batch (if it is the first step it serves) and return
@@ -191,7 +221,8 @@ class GRPOObjective(Objective):
     def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
         logps, mask = completion_logps(model, batch, temperature=self.g.temperature,
                                        chunk_size=self.plan.loss_chunk_size, mode=self.mode)
-        parts = grpo_loss_sum(logps, mask, batch["advantages"], old_logps=batch.get("old_logps"),
+        parts = grpo_loss_sum(logps, mask, batch["advantages"], row_lengths=batch.get("completion_tokens"),
+                              old_logps=batch.get("old_logps"),
                               ref_logps=batch.get("ref_logps"), beta=self.g.beta, epsilon=self.g.epsilon,
                               epsilon_high=self.g.epsilon_high, loss_type=self.g.loss_type,
                               max_completion_tokens=self.g.max_completion_tokens,
@@ -202,6 +233,10 @@ class GRPOObjective(Objective):
 
     def step_metrics(self) -> dict:
         """This step's generation metrics and its token means (kl, clip ratios)."""
+        if self.split is not None:  # each rank summed its share of the tokens
+            keys = sorted(self._sums)
+            totals = self.split.sum_over_row(torch.tensor([self._sums[k] for k in keys], dtype=torch.float64))
+            self._sums = dict(zip(keys, totals.tolist()))
         tokens = max(self._sums.get("tokens", 0.0), 1.0)
         out = dict(self.generation.metrics) if self.generation is not None else {}
         if not getattr(self, "_sampled_now", True):  # a later update on the same completions
@@ -268,6 +303,8 @@ class GRPOObjective(Objective):
         record = sampler_records_logps(self.cfg, self.plan.dtype)  # the kept old log-probs, drawn with the tokens
         with mode, torch.no_grad(), autocast_for(trainer.device, trainer.dtype):
             sampled = self.sample(trainer, [p["prompt_ids"] for p in prompts], index, record_logps=record)
+        if self.split is not None:  # the same seed samples the same completions; this makes it certain
+            sampled = self.split.broadcast_from_first(sampled)
         generation_s = time.perf_counter() - started
         gen = self.build_generation(trainer, index, prompts, sampled.completions, reference=not in_thread,
                                     sampled_logps=sampled.logps if record else None)
@@ -393,6 +430,25 @@ class GRPOObjective(Objective):
                                                 chunk_size=self.plan.loss_chunk_size, mode=self.mode)
                 out.extend(logps[j, :int(n)].float().cpu() for j, n in enumerate(batch["lengths"]))
         return out
+
+    def _share(self, batch: dict) -> dict:
+        """This rank's share of a micro-batch of whole completions (unchanged without the split):
+        the rows' shares (`ContextParallel.share_rows`), the kept log-probs cut alike, each whole
+        completion's token count (``completion_tokens``, the ``grpo`` loss's divisor) and the
+        share's own real tokens (``lengths``, for tokens/s)."""
+        cp = self.split
+        if cp is None:
+            return batch
+        share = cp.share_rows(batch["input_ids"], batch["labels"], batch["position_ids"], self.pad_token_id)
+        for name in ("old_logps", "ref_logps"):
+            if name in batch:
+                share[name] = cp.take_padded(batch[name], 0.0)
+        width = batch["input_ids"].shape[1]
+        real = torch.arange(width)[None, :] < batch["lengths"][:, None]
+        share["lengths"] = cp.take_padded(real, False).sum(dim=1)
+        share["completion_tokens"] = (batch_target(batch) != IGNORE_INDEX).sum(dim=1)
+        share["advantages"] = batch["advantages"]
+        return share
 
     def _collate(self, gen: Generation, indices, with_logps: bool = True) -> dict:
         from maximus.data import collate
