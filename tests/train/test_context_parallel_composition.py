@@ -26,9 +26,6 @@ import torch
 from safetensors.torch import load_file
 
 from context_parallel_worker import two_steps
-from maximus import Config
-from maximus.errors import ConfigError
-from maximus.train.objectives.grpo import check_world
 from test_distributed_dpo import _pairs
 from test_grpo_objective import REWARDS, write_prompts
 from tiny import build_tiny_model_dir, tiny_config, write_prompt_completion
@@ -120,25 +117,3 @@ def test_split_in_bf16_is_within_bf16_rounding_of_one_bf16_process(launched):
         assert error <= 2 * rounding, (key, error, rounding)
     assert (one_bf16["loss"] - one_fp32["loss"]).abs().max() > 1e-5  # bf16 really ran
 
-
-@pytest.mark.parametrize("world, degree, strategy, message", [
-    (4, 2, "ddp", "objective grpo under torchrun splits rows only: training.context_parallel (2) must equal the "
-                  "number of processes (4) (hint: set training.context_parallel: 4, or run maximus-train without torchrun)"),
-    (2, 1, "ddp", "objective grpo under torchrun splits rows only: training.context_parallel (1) must equal the "
-                  "number of processes (2) (hint: set training.context_parallel: 2, or run maximus-train without torchrun)"),
-    (2, 2, "fsdp", "objective grpo under training.context_parallel 2 runs under DDP, not FSDP2: every rank samples "
-                   "whole completions outside the training step (hint: set training.distributed: ddp)"),
-])
-def test_grpo_refuses_a_world_it_cannot_split(world, degree, strategy, message):
-    with pytest.raises(ConfigError) as err:
-        check_world(world, degree, strategy)
-    assert str(err.value) == message
-
-
-def test_grpo_refuses_asynchronous_generation_under_the_split():
-    with pytest.raises(ConfigError) as err:
-        Config.from_dict({"model": "m", "dataset": "d.jsonl", "objective": "grpo",
-                          "grpo": {"async_generation": True}, "training": {"context_parallel": 2}})
-    assert str(err.value) == ("config: training.context_parallel 2 cannot run grpo.async_generation: the ranks exchange "
-                              "the sampled completions, which a second thread cannot do beside the training step's "
-                              "exchanges (hint: set grpo.async_generation: false or training.context_parallel: 1)")

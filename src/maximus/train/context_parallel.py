@@ -56,6 +56,38 @@ def context_parallel_attention_forward(module, query, key, value, attention_mask
     return out.transpose(1, 2).contiguous(), None
 
 
+def check_model_config(config, degree: int, longest_row: int) -> None:
+    """Refuse, before the weights load, a model whose attention the split would change: the
+    exchanges (`EXCHANGES`) compute plain causal softmax attention over the whole row, so a window
+    shorter than the rows, soft-capped scores, attention sinks, attention dropout and image tokens
+    (whose rows the split does not cut) would be dropped silently. `config`: the model's
+    Transformers config; `longest_row`: the longest row the run trains on (tokens)."""
+    from maximus.attention.varlen import sliding_window
+    from maximus.vision import is_vision_config
+
+    name = f"training.context_parallel {degree}"
+    kind = getattr(config, "model_type", type(config).__name__)
+    if is_vision_config(config):
+        raise ModelError(f"{name} cannot split the rows of a vision-language model ({kind}): its image features "
+                         "join the rows inside the model", "set training.context_parallel: 1")
+    window = sliding_window(config)
+    if window is not None and window < longest_row:
+        raise ModelError(f"{name} cannot split {kind}'s sliding-window attention (sliding_window {window} tokens, "
+                         f"rows of up to {longest_row}): the split attends to the whole causal row",
+                         f"set training.seq_len to at most {window} or training.context_parallel: 1")
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        raise ModelError(f"{name} cannot split {kind}'s soft-capped attention scores (attn_logit_softcapping "
+                         f"{softcap})", "set training.context_parallel: 1")
+    if kind == "gpt_oss":
+        raise ModelError(f"{name} cannot split {kind}'s attention sinks (one extra logit per head)",
+                         "set training.context_parallel: 1")
+    dropout = getattr(config, "attention_dropout", 0.0) or 0.0
+    if dropout > 0:
+        raise ModelError(f"{name} cannot apply attention dropout (attention_dropout {dropout}) to a split row",
+                         "set attention_dropout: 0.0 in the model's config.json, or training.context_parallel: 1")
+
+
 @dataclass
 class ContextParallel:
     """This rank's part in splitting rows; degree 1 (the default) changes nothing."""

@@ -54,7 +54,7 @@ from maximus.memory.run_plan import lean_lora_applies, plan_run, replan, resolve
 from maximus.models import check_model_source, load_model, load_tokenizer, resolve_device
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import latest_good_checkpoint, save_checkpoint
-from maximus.train.context_parallel import ContextParallel
+from maximus.train.context_parallel import ContextParallel, check_model_config
 from maximus.train.lock import RunLock
 from maximus.train.metering import MeterPolicy, meter_mode
 from maximus.train.objectives import ObjectiveModule, build_objective
@@ -116,6 +116,11 @@ class Trainer:
         check_output_dir(self.run_dir)  # a folder someone else filled is refused before anything loads
         check_model_source(cfg)
         require_packages(cfg)  # the optimizer's package, before anything heavy loads
+        if self.context.split.enabled:  # an attention the split would change: one line, before the data
+            from maximus.models import base_model_config
+
+            longest_row = cfg.training.seq_len + (cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else 0)
+            check_model_config(base_model_config(cfg), cfg.training.context_parallel, longest_row)
         if cfg.training.qat != "off":  # a target the model's export cannot hold: one line, before the data
             from maximus.models import base_model_config
             from maximus.qat.check import check_qat
