@@ -91,6 +91,7 @@ def _eval(argv: list[str]) -> int:
     from maximus.evaluate.tasks import task_eval_for_run, task_metrics
     from maximus.export import load_tuned, run_config
     from maximus.kernels import cpu_threads
+    from maximus.model_source import resolve_source
 
     run_dir = Path(args.run_dir)
     cfg = run_config(run_dir)
@@ -101,8 +102,10 @@ def _eval(argv: list[str]) -> int:
     if args.dataset:
         cfg.eval.dataset = args.dataset
     cpu_threads(torch.device("cpu"))  # the cores free now, as training picks them: far faster on a busy machine
-    model, tokenizer = load_tuned(run_dir, dtype=torch.float32)
-    data = build_run_datasets(cfg, tokenizer, objective="sft")
+    # The base model's source, once, for the adapter's base and the data (a full fine-tune loads none).
+    source = None if (run_dir / "model").is_dir() else resolve_source(cfg)
+    model, tokenizer = load_tuned(run_dir, dtype=torch.float32, cfg=cfg, source=source)
+    data = build_run_datasets(cfg, tokenizer, objective="sft", source=source)
     tasks = task_eval_for_run(cfg, tokenizer, data)
     kwargs = dict(cfg=cfg, tasks=tasks, device=torch.device("cpu"), dtype=torch.float32, batch_size=4,
                   chat=trains_on_chat(data.stats))
@@ -230,11 +233,13 @@ def _generate(argv: list[str]) -> int:
         chat = trains_on_chat(json.loads((source / "run.json").read_text()).get("data", {}))
     else:
         from maximus.config import Config
+        from maximus.model_source import resolve_source
         from maximus.models import load_base_model, load_tokenizer
 
         cfg = Config.from_dict({"model": str(source), "dataset": "-"})
-        tokenizer = load_tokenizer(cfg)
-        model = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
+        model_source = resolve_source(cfg)
+        tokenizer = load_tokenizer(cfg, model_source)
+        model = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora", source=model_source)
     for prompt, text in zip(args.prompt, generate_text(model, tokenizer, args.prompt, device=torch.device("cpu"),
                                                        max_new_tokens=args.max_new_tokens, chat=chat)):
         print(f"{prompt}{text}")

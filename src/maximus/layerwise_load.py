@@ -15,43 +15,23 @@ no layer is read or quantized again; each 4-bit weight is rebuilt empty (its qua
 state's shapes and fields are in the cache's manifest) and filled by the streamer when used.
 
 Only a local directory of safetensors files whose names match the model's parameters loads this
-way (`layerwise_source`); anything else loads whole and streams from there.
+way (`maximus.model_source.ModelSource.layerwise_directory`); anything else loads whole and
+streams from there.
 """
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
 
-__all__ = ["layerwise_fingerprint", "layerwise_source", "load_layerwise_qlora", "random_layerwise_qlora",
-           "weight_store_for_run"]
+from maximus.model_source import ModelSource, safetensors_weight_map
+
+__all__ = ["layerwise_fingerprint", "load_layerwise_qlora", "random_layerwise_qlora", "weight_store_for_run"]
 
 #: NF4 with double quantization, 64-value blocks, uint8 storage: `maximus.models._quantization_config`.
 QUANTIZATION = {"quant_type": "nf4", "double_quant": True, "blocksize": 64, "storage": "uint8"}
-
-
-def _weight_map(directory: Path) -> dict[str, str] | None:
-    index = directory / "model.safetensors.index.json"
-    if index.exists():
-        return json.loads(index.read_text())["weight_map"]
-    single = directory / "model.safetensors"
-    if single.exists():
-        from safetensors import safe_open
-
-        with safe_open(str(single), framework="pt") as f:
-            return {k: "model.safetensors" for k in f.keys()}
-    return None
-
-
-def layerwise_source(model: str) -> Path | None:
-    """The local safetensors directory `model` names, or None (a hub id, a GGUF file, pickles)."""
-    directory = Path(model)
-    if not directory.is_dir() or _weight_map(directory) is None:
-        return None
-    return directory
 
 
 def layerwise_fingerprint(directory: Path, dtype: torch.dtype) -> dict[str, Any]:
@@ -143,7 +123,7 @@ def load_layerwise_qlora(directory: Path, config, *, device: torch.device, dtype
     """The QLoRA base of `directory` with every decoder layer's 4-bit weights in `store` and
     released from the device (see the module docstring), or None when the checkpoint's names do
     not match the model's (the caller loads it whole)."""
-    weight_map = _weight_map(directory)
+    weight_map = safetensors_weight_map(directory)
     model = _skeleton(config, dtype=dtype, attention=attention, trust_remote_code=trust_remote_code)
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
         name for name, _ in model.named_parameters()}
@@ -268,9 +248,10 @@ def _pieces(weight) -> list[torch.Tensor]:
     return [weight, qs.absmax, qs.code, qs.offset, qs.state2.absmax, qs.state2.code]
 
 
-def weight_store_for_run(cfg, mode: str, *, device: torch.device, dtype: torch.dtype, method: str, model_config):
+def weight_store_for_run(source: ModelSource, mode: str, *, device: torch.device, dtype: torch.dtype, method: str):
     """The store `optimization.offload.params: on | disk` streams from, checked against this
-    machine before anything loads (`maximus.memory.streamed_weights.check_stream_capacity`).
+    machine before anything loads (`maximus.memory.streamed_weights.check_stream_capacity`);
+    `source`: the run's resolved model (`maximus.model_source`), its shape read from its config.
 
     ``disk`` with a local safetensors model: the cache of this model and quantization under
     ``$MAXIMUS_CACHE/streamed-weights/``, reused when complete. Any other model's layers are
@@ -281,15 +262,15 @@ def weight_store_for_run(cfg, mode: str, *, device: torch.device, dtype: torch.d
     from maximus.memory.streamed_weights import check_stream_capacity, streamed_layer_bytes
     from maximus.memory.weight_store import DiskWeightStore, HostWeightStore, streamed_cache_dir
 
-    shape = model_shape(model_config)
+    shape = model_shape(source.config)
     b = torch.tensor([], dtype=dtype).element_size()
     needed = shape.num_layers * streamed_layer_bytes(shape, method, b)
     pin = device.type == "cuda"
     if mode == "disk":
-        directory = layerwise_source(cfg.model)
+        directory = source.layerwise_directory
         reusable = directory is not None and method == "qlora"
         fingerprint = (layerwise_fingerprint(directory, dtype) if reusable
-                       else {"model": str(cfg.model), "method": method, "dtype": str(dtype)})
+                       else {"model": source.name, "method": method, "dtype": str(dtype)})
         store = DiskWeightStore(streamed_cache_dir(fingerprint), fingerprint, pin=pin)
         cached = reusable and store.open()
         check_stream_capacity("disk", needed, host_available=psutil.virtual_memory().available,

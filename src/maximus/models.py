@@ -15,15 +15,12 @@ import torch
 
 from maximus.config import Config
 from maximus.errors import ConfigError, ModelError
-from maximus.gguf_base import (check_gguf, gguf_config, gguf_location, is_gguf, metadata_read_once,
-                               shared_tensor_name_maps)
+from maximus.gguf_base import gguf_location, is_gguf, metadata_read_once, shared_tensor_name_maps
+from maximus.model_source import ModelSource, resolve_source
 from maximus.structure import causal_lm_of
-from maximus.vision import adapter_targets, freeze_for_full, is_vision_config, quantization_skip_modules
+from maximus.vision import adapter_targets, freeze_for_full
 from maximus.vision import auto_model_class as vision_auto_model_class
 from maximus.memory.run_plan import bf16_supported, resolve_dtype  # noqa: F401 - the plan decides the dtype
-
-_PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
-
 
 def resolve_device(name: str = "auto") -> torch.device:
     """`auto` = cuda, then mps, then cpu. Under torchrun each rank takes its LOCAL_RANK GPU."""
@@ -43,90 +40,53 @@ def resolve_device(name: str = "auto") -> torch.device:
     return torch.device(name)
 
 
-def check_model_source(cfg: Config) -> None:
-    """Fail fast, with a one-line ModelError, on a missing local model or pickle-only weights."""
-    if is_gguf(cfg.model):
-        check_gguf(cfg.model)
-        return
-    path = Path(cfg.model).expanduser()
-    looks_local = path.exists() or cfg.model.startswith((".", "/", "~")) or cfg.model.count("/") > 1
-    if not looks_local:
-        return
-    if not path.is_dir():
-        raise ModelError(f"model not found: {cfg.model}", "give a local model directory (with config.json) or a Hugging Face hub id")
-    if not (path / "config.json").is_file():
-        raise ModelError(f"model directory {cfg.model} has no config.json", "point `model:` at a directory written by save_pretrained")
-    has_safe = any(p.suffix == ".safetensors" for p in path.iterdir())
-    has_pickle = any(p.suffix in _PICKLE_SUFFIXES for p in path.iterdir())
-    if not has_safe and has_pickle and not cfg.allow_pickle:
-        raise ModelError(f"model directory {cfg.model} holds only pickle weights (.bin/.pt), which can run code when loaded",
-                         "convert them to safetensors, or set allow_pickle: true if you trust the files")
-
-
-def load_tokenizer(cfg: Config):
+def load_tokenizer(cfg: Config, source: ModelSource | None = None):
+    """The run's tokenizer: `tokenizer:` when the config names one, else the model's own (from
+    `source`, resolved here when not given; a GGUF file's is the vocabulary stored in it)."""
     from transformers import AutoTokenizer
 
-    if not cfg.tokenizer:
-        check_model_source(cfg)
-    source = cfg.tokenizer or cfg.model
+    if cfg.tokenizer:
+        where, kwargs = cfg.tokenizer, {}
+        if is_gguf(cfg.tokenizer):  # the vocabulary stored in the GGUF file itself
+            where, kwargs["gguf_file"] = gguf_location(cfg.tokenizer)
+    else:
+        source = source or resolve_source(cfg)
+        where, kwargs = source.pretrained_args()
+        kwargs.pop("use_safetensors", None)
+    shown = cfg.tokenizer or (source.name if source else cfg.model)
     try:
-        if is_gguf(source):  # the vocabulary stored in the GGUF file itself
-            directory, name = gguf_location(source)
+        if "gguf_file" in kwargs:
             with metadata_read_once():
-                tok = AutoTokenizer.from_pretrained(directory, gguf_file=name, trust_remote_code=cfg.trust_remote_code)
+                tok = AutoTokenizer.from_pretrained(where, gguf_file=kwargs["gguf_file"],
+                                                    trust_remote_code=cfg.trust_remote_code)
         else:
-            tok = AutoTokenizer.from_pretrained(source, trust_remote_code=cfg.trust_remote_code)
+            tok = AutoTokenizer.from_pretrained(where, trust_remote_code=cfg.trust_remote_code)
     except (OSError, ValueError) as exc:
-        raise ModelError(f"cannot load tokenizer from {source}: {str(exc).splitlines()[0]}",
+        raise ModelError(f"cannot load tokenizer from {shown}: {str(exc).splitlines()[0]}",
                          "set `tokenizer:` to a directory or hub id with a tokenizer") from None
     if tok.pad_token_id is None:
         if tok.eos_token is not None:
             tok.pad_token = tok.eos_token
         else:
-            raise ModelError(f"tokenizer {source} has neither a pad nor an eos token", "use a tokenizer with an eos token")
+            raise ModelError(f"tokenizer {shown} has neither a pad nor an eos token", "use a tokenizer with an eos token")
     tok.padding_side = "right"
     return tok
 
 
-def _quantization_config(dtype: torch.dtype, skip_modules: list[str] | None = None):
+def _quantization_config(dtype: torch.dtype, skip_modules: tuple[str, ...] | None = None):
     from transformers import BitsAndBytesConfig
 
     return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_use_double_quant=True,
                               bnb_4bit_compute_dtype=dtype, bnb_4bit_quant_storage=torch.uint8,
-                              llm_int8_skip_modules=skip_modules)
-
-
-def base_model_config(cfg: Config):
-    """The Transformers config of `cfg.model` (a directory, a hub id or a GGUF file), no weights.
-
-    Raises ModelError when it cannot be read, or when it is not a causal LM (naming its class and
-    the nearest tested family, `maximus.families.check_causal_lm`)."""
-    from transformers import AutoConfig
-
-    from maximus.families import check_causal_lm
-
-    if is_gguf(cfg.model):
-        config = gguf_config(cfg.model, cfg.trust_remote_code)
-    else:
-        try:
-            config = AutoConfig.from_pretrained(cfg.model, trust_remote_code=cfg.trust_remote_code)
-        except OSError as exc:
-            raise ModelError(f"cannot load model {cfg.model}: {str(exc).splitlines()[0]}",
-                             "check the id or path; hub models need network access (or a local copy)") from None
-        except ValueError as exc:
-            first = str(exc).splitlines()[0]
-            hint = ("set trust_remote_code: true only if you trust its code" if "trust_remote_code" in str(exc)
-                    else "the model's config.json does not load with this Transformers version")
-            raise ModelError(f"cannot load model {cfg.model}: {first}", hint) from None
-    if not is_vision_config(config):  # a VLM loads through AutoModelForImageTextToText (maximus.vision)
-        check_causal_lm(config, cfg.model)
-    return config
+                              llm_int8_skip_modules=list(skip_modules) if skip_modules is not None else None)
 
 
 def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, method: str | None = None,
-                    weight_store=None):
+                    weight_store=None, *, source: ModelSource | None = None):
     """The plain Transformers model: full precision master weights for full fine-tuning, the compute
     dtype for a frozen LoRA base, NF4 for QLoRA.
+
+    `source`: the model's resolved source (`maximus.model_source`), resolved here when not given.
 
     `weight_store` (``optimization.offload.params``): a QLoRA base in a local safetensors directory
     loads one layer at a time into it, never whole on the device (`maximus.layerwise_load`).
@@ -136,64 +96,61 @@ def load_base_model(cfg: Config, device: torch.device, dtype: torch.dtype, metho
     `maximus.families.attention_implementation`)."""
     import sys
 
-    from transformers import AutoModelForCausalLM
-
     from maximus.families import attention_implementation
 
     method = method or cfg.method
-    check_model_source(cfg)
-    config = base_model_config(cfg)
-    kwargs: dict = dict(trust_remote_code=cfg.trust_remote_code)
-    source = cfg.model
-    if is_gguf(cfg.model):
-        source, kwargs["gguf_file"] = gguf_location(cfg.model)
-    else:
-        kwargs["use_safetensors"] = None if cfg.allow_pickle else True
+    source = source or resolve_source(cfg)
+    where, kwargs = source.pretrained_args()
     if method == "full":
         # Master weights in fp32 when training in reduced precision: bf16 updates lose small steps,
         # unless each update is rounded stochastically (training.master_weights: bf16).
         kwargs["dtype"] = torch.bfloat16 if cfg.training.master_weights == "bf16" else torch.float32
     elif method == "qlora":
         kwargs["dtype"] = dtype
-        skip = quantization_skip_modules(config) if is_vision_config(config) else None
-        kwargs["quantization_config"] = _quantization_config(dtype, skip)
+        kwargs["quantization_config"] = _quantization_config(dtype, source.nf4_skip_modules)
         kwargs["device_map"] = {"": device}
     else:
         kwargs["dtype"] = dtype
-    attention, notice = attention_implementation(config)
+    attention, notice = attention_implementation(source.config)
     if notice:
         print(notice, file=sys.stderr)
-    kwargs.setdefault("attn_implementation", attention)
-    if method == "qlora" and weight_store is not None and "gguf_file" not in kwargs and not is_vision_config(config):
-        from maximus.layerwise_load import layerwise_source, load_layerwise_qlora
+    kwargs["attn_implementation"] = attention
+    if method == "qlora" and weight_store is not None and source.layerwise_directory is not None and not source.vision:
+        from maximus.layerwise_load import load_layerwise_qlora
 
-        directory = layerwise_source(cfg.model)
-        model = None if directory is None else load_layerwise_qlora(
-            directory, config, device=device, dtype=dtype, attention=kwargs["attn_implementation"],
-            trust_remote_code=cfg.trust_remote_code, store=weight_store)
+        model = load_layerwise_qlora(source.layerwise_directory, source.fresh_config(), device=device, dtype=dtype,
+                                     attention=attention, trust_remote_code=source.trust_remote_code,
+                                     store=weight_store)
         if model is not None:
             return model
-    try:
-        if "gguf_file" in kwargs and "quantization_config" in kwargs:
-            model = _gguf_as_nf4(source, kwargs)
-        elif "gguf_file" in kwargs:
-            with shared_tensor_name_maps(), metadata_read_once():
-                model = AutoModelForCausalLM.from_pretrained(source, **kwargs)
-        else:
-            auto = vision_auto_model_class() if is_vision_config(config) else AutoModelForCausalLM
-            model = auto.from_pretrained(source, **kwargs)
-    except OSError as exc:
-        first = str(exc).splitlines()[0]
-        raise ModelError(f"cannot load model {cfg.model}: {first}",
-                         "check the id or path; hub models need network access (or a local copy)") from None
-    except ValueError as exc:
-        hint = ("set trust_remote_code: true only if you trust its code" if "trust_remote_code" in str(exc)
-                else "Transformers refused the model's files; check that they match its config.json")
-        raise ModelError(f"cannot load model {cfg.model}: {str(exc).splitlines()[0]}", hint) from None
+    model = _from_pretrained(source, where, kwargs)
     if method != "qlora":
         model.to(device)
     model.config.use_cache = False
     return model
+
+
+def _from_pretrained(source: ModelSource, where: str, kwargs: dict):
+    """Transformers' `from_pretrained` of `source` with `kwargs`: the causal-LM or vision class,
+    a GGUF file's metadata parsed once; its errors as one-line ModelErrors."""
+    from transformers import AutoModelForCausalLM
+
+    try:
+        if source.kind == "gguf" and "quantization_config" in kwargs:
+            return _gguf_as_nf4(where, kwargs)
+        if source.kind == "gguf":
+            with shared_tensor_name_maps(), metadata_read_once():
+                return AutoModelForCausalLM.from_pretrained(where, **kwargs)
+        auto = vision_auto_model_class() if source.vision else AutoModelForCausalLM
+        return auto.from_pretrained(where, **kwargs)
+    except OSError as exc:
+        first = str(exc).splitlines()[0]
+        raise ModelError(f"cannot load model {source.name}: {first}",
+                         "check the id or path; hub models need network access (or a local copy)") from None
+    except ValueError as exc:
+        hint = ("set trust_remote_code: true only if you trust its code" if "trust_remote_code" in str(exc)
+                else "Transformers refused the model's files; check that they match its config.json")
+        raise ModelError(f"cannot load model {source.name}: {str(exc).splitlines()[0]}", hint) from None
 
 
 def _gguf_as_nf4(directory: str, kwargs: dict):
@@ -358,9 +315,11 @@ def _train_more_modules(peft_model, names: list[str]) -> None:
     config.modules_to_save = list(config.modules_to_save or []) + new
 
 
-def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[str] | None = None):
+def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[str] | None = None, *,
+                  vision: bool = False):
     """Wrap the base in a PEFT adapter (LoRA / DoRA / rsLoRA), or load `init_adapter` trainable
-    (with the config's dropout and modules_to_save, see `init_adapter_config`)."""
+    (with the config's dropout and modules_to_save, see `init_adapter_config`). `vision`: the base
+    is a vision-language model (`ModelSource.vision`)."""
     from peft import LoraConfig, PeftModel, get_peft_model, prepare_model_for_kbit_training
 
     if method == "qlora":
@@ -373,7 +332,7 @@ def apply_adapter(model, cfg: Config, method: str, extra_modules_to_save: list[s
         return peft_model
     targets, parameters, wanted = lora_targets(model, cfg)
     modules_to_save = list(cfg.lora.modules_to_save) + list(extra_modules_to_save or [])
-    if is_vision_config(model.config):  # the language model only, unless lora.vision / lora.projector
+    if vision:  # the language model only, unless lora.vision / lora.projector
         targets, more = adapter_targets(model, cfg.lora, wanted)
         wanted = _select(wanted, targets)
         modules_to_save += more
@@ -429,8 +388,11 @@ def merge_init_adapter(model, cfg: Config):
 
 
 def load_model(cfg: Config, *, device: torch.device | None = None, method: str | None = None, for_training: bool = True,
-               tokenizer=None, weight_store=None):
+               tokenizer=None, weight_store=None, source: ModelSource | None = None):
     """Load `(model, tokenizer)` with quantization, attention swap and adapters applied.
+
+    `source`: the model's resolved source (`maximus.model_source.resolve_source`), resolved here
+    once when not given.
 
     `weight_store`: where streamed layers live (`load_base_model`; the trainer's, with
     ``optimization.offload.params``).
@@ -446,8 +408,9 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
     device = device or resolve_device(cfg.device)
     dtype = resolve_dtype(cfg.training.dtype, device)
     method = method or (cfg.method if cfg.method != "auto" else "lora")
-    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg)
-    model = load_base_model(cfg, device, dtype, method, weight_store=weight_store)
+    source = source or resolve_source(cfg)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(cfg, source)
+    model = load_base_model(cfg, device, dtype, method, weight_store=weight_store, source=source)
     extra: list[str] = []
     if cfg.optimization.kronecker is not None:
         from maximus.attention import install_kronecker, kronecker_module_names
@@ -455,7 +418,7 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
         model = install_kronecker(model, cfg.optimization.kronecker)
         extra = kronecker_module_names(model)
     if method in ("lora", "qlora"):
-        model = apply_adapter(model, cfg, method, extra)
+        model = apply_adapter(model, cfg, method, extra, vision=source.vision)
         if method == "qlora" and dtype != torch.float32:
             # prepare_model_for_kbit_training upcasts every non-quantized weight to fp32. The frozen
             # embedding and head do not need it (an fp32 head costs a cast per step). Under bf16 the
@@ -480,7 +443,7 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
         if cfg.init_adapter:
             model = merge_init_adapter(model, cfg)
         model.requires_grad_(True)
-        if is_vision_config(model.config):
+        if source.vision:
             freeze_for_full(model, cfg.lora)
     if not for_training:
         model.eval()

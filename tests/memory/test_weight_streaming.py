@@ -27,6 +27,7 @@ from maximus.memory.meter import unique_storage_bytes
 from maximus.memory.streamed_weights import check_stream_capacity
 from maximus.memory.weight_store import DiskWeightStore, HostWeightStore
 from maximus.memory.weight_streaming import FrozenWeightStreamer, storage_bytes, streamed_storages
+from maximus.model_source import ModelSource
 from maximus.structure import find_decoder_layers
 
 from tiny import build_tiny_model_dir, tiny_config, write_prompt_completion
@@ -186,10 +187,9 @@ def test_a_model_larger_than_the_disk_is_refused_before_loading(tmp_path, monkey
     monkeypatch.setenv("MAXIMUS_CACHE", str(tmp_path / "cache"))
     giant = LlamaConfig(hidden_size=65536, intermediate_size=262144, num_hidden_layers=1_000_000,
                         num_attention_heads=64, num_key_value_heads=8, vocab_size=1000)
-    cfg = Config.from_dict({"model": str(tmp_path / "absent"), "method": "qlora", "dataset": "x.jsonl"})
+    source = ModelSource(name=str(tmp_path / "absent"), kind="directory", config=giant, vision=False, family="Llama")
     with pytest.raises(ConfigError) as err:
-        weight_store_for_run(cfg, "disk", device=torch.device("cpu"), dtype=torch.bfloat16, method="qlora",
-                             model_config=giant)
+        weight_store_for_run(source, "disk", device=torch.device("cpu"), dtype=torch.bfloat16, method="qlora")
     line = err.value.one_line()
     free = shutil.disk_usage(tmp_path).free / 2**30
     needed = re.search(r"needs ([0-9.]+) GiB", line).group(1)
@@ -198,8 +198,7 @@ def test_a_model_larger_than_the_disk_is_refused_before_loading(tmp_path, monkey
                     f" for the streamed layers; it has {free:.1f} GiB free (hint: free space there, or point "
                     f"MAXIMUS_CACHE at a larger disk)")
     with pytest.raises(ConfigError, match=r"^optimization\.offload\.params: on needs [0-9.]+ GiB of host memory"):
-        weight_store_for_run(cfg, "on", device=torch.device("cpu"), dtype=torch.bfloat16, method="qlora",
-                             model_config=giant)
+        weight_store_for_run(source, "on", device=torch.device("cpu"), dtype=torch.bfloat16, method="qlora")
 
 
 def test_disk_mode_peak_rss_grows_less_than_the_4bit_layers():

@@ -1,8 +1,14 @@
-"""Where a base model comes from: a GGUF file (dequantized by Transformers, its own tokenizer),
-a family whose class has no SDPA attention, and a model that is not a causal LM at all."""
+"""Where a base model comes from: its source resolved once into a `ModelSource` (a directory, a
+GGUF file, a vision-language model, a `builtin:` name), a GGUF file (dequantized by Transformers,
+its own tokenizer), a family whose class has no SDPA attention, and a model that is not a causal LM
+at all."""
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import importlib.util
+import json
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -10,6 +16,7 @@ import pytest
 import torch
 
 from tiny import build_family_model_dir, build_tiny_model_dir, one_thread, tiny_config, write_prompt_completion  # noqa: F401  (one_thread: a fixture)
+from tiny_vlm import llava  # noqa: F401  (a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 
@@ -19,6 +26,107 @@ def _cfg(model, method="lora", **extra):
 
     return Config.from_dict({"model": str(model), "dataset": "unused.jsonl", "method": method, "device": "cpu",
                              "training": {"dtype": "fp32", "seq_len": 64}, **extra})
+
+
+@contextlib.contextmanager
+def source_questions():
+    """Counts, while the block runs on this thread, of the calls that resolve a model's source
+    (`resolve_source`) and of the probes that ask what it is: is it a GGUF file, is it a vision model."""
+    from maximus import gguf_base, model_source, vision
+
+    functions = {"resolve_source": model_source.resolve_source, "is_gguf": gguf_base.is_gguf,
+                 "is_vision_config": vision.is_vision_config, "model_is_vision": vision.model_is_vision}
+    codes = {f.__code__: name for name, f in functions.items()}
+    counts = dict.fromkeys(functions, 0)
+
+    def profile(frame, event, arg):
+        if event == "call" and frame.f_code in codes:
+            counts[codes[frame.f_code]] += 1
+
+    previous = sys.getprofile()
+    sys.setprofile(profile)
+    try:
+        yield counts
+    finally:
+        sys.setprofile(previous)
+
+
+#: One resolution per load, and each question asked once, inside it.
+ONCE = {"resolve_source": 1, "is_gguf": 1, "is_vision_config": 1, "model_is_vision": 0}
+
+
+@pytest.fixture(scope="module")
+def llama_dir(tmp_path_factory) -> Path:
+    return build_tiny_model_dir(tmp_path_factory.mktemp("source") / "llama", "llama")
+
+
+def test_a_saved_model_resolves_to_a_directory_source(llama_dir):
+    from maximus.model_source import ModelSource, resolve_source
+
+    source = resolve_source(_cfg(llama_dir))
+    assert isinstance(source, ModelSource)
+    assert (source.name, source.kind, source.vision, source.family) == (str(llama_dir), "directory", False, "Llama")
+    assert (source.config.model_type, source.config.hidden_size, source.config.num_hidden_layers) == ("llama", 64, 2)
+    assert source.nf4_skip_modules is None and source.gguf_file is None
+    assert source.layerwise_directory == llama_dir
+    assert source.pretrained_args() == (str(llama_dir), {"trust_remote_code": False, "use_safetensors": True})
+    assert resolve_source(_cfg(llama_dir, allow_pickle=True)).pretrained_args()[1]["use_safetensors"] is None
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        source.vision = True
+
+
+def test_a_builtin_name_resolves_to_its_materialised_directory(llama_dir, tmp_path, monkeypatch):
+    """`builtin:tiny-llama` names the cache directory `maximus.builtin` builds (here already built)."""
+    import shutil
+
+    from maximus.builtin import builtin_dir
+    from maximus.model_source import resolve_source
+
+    monkeypatch.setenv("MAXIMUS_CACHE", str(tmp_path))
+    built = builtin_dir("tiny-llama")
+    shutil.copytree(llama_dir, built)
+    (built / ".complete").write_text("1")
+    source = resolve_source(_cfg("builtin:tiny-llama"))
+    assert (source.name, source.kind, source.family, source.layerwise_directory) == (str(built), "directory", "Llama",
+                                                                                    built)
+
+
+def test_a_vision_model_resolves_with_its_family_and_nf4_exceptions(llava):
+    from maximus.model_source import resolve_source
+
+    source = resolve_source(_cfg(llava))
+    assert (source.kind, source.vision, source.family, source.config.model_type) == ("directory", True, "LLaVA", "llava")
+    assert source.nf4_skip_modules == ("vision_tower", "visual", "vision_model", "multi_modal_projector", "connector",
+                                       "merger", "lm_head")
+
+
+@pytest.mark.parametrize("kind", ["directory", "vision"])
+def test_a_load_resolves_its_source_once(llama_dir, llava, kind):
+    from maximus import load_model
+
+    model_dir = {"directory": llama_dir, "vision": llava}[kind]
+    with source_questions() as asked:
+        model, _ = load_model(_cfg(model_dir))
+    assert asked == ONCE
+    assert (type(model.get_base_model()).__name__ == "LlavaForConditionalGeneration") == (kind == "vision")
+
+
+def test_an_export_load_resolves_its_source_once(llama_dir, tmp_path):
+    """`maximus export` loads a run's base and merges its adapter (`load_tuned`): one resolution."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from maximus.export import load_tuned
+
+    run = tmp_path / "run"
+    base = AutoModelForCausalLM.from_pretrained(llama_dir)
+    get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj"])).save_pretrained(run / "adapter")
+    AutoTokenizer.from_pretrained(llama_dir).save_pretrained(run / "adapter")
+    (run / "run.json").write_text(json.dumps({"config": {"model": str(llama_dir), "dataset": "-"}}))
+    with source_questions() as asked:
+        model, _ = load_tuned(run, merge=True)
+    assert asked == ONCE
+    assert type(model).__name__ == "LlamaForCausalLM"
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +157,22 @@ def test_gguf_base_is_the_same_model_with_its_own_tokenizer(gguf_llama):
     assert ids.tolist() == reference_tok(text, return_tensors="pt").input_ids.tolist()
     with torch.no_grad():  # LoRA starts at zero: the adapted model is the base
         torch.testing.assert_close(model(ids).logits, reference(ids).logits, rtol=0, atol=1e-5)
+
+
+def test_a_gguf_file_resolves_to_a_gguf_source_loaded_once(gguf_llama):
+    from maximus import load_model
+    from maximus.model_source import resolve_source
+
+    _, _, _, files = gguf_llama
+    source = resolve_source(_cfg(files["q8_0"]))
+    directory, name = str(files["q8_0"].parent), files["q8_0"].name
+    assert (source.name, source.kind, source.vision, source.family) == (str(files["q8_0"]), "gguf", False, "Llama")
+    assert source.gguf_file == (directory, name) and source.layerwise_directory is None
+    assert source.pretrained_args() == (directory, {"trust_remote_code": False, "gguf_file": name})
+    assert (source.config.model_type, source.config.hidden_size, source.config.num_hidden_layers) == ("llama", 64, 2)
+    with source_questions() as asked:
+        load_model(_cfg(files["q8_0"]))
+    assert asked == ONCE
 
 
 def test_a_gguf_load_parses_the_metadata_once(gguf_llama, monkeypatch):
@@ -106,7 +230,7 @@ def test_gguf_transformers_cannot_dequantize_is_one_line(tmp_path):
     import gguf
 
     from maximus.errors import ModelError
-    from maximus.models import check_model_source
+    from maximus.model_source import resolve_source
 
     path = tmp_path / "f64.gguf"
     writer = gguf.GGUFWriter(str(path), "llama")
@@ -117,7 +241,7 @@ def test_gguf_transformers_cannot_dequantize_is_one_line(tmp_path):
     writer.write_tensors_to_file()
     writer.close()
     with pytest.raises(ModelError) as err:
-        check_model_source(_cfg(path))
+        resolve_source(_cfg(path))
     assert str(err.value) == (f"model {path} holds tensors of quantization type F64 (token_embd.weight), which "
                               "Transformers cannot dequantize (hint: re-quantize it with llama.cpp to a type such as "
                               "Q8_0, Q4_K_M or F16, or use the model's Hugging Face checkpoint)")
@@ -125,14 +249,14 @@ def test_gguf_transformers_cannot_dequantize_is_one_line(tmp_path):
 
 def test_not_a_gguf_file_and_a_missing_one(tmp_path):
     from maximus.errors import ModelError
-    from maximus.models import check_model_source
+    from maximus.model_source import resolve_source
 
     junk = tmp_path / "junk.gguf"
     junk.write_text("hello")
     with pytest.raises(ModelError, match=r"^model .*junk.gguf is not a readable GGUF file: GGUF magic invalid \(hint:"):
-        check_model_source(_cfg(junk))
+        resolve_source(_cfg(junk))
     with pytest.raises(ModelError, match=r"^model not found: .*missing.gguf \(hint: give the path of an existing"):
-        check_model_source(_cfg(tmp_path / "missing.gguf"))
+        resolve_source(_cfg(tmp_path / "missing.gguf"))
 
 
 def _smollm2_gguf() -> Path | None:
@@ -148,8 +272,13 @@ def test_real_q4_1_gguf_chat_model_loads_and_predicts():
     """SmolLM2-135M-Instruct as Ollama / LM Studio ship it (Q4_1): dequantized, it is a real model
     (a random one scores ~ln(49152) = 10.8 nats per token), with its chat template."""
     from maximus import load_model
+    from maximus.model_source import resolve_source
 
     model, tokenizer = load_model(_cfg(_smollm2_gguf()))
+    source = resolve_source(_cfg(_smollm2_gguf()))  # the file's metadata was parsed by the load
+    assert (source.kind, source.family, source.gguf_file) == ("gguf", "Llama", (str(_smollm2_gguf().parent),
+                                                                               _smollm2_gguf().name))
+    assert (source.config.vocab_size, source.config.num_hidden_layers, source.config.hidden_size) == (49152, 30, 576)
     assert len(tokenizer) == 49152 and tokenizer.chat_template
     ids = tokenizer("The capital of France is Paris. The capital of Italy is Rome.", return_tensors="pt").input_ids
     with torch.no_grad():

@@ -14,6 +14,7 @@ Order of operations (all deterministic given `seed`):
 from __future__ import annotations
 
 import random
+from typing import TYPE_CHECKING
 
 from jinja2 import TemplateError
 
@@ -30,6 +31,9 @@ from maximus.data.preference import PreferencePair, chat_prompt_and_answers, enc
 from maximus.data.records import DEDUPED, EMPTY, EVAL, SKIPPED, TRAIN, UNTRAINABLE, RecordInfo, describe, measure
 from maximus.data.sources import encode_records, read_source
 from maximus.data.templates import ensure_chat_template
+
+if TYPE_CHECKING:
+    from maximus.model_source import ModelSource
 
 OBJECTIVES = ("sft", "dpo", "contrastive", "grpo")
 DEDUPE_MODES = ("off", "exact", "near")
@@ -299,14 +303,19 @@ def _contrastive_rows(pairs: list[dict], seq_len: int) -> tuple[list[dict], RowS
     return rows, stats
 
 
-def build_run_datasets(cfg, tokenizer, *, eval_split: float | None = None, objective: str | None = None) -> DataSplits:
+def build_run_datasets(cfg, tokenizer, *, eval_split: float | None = None, objective: str | None = None,
+                       source: ModelSource | None = None) -> DataSplits:
     """`build_datasets` with every setting taken from a run's `maximus.config.Config`: the one place
     that maps config keys to the pipeline, for training and for `maximus eval` alike.
     `eval_split` defaults to `eval.split` (0 when evaluation is off); `objective` to `cfg.objective`.
 
     With `eval.dataset` (and evaluation on) the training data is not split: every document trains,
     and the held-out rows are `eval.dataset`'s, built the same way. An `eval.dataset` that is
-    missing or empty after filtering raises DataError naming it, before anything trains."""
+    missing or empty after filtering raises DataError naming it, before anything trains.
+
+    `source`: the run's resolved model (`maximus.model_source`): a vision-language model's data is
+    built with its processor. Without it (a command that reads the data but loads no model:
+    `maximus plan`, `maximus data check`) the model's config.json is looked at."""
     settings = dict(seq_len=cfg.training.seq_len, packing=cfg.training.packing,
                     train_on_inputs=cfg.training.train_on_inputs, seed=cfg.training.seed,
                     objective=objective or cfg.objective, dedupe=cfg.data.dedupe,
@@ -316,7 +325,8 @@ def build_run_datasets(cfg, tokenizer, *, eval_split: float | None = None, objec
         eval_split = cfg.eval.split if cfg.eval.enabled and not held_out else 0.0
     from maximus.vision import load_processor, model_is_vision
 
-    if settings["objective"] == "sft" and model_is_vision(cfg.model, cfg.trust_remote_code):
+    vision = source.vision if source is not None else model_is_vision(cfg.model, cfg.trust_remote_code)
+    if settings["objective"] == "sft" and vision:
         from maximus.data.vision import build_vision_datasets
 
         processor = load_processor(cfg.tokenizer or cfg.model, cfg.trust_remote_code)

@@ -8,6 +8,7 @@ import torch
 
 from maximus.config import Config
 from maximus.errors import CheckpointError
+from maximus.model_source import ModelSource
 
 
 def run_config(run_dir: Path) -> Config:
@@ -24,11 +25,12 @@ def run_config(run_dir: Path) -> Config:
 
 
 def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torch.dtype = torch.float32, merge: bool = False,
-               progress=None, quantized: bool = False, cfg: Config | None = None):
+               progress=None, quantized: bool = False, cfg: Config | None = None, source: ModelSource | None = None):
     """(model, tokenizer) of a finished run: base in `dtype` plus the adapter; or the fully
     fine-tuned model. The base is never 4-bit unless `quantized` (NF4, as a QLoRA run trained:
     chat), so a QLoRA adapter merges into real weights. `cfg`: the run's config when the caller has
-    read it already (`run_config`). `progress`: called with "loading" and "merging"
+    read it already (`run_config`); `source`: its base model resolved (`maximus.model_source`), else
+    resolved here when the base loads. `progress`: called with "loading" and "merging"
     (`maximus.export.progress.ExportProgress`)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -51,7 +53,7 @@ def load_tuned(run_dir: Path, *, device: torch.device | None = None, dtype: torc
         raise CheckpointError(f"{run_dir} has no adapter/ (adapter_config.json missing)", "was the run finished?")
     from peft import PeftModel
 
-    base = load_base_model(cfg, device, dtype, method="qlora" if quantized else "lora")
+    base = load_base_model(cfg, device, dtype, method="qlora" if quantized else "lora", source=source)
     if cfg.optimization.kronecker is not None:
         from maximus.attention import install_kronecker
 

@@ -51,7 +51,8 @@ from maximus.families import untested_family_notice
 from maximus.forward import autocast_for
 from maximus.kernels import apply_kernels, cpu_threads
 from maximus.memory.run_plan import lean_lora_applies, plan_run, replan, resolve_dtype
-from maximus.models import check_model_source, load_model, load_tokenizer, resolve_device
+from maximus.model_source import resolve_source
+from maximus.models import load_model, load_tokenizer, resolve_device
 from maximus.train import distributed as dist_env
 from maximus.train.checkpoint import latest_good_checkpoint, save_checkpoint
 from maximus.train.context_parallel import ContextParallel, check_model_config
@@ -114,7 +115,8 @@ class Trainer:
         self.threads = cpu_threads(self.device, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         _seed_everything(cfg.training.seed)
         check_output_dir(self.run_dir)  # a folder someone else filled is refused before anything loads
-        check_model_source(cfg)
+        # The model's source, resolved once (files, config, family, vision): everything below takes it.
+        self.source = resolve_source(cfg)
         require_packages(cfg)  # the optimizer's package, before anything heavy loads
         if self.context.split.enabled:  # an attention the split would change: one line, before the data
             from maximus.models import base_model_config
@@ -122,12 +124,11 @@ class Trainer:
             longest_row = cfg.training.seq_len + (cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else 0)
             check_model_config(base_model_config(cfg), cfg.training.context_parallel, longest_row)
         if cfg.training.qat != "off":  # a target the model's export cannot hold: one line, before the data
-            from maximus.models import base_model_config
             from maximus.qat.check import check_qat
 
-            check_qat(cfg, base_model_config(cfg))
+            check_qat(cfg, self.source.config)
         # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
-        self.tokenizer = load_tokenizer(cfg)
+        self.tokenizer = load_tokenizer(cfg, self.source)
         self.data = self._load_data()
         self.data_report = self._check_data()  # data.on_problem: error stops here, before the model loads
         self.tasks = self._task_eval()  # eval.metrics / eval.few_shot: checked here, before the model loads
@@ -145,8 +146,8 @@ class Trainer:
                           f"steps on clipped gradients); set training.max_grad_norm: null for one backward, unclipped")
         self.weight_store = self._weight_store()
         self.model, _ = load_model(cfg, device=self.device, method=self.method, tokenizer=self.tokenizer,
-                                   weight_store=self.weight_store)
-        untested = untested_family_notice(self.model.config)
+                                   weight_store=self.weight_store, source=self.source)
+        untested = untested_family_notice(self.source.config)
         if untested:
             self.dist.say(untested)
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
@@ -194,10 +195,8 @@ class Trainer:
             return None
         mode = "disk" if self.plan.params_store == "disk" else "on"
         from maximus.layerwise_load import weight_store_for_run
-        from maximus.models import base_model_config
 
-        return weight_store_for_run(self.cfg, mode, device=self.device, dtype=self.dtype, method=self.method,
-                                    model_config=base_model_config(self.cfg))
+        return weight_store_for_run(self.source, mode, device=self.device, dtype=self.dtype, method=self.method)
     def _install_qat(self):
         """`training.qat`: the model's matrices read as the export will round them, in training
         mode (`maximus.qat.install`); None when off."""
@@ -216,7 +215,7 @@ class Trainer:
     def _load_data(self):
         from maximus.data import build_run_datasets
 
-        return build_run_datasets(self.cfg, self.tokenizer)
+        return build_run_datasets(self.cfg, self.tokenizer, source=self.source)
 
     def _check_data(self):
         """The data check's summary (`maximus.data.check`), printed; None for image + text data."""
@@ -248,9 +247,9 @@ class Trainer:
                                      offload_activations=plan.offload_activations, tile_tokens=plan.tile_tokens)
         if not plan.recompute:
             self.plan = replan(self.cfg, plan, recompute=tuple(report.modes), lengths=self.lengths)
-        from maximus.vision import is_vision_config, vision_parts
+        from maximus.vision import vision_parts
 
-        if self.cfg.lora.vision and any(m != "none" for m in report.modes) and is_vision_config(self.model.config):
+        if self.cfg.lora.vision and any(m != "none" for m in report.modes) and self.source.vision:
             # A trained tower is recomputed whenever the language model is (as planned: vision_terms).
             from maximus.memory.checkpointing import checkpoint_tower
             from maximus.structure import causal_lm_of

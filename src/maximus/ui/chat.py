@@ -210,11 +210,12 @@ def _load(run_dir: Path, cfg: Config, which: str, placement: Placement) -> Loade
         return LoadedModel(model, tokenizer, chat, "tuned", device)
     from transformers import AutoTokenizer
 
+    from maximus.model_source import resolve_source
     from maximus.models import load_base_model
 
     saved = run_dir / "model" if (run_dir / "model").is_dir() else run_dir / "adapter"
     tokenizer = AutoTokenizer.from_pretrained(str(saved))  # the run's tokenizer and chat template, as load_tuned's
-    base = load_base_model(cfg, device, dtype, method="qlora" if quantized else "lora")
+    base = load_base_model(cfg, device, dtype, method="qlora" if quantized else "lora", source=resolve_source(cfg))
     label = "base"
     if cfg.init_adapter:
         from peft import PeftModel
