@@ -119,10 +119,8 @@ class Trainer:
         self.source = resolve_source(cfg)
         require_packages(cfg)  # the optimizer's package, before anything heavy loads
         if self.context.split.enabled:  # an attention the split would change: one line, before the data
-            from maximus.models import base_model_config
-
             longest_row = cfg.training.seq_len + (cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else 0)
-            check_model_config(base_model_config(cfg), cfg.training.context_parallel, longest_row)
+            check_model_config(self.source.config, cfg.training.context_parallel, longest_row)
         if cfg.training.qat != "off":  # a target the model's export cannot hold: one line, before the data
             from maximus.qat.check import check_qat
 
