@@ -140,7 +140,7 @@ def _from_pretrained(source: ModelSource, where: str, kwargs: dict):
             return _gguf_as_nf4(where, kwargs)
         if source.kind == "gguf":
             with shared_tensor_name_maps(), metadata_read_once():
-                return AutoModelForCausalLM.from_pretrained(where, **kwargs)
+                return _as_dense(AutoModelForCausalLM.from_pretrained(where, **kwargs))
         auto = vision_auto_model_class() if source.vision else AutoModelForCausalLM
         return auto.from_pretrained(where, **kwargs)
     except OSError as exc:
@@ -153,6 +153,17 @@ def _from_pretrained(source: ModelSource, where: str, kwargs: dict):
         raise ModelError(f"cannot load model {source.name}: {str(exc).splitlines()[0]}", hint) from None
 
 
+def _as_dense(model):
+    """A model Transformers dequantized from a GGUF file, without the marks of its GGUF quantizer:
+    its weights are plain dense tensors, and the marks would make `save_pretrained` refuse it (a full
+    fine-tune's final weights, the NF4 round trip below)."""
+    model.hf_quantizer = None
+    for config in (model.config, getattr(model.config, "text_config", None)):
+        if config is not None and hasattr(config, "quantization_config"):
+            del config.quantization_config
+    return model
+
+
 def _gguf_as_nf4(directory: str, kwargs: dict):
     """QLoRA on a GGUF base. Transformers does not quantize while it dequantizes a GGUF file, so
     the dequantized model is written once to a temporary safetensors directory (as large as the
@@ -163,13 +174,8 @@ def _gguf_as_nf4(directory: str, kwargs: dict):
 
     dense = {k: v for k, v in kwargs.items() if k not in ("quantization_config", "device_map")}
     with shared_tensor_name_maps(), metadata_read_once():
-        model = AutoModelForCausalLM.from_pretrained(directory, **dense)
+        model = _as_dense(AutoModelForCausalLM.from_pretrained(directory, **dense))
     with tempfile.TemporaryDirectory(prefix="maximus-gguf-") as tmp:
-        # Transformers' GGUF marks: the weights are plain dense tensors now.
-        model.hf_quantizer = None
-        for config in (model.config, getattr(model.config, "text_config", None)):
-            if config is not None and hasattr(config, "quantization_config"):
-                del config.quantization_config
         model.save_pretrained(tmp, safe_serialization=True)
         del model
         nf4 = {k: v for k, v in kwargs.items() if k != "gguf_file"}

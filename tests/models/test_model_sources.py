@@ -209,7 +209,7 @@ def test_planner_counts_gguf_weights_dequantized(gguf_llama):
     assert from_file.breakdown == from_dir.breakdown
 
 
-@pytest.mark.parametrize("method", ["lora", "qlora"])
+@pytest.mark.parametrize("method", ["lora", "qlora", "full"])
 def test_gguf_base_trains(gguf_llama, tmp_path, method):
     from maximus.config import Config
     from maximus.train.trainer import Trainer
@@ -220,6 +220,13 @@ def test_gguf_base_trains(gguf_llama, tmp_path, method):
                       eval={"split": 0.0, "before": False})
     trainer = Trainer(Config.from_dict(cfg))
     trainer.train()
+    if method == "full":  # the whole model is saved: the trained weights, no GGUF quantizer left to refuse it
+        from safetensors.torch import load_file
+
+        saved = load_file(str(tmp_path / "run" / "model" / "model.safetensors"))
+        trained = trainer.model.state_dict()
+        assert saved and saved.keys() <= trained.keys() and all(torch.equal(saved[k], trained[k]) for k in saved)
+        return
     assert (tmp_path / "run" / "adapter" / "adapter_model.safetensors").is_file()
     if method == "qlora":
         layer = trainer.model.base_model.model.model.layers[0].self_attn.q_proj.base_layer
