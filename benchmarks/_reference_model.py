@@ -42,7 +42,7 @@ _DONE = "BUILD_COMPLETE"
 
 def default_cache_dir() -> Path:
     """`$MAXIMUS_CACHE/reference-llama-128k-v<version>` (default cache root `~/.cache/maximus`)."""
-    from maximus.builtin import cache_root
+    from maximus.files import cache_root
 
     return cache_root() / f"reference-llama-128k-v{_VERSION}"
 

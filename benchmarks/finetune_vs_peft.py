@@ -91,12 +91,12 @@ def synthetic_ids(n_rows: int, seq: int, vocab: int):
 
 # ------------------------------------------------------------------------------------- the two sides
 def compute_dtype(name: str = "auto", device: str = "cpu") -> str:
-    """``fp32`` or ``bf16``: `auto` resolved the way `maximus.models.resolve_dtype` resolves
+    """``fp32`` or ``bf16``: `auto` resolved the way `maximus.device.resolve_dtype` resolves
     `training.dtype: auto` (bf16 only where the device runs it natively), so the peer runs in
     what `maximus-train` would pick."""
     import torch
 
-    from maximus.models import resolve_dtype
+    from maximus.device import resolve_dtype
 
     return {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(resolve_dtype(name, torch.device(device)), "fp32")
 

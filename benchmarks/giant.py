@@ -46,7 +46,7 @@ def llama_config(name: str = MODEL, **shrink):
     """The Transformers config of `name`'s published shape (`KNOWN_SHAPES`), optionally shrunk."""
     from transformers import AutoConfig
 
-    from maximus.memory.estimate import KNOWN_SHAPES
+    from maximus.memory.shape import KNOWN_SHAPES
 
     fields = {**KNOWN_SHAPES[name], **shrink}
     config = AutoConfig.for_model(**fields)
@@ -67,7 +67,7 @@ def prediction(seq: int, card: str) -> dict:
     from maximus.config import GPU_CARDS
     from maximus.memory.coefficients import DEVICE_FLOPS
     from maximus.memory.estimate import estimate_peak
-    from maximus.memory.plan_command import CARD_TFLOPS, card_tokens_per_s
+    from maximus.plan_command import CARD_TFLOPS, card_tokens_per_s
     from maximus.memory.planner import plan_for_budget
 
     est = estimate_peak(MODEL, method="qlora", dtype="bf16", micro_batch=1, seq_len=seq, checkpointing="full",

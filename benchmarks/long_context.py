@@ -353,7 +353,7 @@ def main(argv=None) -> int:
 
     import torch
 
-    from maximus.models import bf16_supported
+    from maximus.device import bf16_supported
 
     n = 2048
     a = torch.randn(n, n, dtype=torch.bfloat16)
@@ -393,7 +393,7 @@ def measured_on_cuda(args) -> int:
     from _reference_model import SHAPES
 
     from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
-    from maximus.memory.run_plan import HOST_OFFLOAD_SHARE
+    from maximus.memory.spec_from_config import HOST_OFFLOAD_SHARE
 
     deadline = Deadline(args.time_budget_s)
     print(f"{host_memory_line()}; shape {args.shape}, QLoRA r={_lora_r(args.shape)}", flush=True)

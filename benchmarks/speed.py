@@ -86,7 +86,7 @@ def bf16_capability(device: str = "cpu") -> str:
     """What the device offers for bf16: `resolve_dtype`'s verdict and, on a CPU, the flags behind it."""
     import torch
 
-    from maximus.models import bf16_supported
+    from maximus.device import bf16_supported
 
     native = bf16_supported(torch.device(device))
     if device != "cpu":

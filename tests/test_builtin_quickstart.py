@@ -98,7 +98,7 @@ def test_plan_and_its_probe_read_the_embedded_default(tmp_path, builtin_cache, m
 
 def test_the_ui_takes_the_embedded_default(tmp_path, builtin_cache, monkeypatch):
     """A builtin: name is no path to confine; the UI's planner (`maximus plan --model`) resolves it."""
-    from maximus.memory.plan_command import plan_json
+    from maximus.plan_command import plan_json
     from maximus.ui.confine import Roots, confine_config
 
     monkeypatch.setenv("MAXIMUS_CACHE", str(builtin_cache))

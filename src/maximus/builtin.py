@@ -24,16 +24,13 @@ import shutil
 from pathlib import Path
 
 from maximus.errors import ConfigError
+from maximus.files import cache_root
 
 PREFIX = "builtin:"
 WORDS = ("apple banana cherry grape lemon mango olive peach pear plum river stone cloud storm flame "
          "frost light night green blue red gold silver north south east west tiger zebra horse eagle "
          "shark whale robin maple cedar").split()
 _VERSION = "1"
-
-
-def cache_root() -> Path:
-    return Path(os.environ.get("MAXIMUS_CACHE", Path.home() / ".cache" / "maximus"))
 
 
 def reverse_words_records(n: int, seed: int = 0) -> list[dict]:

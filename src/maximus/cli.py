@@ -247,7 +247,7 @@ def _generate(argv: list[str]) -> int:
 
 
 def _plan(argv: list[str]) -> int:
-    from maximus.memory.plan_command import plan_main
+    from maximus.plan_command import plan_main
 
     return plan_main(argv)
 

@@ -217,7 +217,7 @@ class OptimizationConfig(_Section):
     use_ghost_logit: bool = Field(False, description="Train with the Ghost Logit sampled loss (evaluation always uses the exact loss): the article's spelling of `loss: ghost` (an error together with `loss: naive`).")
     ghost_logit: GhostLogitConfig = Field(default_factory=GhostLogitConfig, description="Ghost Logit loss details.")
     kronecker_sketching: Union[bool, KroneckerConfig] = Field(False, description="Kronecker Sketching attention: `true` for defaults or a mapping of its settings.")
-    gradient_checkpointing: Literal["off", "full", "selective", "auto"] = Field("auto", description="Activation recomputation: none, every layer, per-op selective, or `auto`: the fastest plan that fits `target_vram` (no budget: the free memory of the device), which recomputes only what that memory requires. Unquoted YAML `off` / `false` mean `off`, `on` / `true` mean `full`.")
+    gradient_checkpointing: Literal["none", "full", "selective", "auto"] = Field("auto", description="Activation recomputation: `none`, every layer (`full`), per-op `selective`, or `auto`: the fastest plan that fits `target_vram` (no budget: the free memory of the device), which recomputes only what that memory requires. The same words as the plan's per-layer `recompute` in run.json. `off` (the former word) and unquoted YAML `false` mean `none`; `on` / `true` mean `full`.")
     offload: OffloadConfig = Field(default_factory=OffloadConfig, description="Smart Memory offload settings.")
     loss: Literal["exact", "naive", "ghost"] = Field("exact", description="`exact`: chunked cross-entropy that never holds tokens x vocabulary logits; `naive`: full logits (reference); `ghost`: the Ghost Logit sampled loss (`use_ghost_logit: true` is the article's spelling of the same).")
     loss_chunk_size: Union[Literal["auto"], int] = Field("auto", description="Tokens per chunk in the lean loss; `auto` = 256 tokens in bf16 / fp16 and 512 in fp32 (fewer when that passes 192 / 256 MiB of logits; measured per dtype, docs/benchmarks/planner.md), smaller chunks when the planner needs the memory for `target_vram`.")
@@ -244,8 +244,10 @@ class OptimizationConfig(_Section):
     @field_validator("gradient_checkpointing", mode="before")
     @classmethod
     def _yaml_boolean_checkpointing(cls, v):
-        # YAML 1.1 reads unquoted off / no / false as False and on / yes / true as True.
-        return _yaml_switch(v, on="full")
+        # YAML 1.1 reads unquoted off / no / false as False and on / yes / true as True; `off` is
+        # the former word for `none` (configs written with it keep working).
+        v = _yaml_switch(v, on="full")
+        return "none" if v == "off" else v
 
     @field_validator("loss_chunk_size")
     @classmethod
@@ -681,18 +683,6 @@ def _clean_loc(raw: tuple) -> list:
         loc.append(part)
     return loc
 
-
-def _all_field_names() -> set[str]:
-    names: set[str] = set()
-    stack: list[type[BaseModel]] = [Config]
-    while stack:
-        model = stack.pop()
-        for name, field in model.model_fields.items():
-            names.add(name)
-            sub = _model_of(field.annotation)
-            if sub is not None and sub is not model:
-                stack.append(sub)
-    return names
 
 
 def _apply_override(data: dict, item: str) -> None:

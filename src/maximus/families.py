@@ -11,7 +11,7 @@ packing). A class that Transformers gives no SDPA path, because its attention is
 softmax attention, gets its own eager attention instead, with a notice: SDPA could not compute
 it, and forcing it would either fail or train a different model (Gemma 2's attention-logit
 soft-cap). gpt-oss's attention sinks are the exception: one extra key per head computes them
-exactly through SDPA (`maximus.attention.sinks`).
+exactly through SDPA (`maximus.attention.sink_attention`).
 """
 from __future__ import annotations
 
@@ -115,9 +115,9 @@ def untested_family_notice(config: Any) -> str | None:
 
 def attention_implementation(config: Any) -> tuple[str, str | None]:
     """(attn_implementation, notice or None): SDPA where the model's class has it; attention with
-    learned sinks (gpt-oss) through SDPA with a sink key (`maximus.attention.sinks`, exact); else
+    learned sinks (gpt-oss) through SDPA with a sink key (`maximus.attention.sink_attention`, exact); else
     the class's own eager attention with a notice saying why."""
-    from maximus.attention.sinks import IMPLEMENTATION, SINK_MODEL_TYPES, register_sink_attention
+    from maximus.attention.sink_attention import IMPLEMENTATION, SINK_MODEL_TYPES, register_sink_attention
 
     cls = causal_lm_class(config)
     if cls is None or getattr(cls, "_supports_sdpa", True):

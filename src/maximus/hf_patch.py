@@ -52,7 +52,7 @@ from maximus.forward import IGNORE_INDEX, logits_divisor, output_head, router_au
 from maximus.structure import causal_lm_of, find_decoder_layers
 
 LOSSES = ("exact", "off")
-CHECKPOINTING = ("auto", "off", "full", "selective")
+CHECKPOINTING = ("auto", "none", "off", "full", "selective")
 
 #: Config attributes that scale the logits before the softmax; our head does not model them, so
 #: on such a model (Cohere, Falcon-H1, ...) the loss stays the model's own. Granite's
@@ -230,12 +230,12 @@ def _checkpointing_policy(value):
     if value is True:
         return "full"
     if value is False:
-        return "off"
+        return "none"
     if isinstance(value, str):
         if value not in CHECKPOINTING:
             raise ConfigError(f"maximus.patch: unknown gradient_checkpointing {value!r}",
-                              "use auto, off, full, selective, True/False, or one of none/selective/full per layer")
-        return value
+                              "use auto, none, full, selective, True/False, or one of none/selective/full per layer")
+        return "none" if value == "off" else value  # off: the former word for none
     return list(value)
 
 

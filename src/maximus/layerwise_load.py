@@ -258,7 +258,7 @@ def weight_store_for_run(source: ModelSource, mode: str, *, device: torch.device
     written afresh (a hub id names no fixed files to key a cache by)."""
     import psutil
 
-    from maximus.memory.estimate import model_shape
+    from maximus.memory.shape import model_shape
     from maximus.memory.streamed_weights import check_stream_capacity, streamed_layer_bytes
     from maximus.memory.weight_store import DiskWeightStore, HostWeightStore, streamed_cache_dir
 
@@ -276,7 +276,7 @@ def weight_store_for_run(source: ModelSource, mode: str, *, device: torch.device
         check_stream_capacity("disk", needed, host_available=psutil.virtual_memory().available,
                               cache_dir=store.directory, cached=cached)
         return store
-    from maximus.builtin import cache_root
+    from maximus.files import cache_root
 
     check_stream_capacity("on", needed, host_available=psutil.virtual_memory().available, cache_dir=cache_root())
     return HostWeightStore(pin=pin)

@@ -20,7 +20,7 @@ from maximus.model_source import ModelSource, resolve_source
 from maximus.structure import causal_lm_of
 from maximus.vision import adapter_targets, freeze_for_full
 from maximus.vision import auto_model_class as vision_auto_model_class
-from maximus.memory.run_plan import bf16_supported, resolve_dtype  # noqa: F401 - the plan decides the dtype
+from maximus.device import resolve_dtype
 
 def resolve_device(name: str = "auto") -> torch.device:
     """`auto` = cuda, then mps, then cpu. Under torchrun each rank takes its LOCAL_RANK GPU."""
@@ -241,6 +241,7 @@ def lora_targets(model, cfg: Config) -> LoraTargets:
         ConfigError: `lora.experts: true` on a dense model.
     """
     from maximus.families import is_mixture_of_experts
+    from maximus.memory.spec_from_config import lora_reaches_experts
 
     spec, experts = cfg.lora.target_modules, cfg.lora.experts
     linears = _targeted_linears(model, "all-linear")
@@ -249,7 +250,7 @@ def lora_targets(model, cfg: Config) -> LoraTargets:
             raise ConfigError(f"lora.experts: true, but {type(causal_lm_of(model)).__name__} is not a mixture of experts",
                               "drop lora.experts (it applies to mixture-of-experts models only)")
         return LoraTargets(spec, [], _select(linears, spec))
-    with_experts = experts if experts is not None else spec == "all-linear"
+    with_experts = lora_reaches_experts(cfg)
     routers = _routers(model)
     names = {n for n in _select(linears, spec) if n not in routers}
     if not with_experts:

@@ -49,7 +49,7 @@ def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
     raise ModelError(
         f"gradient checkpointing: no decoder layer list found in {type(model).__name__}",
         "Maximus checkpoints decoder-only models whose stack has `embed_tokens` and `layers` "
-        "(Llama, Mistral, Qwen2, ...); set optimization.gradient_checkpointing: off for others",
+        "(Llama, Mistral, Qwen2, ...); set optimization.gradient_checkpointing: none for others",
     )
 
 

@@ -1,4 +1,4 @@
-"""SDPA attention with sinks (`maximus.attention.sinks`) against Transformers' eager gpt-oss
+"""SDPA attention with sinks (`maximus.attention.sink_attention`) against Transformers' eager gpt-oss
 attention (the oracle), float32, on a tiny random GptOssForCausalLM: logits, loss and every
 gradient (the sinks' included), with full-length and shorter sliding windows, right padding,
 packed documents and decoding with a cache."""
@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from maximus.attention.sinks import IMPLEMENTATION
+from maximus.attention.sink_attention import IMPLEMENTATION
 from maximus.families import attention_implementation
 from tiny import build_family_model_dir, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 

@@ -92,13 +92,15 @@ def test_every_key_is_documented():
     assert "|  |" not in text  # no key without a description
 
 
-@pytest.mark.parametrize("word, checkpointing, offload", [("off", "off", "off"), ("false", "off", "off"),
-                                                         ("no", "off", "off"), ("on", "full", "on"),
-                                                         ("true", "full", "on"), ("'off'", "off", "off")])
+@pytest.mark.parametrize("word, checkpointing, offload", [("off", "none", "off"), ("false", "none", "off"),
+                                                         ("no", "none", "off"), ("on", "full", "on"),
+                                                         ("true", "full", "on"), ("'off'", "none", "off"),
+                                                         ("none", "none", "off")])
 def test_unquoted_yaml_switches_read_as_the_words_written(tmp_path, word, checkpointing, offload):
-    # YAML 1.1 turns unquoted off / on into False / True: gradient_checkpointing False -> off,
-    # True -> full; the offload switches False -> off, True -> on.
+    # YAML 1.1 turns unquoted off / on into False / True: gradient_checkpointing False -> none (and
+    # `off`, its former word, too), True -> full; the offload switches False -> off, True -> on.
+    offload_word = "off" if word == "none" else word  # the offload switches are on / off
     cfg = Config.from_yaml(_write(tmp_path, f"model: m\ndataset: d\noptimization:\n  gradient_checkpointing: {word}\n"
-                                            f"  offload:\n    activations: {word}\n    optimizer: {word}\n"))
+                                            f"  offload:\n    activations: {offload_word}\n    optimizer: {offload_word}\n"))
     assert cfg.optimization.gradient_checkpointing == checkpointing
     assert (cfg.optimization.offload.activations, cfg.optimization.offload.optimizer) == (offload, offload)

@@ -103,16 +103,18 @@ def test_uninstall_restores_the_library_forward_and_disabled_adapters_take_it(mo
 
 
 def test_apply_kernels_installs_it_on_cpu_unless_switched_off(moe_dirs):
-    from maximus.kernels import apply_kernels, grouped_experts_apply
+    from maximus.kernels import apply_kernels
+    from maximus.kernels.choices import KernelChoices, decide_kernels
 
     model = _model(moe_dirs["qwen3_moe"], "lora")
     notice = "notice: lean LoRA: the expert weights' adapters (PEFT target_parameters) run PEFT's own LoRA"
-    off = apply_kernels(model, "eager", torch.device("cpu"), grouped_experts=False)
+    off = apply_kernels(model, "eager", torch.device("cpu"), KernelChoices(lean_lora=True, grouped_experts=False))
     assert off.grouped_experts == 0 and notice in off.notices
     report = apply_kernels(model, "eager", torch.device("cpu"))
     assert report.grouped_experts == 2 and report.to_dict()["grouped_experts"] == 2 and notice not in report.notices
-    assert not grouped_experts_apply(True, "eager", torch.device("cuda"))  # Transformers' grouped_mm stays there
-    assert not grouped_experts_apply(True, "compile", torch.device("cpu"))
+    decide = dict(lean_lora=True, lean_norm=True, grouped_experts=True)
+    assert not decide_kernels(mode="eager", device_type="cuda", **decide).grouped_experts  # grouped_mm stays there
+    assert not decide_kernels(mode="compile", device_type="cpu", **decide).grouped_experts
 
 
 def test_clamped_swiglu_equals_gpt_oss_gate_at_and_beyond_its_limits(moe_dirs):

@@ -131,5 +131,5 @@ def test_bad_options_are_one_line_errors(tiny_llama):
     assert str(err.value) == "maximus.patch: unknown loss 'ghost' (hint: use loss='exact' or loss='off')"
     with pytest.raises(ConfigError) as err:
         maximus.patch(model, gradient_checkpointing="half")
-    assert str(err.value) == ("maximus.patch: unknown gradient_checkpointing 'half' (hint: use auto, off, full, "
+    assert str(err.value) == ("maximus.patch: unknown gradient_checkpointing 'half' (hint: use auto, none, full, "
                               "selective, True/False, or one of none/selective/full per layer)")

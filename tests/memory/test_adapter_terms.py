@@ -17,7 +17,8 @@ from transformers import LlamaForCausalLM
 
 import maximus
 from maximus.memory.adapter_terms import adapter_terms
-from maximus.memory.estimate import estimate_peak, model_shape
+from maximus.memory.estimate import estimate_peak
+from maximus.memory.shape import model_shape
 from tiny import build_vocab8k_llama, measure_text, measured_run
 from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)
 

@@ -300,7 +300,7 @@ def test_user_errors_are_one_line_messages():
     model = tiny_lora()
     with pytest.raises(ConfigError) as info:
         apply_checkpointing(model, "sometimes")
-    assert str(info.value) == ("gradient checkpointing: unknown policy 'sometimes' (hint: use off, full, selective, "
+    assert str(info.value) == ("gradient checkpointing: unknown policy 'sometimes' (hint: use none, full, selective, "
                                "auto, or a list with none/selective/full per layer)")
     with pytest.raises(ConfigError) as info:
         apply_checkpointing(model, ["full", "none"])

@@ -2,7 +2,7 @@
 over N cards (predicted, Llama-3.1-8B QLoRA r=32, the figures of docs/long_context.md)."""
 from maximus.memory.context_parallel import (exchange_bytes_per_token, fewest_cards, longest_context_over_ranks,
                                              longest_over_cards)
-from maximus.memory.estimate import load_model_config
+from maximus.memory.shape import load_model_config
 from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
 
 EIGHT_B = "meta-llama/Llama-3.1-8B"

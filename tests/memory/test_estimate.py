@@ -11,7 +11,8 @@ from transformers import (AutoModelForCausalLM, BitsAndBytesConfig, LlamaConfig,
 from maximus.errors import ModelError
 from maximus.evaluate import autocast_for
 from maximus.memory import KNOWN_SHAPES, estimate_peak, measure_step_peak, model_shape
-from maximus.memory.estimate import layer_activation_bytes_per_token, load_model_config
+from maximus.memory.estimate import layer_activation_bytes_per_token
+from maximus.memory.shape import load_model_config
 from maximus.memory.meter import unique_storage_bytes
 from tiny import one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 

@@ -13,7 +13,9 @@ from pathlib import Path
 import pytest
 
 from maximus.errors import MaximusError
-from maximus.memory.estimate import estimate_peak, estimate_step, step_spec
+from maximus.memory.estimate import estimate_peak, estimate_step, step_of
+from maximus.memory.run_spec import Candidate, LoraSettings, RunSpec
+from maximus.memory.shape import model_shape
 
 RECORDED = Path(__file__).parent / "recorded" / "estimate_grid.json"
 
@@ -75,13 +77,15 @@ def test_the_estimate_equals_the_recorded_grid():
     assert not differ, f"{len(differ)} of {len(cases)} estimates changed, e.g. {differ[:3]}"
 
 
-def test_a_step_spec_is_built_once_and_estimated_as_given():
-    spec = step_spec(MODELS["llama8b"], method="qlora", checkpointing=["full", "none"] * 16, micro_batch=2)
-    assert spec.policy == ("full", "off") * 16 and spec.T == 2 * 2048 and spec.shard == 1
-    assert estimate_step(spec) == estimate_peak(MODELS["llama8b"], method="qlora", checkpointing=["full", "none"] * 16,
-                                                micro_batch=2)
+def test_a_spec_and_a_candidate_are_estimated_as_the_keywords_are():
+    spec = RunSpec(shape=model_shape(MODELS["llama8b"]), lora=LoraSettings(r=16))
+    cand = Candidate(method="qlora", checkpointing=["full", "none"] * 16, micro_batch=2)
+    step = step_of(spec, cand)
+    assert step.policy == ("full", "none") * 16 and step.T == 2 * 2048 and step.shard == 1
+    assert estimate_step(spec, cand) == estimate_peak(MODELS["llama8b"], method="qlora",
+                                                      checkpointing=["full", "none"] * 16, micro_batch=2)
     with pytest.raises(AttributeError):
-        spec.micro_batch = 4  # frozen: one description of the step
+        spec.dtype = "fp32"  # frozen: one description of the run
 
 
 if __name__ == "__main__" and "--record" in sys.argv:

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,7 +24,9 @@ import yaml
 from transformers import LlamaConfig, LlamaForCausalLM
 
 import maximus
-from maximus.memory.estimate import estimate_peak, technique_kwargs
+from maximus.memory.estimate import estimate_peak, estimate_step
+from maximus.memory.run_spec import Candidate
+from maximus.memory.spec_from_config import run_spec
 from tiny import ARTICLE_YAML, build_vocab8k_llama, measure_text, measured_run
 from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)
 
@@ -112,8 +115,9 @@ def ghost_runs(tiny, tmp_path_factory):
 def test_ghost_logit_with_the_configured_candidates(tiny, ghost_runs, candidates):
     cfg, predicted, measured = ghost_runs[candidates]
     assert predicted == pytest.approx(measured, rel=0.15)
-    small = estimate_peak(str(tiny / "model"), dtype="bf16", micro_batch=2, seq_len=SEQ, lora_r=4, device="cpu",
-                          **{**technique_kwargs(cfg), "ghost_candidates": 64}, loss_mode="ghost")
+    spec = run_spec(cfg, device="cpu")
+    small = estimate_step(replace(spec, techniques=replace(spec.techniques, ghost_candidates=64)),
+                          Candidate(micro_batch=2, seq_len=SEQ))
     if candidates > 64:  # more candidates, more logits per chunk: the estimate follows the key
         assert predicted > small.peak_bytes
 
@@ -127,9 +131,9 @@ def test_ghost_candidates_cost_what_is_measured(ghost_runs):
 def test_dpo_chosen_and_rejected_rows_and_the_reference(tiny, tmp_path, plain, reference):
     cfg = _config(tiny, tmp_path, fmt="preference", objective="dpo", dpo={"reference": reference})
     predicted, measured, run = measured_run(cfg)
-    assert run["plan"]["peak_bytes"] == estimate_peak(
-        str(tiny / "model"), dtype="fp32", micro_batch=2, seq_len=SEQ, lora_r=4, device="cpu",
-        loss_chunk_tokens=run["plan"]["loss_chunk_size"], **technique_kwargs(cfg)).peak_bytes
+    assert run["plan"]["peak_bytes"] == estimate_step(run_spec(cfg, device="cpu"), Candidate(
+        micro_batch=2, seq_len=SEQ, loss_chunk_tokens=run["plan"]["loss_chunk_size"],
+        checkpointing=run["plan"]["recompute"])).peak_bytes
     _check(predicted, measured, plain, min_change=0.1)
 
 

@@ -8,6 +8,7 @@ from maximus.errors import BudgetError
 from maximus.memory.generation import (check_generation, generation_peak_bytes, kv_cache_bytes, merged_weight_bytes,
                                        rollout_rows)
 from maximus.memory.planner import plan_for_budget
+from maximus.memory.spec_from_config import grpo_settings
 from tiny import build_tiny_model_dir
 
 
@@ -34,10 +35,10 @@ def test_rollout_rows_and_the_generation_budget_check(model_dir, tmp_path):
     cfg = maximus.Config.from_dict({"model": str(model_dir), "dataset": "unused.jsonl", "objective": "grpo",
                                     "training": {"batch_size": 3, "seq_len": 100},
                                     "grpo": {"group_size": 64, "max_completion_tokens": 4000, "rewards": ["exact_answer"]}})
-    assert rollout_rows(cfg) == (3 * 64, 4100)
-    assert rollout_rows(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"steps_per_generation": 4})})) == (48, 4100)
+    assert rollout_rows(grpo_settings(cfg)) == (3 * 64, 4100)
+    assert rollout_rows(grpo_settings(cfg.model_copy(update={"grpo": cfg.grpo.model_copy(update={"steps_per_generation": 4})}))) == (48, 4100)
     plan = plan_for_budget(model_dir, None, batch_size=8, seq_len=128, micro_batch_size=1, dtype="fp32", device="cpu")
-    parts = check_generation(model_dir, plan, cfg, budget=None)
+    parts = check_generation(model_dir, plan, grpo_settings(cfg), budget=None)
     resident = plan.breakdown["weights"] + plan.breakdown["adapters"] + plan.breakdown["optimizer"]
     # No budget: all 3 prompts x 64 completions in one decode loop, LoRA merged into a float32
     # copy of the projections for sampling (merged_weight_bytes: every q/k/v/o/gate/up/down weight).
@@ -57,11 +58,11 @@ def test_rollout_rows_and_the_generation_budget_check(model_dir, tmp_path):
     # A budget between two and three groups' caches: two prompts at once, merged if the copy fits too.
     budget = resident + 2 * one + 2 * 64 * 300 * 4 + 2**20
     assert merged < 2**20
-    assert check_generation(model_dir, plan, cfg, budget=budget)["prompts_at_once"] == 2
-    assert check_generation(model_dir, plan, cfg, budget=budget)["merge_lora"]
+    assert check_generation(model_dir, plan, grpo_settings(cfg), budget=budget)["prompts_at_once"] == 2
+    assert check_generation(model_dir, plan, grpo_settings(cfg), budget=budget)["merge_lora"]
     tight = resident + 3 * one + 3 * 64 * 300 * 4  # all three groups exactly: no room for the copy
-    assert check_generation(model_dir, plan, cfg, budget=tight) == {**plain, "prompts_at_once": 3, "merge_lora": False}
+    assert check_generation(model_dir, plan, grpo_settings(cfg), budget=tight) == {**plain, "prompts_at_once": 3, "merge_lora": False}
     with pytest.raises(BudgetError, match=r"^GRPO generation needs about 129.\d\d MiB \(KV cache 128.12 MiB for 64 x 4100 "
                                           r"tokens, on top of .* of weights and optimizer state\), over the budget of "
                                           r"32.00 MiB \(hint: lower grpo.group_size"):
-        check_generation(model_dir, plan, cfg, budget=32 * 2**20)
+        check_generation(model_dir, plan, grpo_settings(cfg), budget=32 * 2**20)

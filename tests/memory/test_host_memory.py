@@ -72,12 +72,12 @@ def test_plan_run_checks_the_host_only_for_a_gpu_of_this_machine(monkeypatch):
     import psutil
     import torch
 
-    from maximus.memory.run_plan import HOST_OFFLOAD_SHARE, _host_for_offload
+    from maximus.memory.spec_from_config import HOST_OFFLOAD_SHARE, host_for_offload
 
-    assert _host_for_offload("cpu") is None
+    assert host_for_offload("cpu") is None
     if not torch.cuda.is_available():
-        assert _host_for_offload("cuda") is None  # `maximus plan` for a card on a machine without it
+        assert host_for_offload("cuda") is None  # `maximus plan` for a card on a machine without it
         monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # only to reach the branch: no CUDA call follows
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     expected = psutil.virtual_memory().available // 2 * HOST_OFFLOAD_SHARE
-    assert _host_for_offload("cuda") == pytest.approx(expected, rel=0.05)
+    assert host_for_offload("cuda") == pytest.approx(expected, rel=0.05)

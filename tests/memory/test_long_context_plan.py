@@ -12,8 +12,9 @@ from transformers import LlamaConfig, LlamaForCausalLM
 
 from maximus.errors import BudgetError, ConfigError
 from maximus.kernels.lean_lora import install_lean_lora
-from maximus.memory.estimate import estimate_peak, lean_layer_bytes_per_token, model_shape
-from maximus.memory.plan_command import plan_main
+from maximus.memory.estimate import estimate_peak, lean_layer_bytes_per_token
+from maximus.memory.shape import model_shape
+from maximus.plan_command import plan_main
 from maximus.memory.planner import max_seq_len_for_budget, plan_for_budget, resolve_budget
 
 from tiny import one_thread  # noqa: F401  (a fixture, used through pytestmark)

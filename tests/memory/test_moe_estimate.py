@@ -9,7 +9,8 @@ import json
 import pytest
 import torch
 
-from maximus.memory.estimate import estimate_peak, model_shape
+from maximus.memory.estimate import estimate_peak
+from maximus.memory.shape import model_shape
 
 from tiny import build_family_model_dir, one_thread, tiny_config, write_prompt_completion  # noqa: F401
 
@@ -42,7 +43,7 @@ def test_dense_layers_of_qwen3_moe_are_not_counted_as_experts(dirs):
 
 def test_lora_experts_false_has_no_expert_lora_state(dirs):
     from maximus.config import Config
-    from maximus.memory.estimate import technique_kwargs
+    from maximus.memory.spec_from_config import run_spec
     from maximus.models import load_model
 
     cfg = Config.from_dict({"model": str(dirs["mixtral"]), "dataset": "unused.jsonl", "method": "lora", "device": "cpu",
@@ -50,8 +51,8 @@ def test_lora_experts_false_has_no_expert_lora_state(dirs):
     model, _ = load_model(cfg)
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     estimate = estimate_peak(dirs["mixtral"], method="lora", dtype="fp32", lora_r=4, device="cpu",
-                             **{k: v for k, v in technique_kwargs(cfg).items() if k == "lora_experts"})
-    assert technique_kwargs(cfg)["lora_experts"] is False
+                             lora_experts=run_spec(cfg, device="cpu").lora.experts)
+    assert run_spec(cfg, device="cpu").lora.experts is False
     assert estimate.breakdown["adapters"] == 4 * trainable  # float32 adapters on attention only
     with_experts = estimate_peak(dirs["mixtral"], method="lora", dtype="fp32", lora_r=4, device="cpu")
     assert with_experts.breakdown["adapters"] > estimate.breakdown["adapters"]
@@ -61,7 +62,7 @@ def test_lora_experts_true_with_attention_targets_counts_every_expert_adapter(di
     """`lora.experts: true` adapts the experts whatever `target_modules` names: the planner counts
     exactly the adapters the model trains (none at the dense shape of an MLP it does not target)."""
     from maximus.config import Config
-    from maximus.memory.estimate import technique_kwargs
+    from maximus.memory.spec_from_config import run_spec
     from maximus.models import load_model
 
     cfg = Config.from_dict({"model": str(dirs["qwen3_moe"]), "dataset": "unused.jsonl", "method": "lora", "device": "cpu",
@@ -71,7 +72,7 @@ def test_lora_experts_true_with_attention_targets_counts_every_expert_adapter(di
     trainable = sum(p.numel() for p in model.parameters() if p.requires_grad)
     assert any(".experts." in n for n, p in model.named_parameters() if p.requires_grad)
     estimate = estimate_peak(dirs["qwen3_moe"], method="lora", dtype="fp32", lora_r=4, device="cpu", lora_targets=ATTENTION,
-                             lora_experts=technique_kwargs(cfg)["lora_experts"])
+                             lora_experts=run_spec(cfg, device="cpu").lora.experts)
     assert estimate.breakdown["adapters"] == 4 * trainable
 
 

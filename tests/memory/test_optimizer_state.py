@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from maximus import Config
-from maximus.memory.estimate import estimate_peak, load_model_config, model_shape
+from maximus.memory.estimate import estimate_peak
+from maximus.memory.shape import load_model_config, model_shape
 from maximus.memory.optimizer_state import EMBEDDING_ON_ADAMW, OPTIMIZERS, optimizer_state_bytes
 from maximus.train.optimizers import build_optimizer
 

@@ -10,7 +10,7 @@ import yaml
 
 from maximus import Config, Trainer
 from maximus.errors import ConfigError
-from maximus.memory.plan_command import plan_main
+from maximus.plan_command import plan_main
 
 from tiny import build_tiny_model_dir, one_thread, tiny_config, write_prompt_completion  # noqa: F401 - fixture
 

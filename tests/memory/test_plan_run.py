@@ -10,7 +10,7 @@ import pytest
 from maximus import Config
 from maximus.errors import ConfigError
 from maximus.memory import Plan, estimate_peak, plan_run, replan
-from maximus.memory.plan_command import plan_main
+from maximus.plan_command import plan_main
 
 EIGHT_B = "meta-llama/Llama-3.1-8B"
 ARTICLE = {"model": "mistralai/Mistral-12B-v0.1", "dataset": "my_dataset",
@@ -71,7 +71,7 @@ def test_plan_is_immutable_and_a_replan_is_a_new_re_estimated_plan():
     with pytest.raises(dataclasses.FrozenInstanceError):
         plan.micro_batch_size = 1
     assert plan.micro_batch_size > 1 and all(m in ("none", "selective", "full") for m in plan.recompute)
-    half = replan(cfg, plan, micro_batch_size=plan.micro_batch_size // 2)
+    half = replan(plan, None, micro_batch_size=plan.micro_batch_size // 2)
     assert half is not plan and (plan.micro_batch_size, half.micro_batch_size, half.grad_accum) == (4, 2, 4)
     assert half.effective_batch == plan.effective_batch == 8
     again = estimate_peak(EIGHT_B, method="qlora", micro_batch=half.micro_batch_size, grad_accum=half.grad_accum,

@@ -27,7 +27,7 @@ def test_summary_of_a_plan_dict_names_offload_and_tiles():
 def test_planner_and_kernels_share_lean_lora_applies(tiny_llama, tmp_path):
     """DoRA and LoRA dropout take PEFT's forward: the planner predicts PEFT's activations for them,
     as for `optimization.lean_lora: false`, and the trainer does not install the lean projection."""
-    from maximus.memory.run_plan import lean_lora_applies
+    from maximus.memory.spec_from_config import lean_lora_applies
 
     def peak(lora=None, **opt):
         cfg = Config.from_dict({"model": str(tiny_llama), "dataset": str(tmp_path / "d.jsonl"), "method": "lora",

@@ -14,7 +14,7 @@ from maximus.config import GPU_CARDS
 from maximus.errors import BudgetError, ConfigError
 from maximus.evaluate import autocast_for
 from maximus.memory import MemoryMeter, estimate_peak, max_seq_len_for_budget, plan_for_budget, resolve_budget
-from maximus.memory.plan_command import plan_main
+from maximus.plan_command import plan_main
 
 EIGHT_B = "meta-llama/Llama-3.1-8B"
 GiB = 2**30

@@ -8,8 +8,9 @@ import pytest
 
 from maximus.config import GPU_CARDS
 from maximus.errors import BudgetError
-from maximus.memory.estimate import estimate_peak, model_shape, load_model_config
-from maximus.memory.plan_command import CARD_TFLOPS, card_tokens_per_s
+from maximus.memory.estimate import estimate_peak
+from maximus.memory.shape import load_model_config, model_shape
+from maximus.plan_command import CARD_TFLOPS, card_tokens_per_s
 from maximus.memory.planner import DEFAULT_MARGIN, plan_for_budget, resolve_budget
 from maximus.memory.streamed_weights import streamed_layer_bytes
 from maximus.memory.coefficients import DEVICE_FLOPS

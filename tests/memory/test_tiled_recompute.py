@@ -247,7 +247,7 @@ def test_trainer_tiles_when_the_budget_needs_it_and_stays_under_it(tiny_llama, p
 
     from maximus import Trainer
     from maximus.errors import BudgetError
-    from maximus.memory.estimate import load_model_config
+    from maximus.memory.shape import load_model_config
     from maximus.memory.planner import plan_for_budget
     from tiny import tiny_config
 

@@ -399,6 +399,7 @@ def test_the_kept_old_log_probs_drawn_by_the_sampler_equal_the_separate_pass(tin
     own (no extra pass): equal, position by position, to the no-grad pass over the rows that
     bf16 / fp16 runs keep using, and to zero off the completion tokens."""
     from maximus.memory.generation import sampler_records_logps
+    from maximus.memory.spec_from_config import grpo_settings
     from maximus.train.trainer import Trainer
 
     cfg = maximus.Config.from_dict(config(tiny, tmp_path / "run", grpo={"steps_per_generation": 2, "temperature": 0.7,
@@ -407,8 +408,9 @@ def test_the_kept_old_log_probs_drawn_by_the_sampler_equal_the_separate_pass(tin
     trainer = Trainer(cfg)
     trainer.setup()
     objective, model = trainer.objective, trainer.model
-    assert sampler_records_logps(cfg, "fp32") and not sampler_records_logps(cfg, "bf16")
-    assert not sampler_records_logps(maximus.Config.from_dict(config(tiny, tmp_path / "b")), "fp32")  # on-policy: none kept
+    g = grpo_settings(cfg)
+    assert sampler_records_logps(g, "fp32") and not sampler_records_logps(g, "bf16")
+    assert not sampler_records_logps(grpo_settings(maximus.Config.from_dict(config(tiny, tmp_path / "b"))), "fp32")  # on-policy: none kept
     torch.manual_seed(2)
     with torch.no_grad():  # a trained-looking adapter, and EOS now and then: rows of several lengths
         for name, p in model.named_parameters():

@@ -15,7 +15,7 @@ from tiny import one_thread, tiny_config  # noqa: F401  (one_thread: a fixture, 
 from maximus import Config
 from maximus.errors import ConfigError
 from maximus.train.progress import read_metrics
-from maximus.train.sinks import open_sinks
+from maximus.train.metric_loggers import open_sinks
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -155,14 +155,14 @@ def test_4bit_embedding_takes_embedding_and_head(optimizer, own, tiny_llama):
 def test_torchao_step_in_row_chunks_equals_the_whole_tensor_step(optimizer, tiny_llama, monkeypatch):
     """torchao's step over row chunks (4-bit and 8-bit blocks kept whole) == over the whole tensor,
     bit for bit: the update is elementwise and the quantisation per block of 128 (256)."""
-    import maximus.train.optimizers as optimizers
+    import maximus.train.optimizers.torchao_rows as optimizers
 
     models = []
     for chunk in (None, 1024):
         if chunk:
             monkeypatch.setattr(optimizers, "TORCHAO_CHUNK_VALUES", chunk)
         model = _model(tiny_llama)
-        assert chunk is None or any(len(optimizers._row_chunks(p)) > 2 for p in model.parameters())
+        assert chunk is None or any(len(optimizers.row_chunks(p)) > 2 for p in model.parameters())
         opt = build_optimizer(model, _training(optimizer))
         _run(model, opt, _batches(3, model.config.vocab_size))
         assert type(opt.state[model.get_input_embeddings().weight]["exp_avg"]).__name__ == (
@@ -175,7 +175,7 @@ def test_torchao_step_in_row_chunks_equals_the_whole_tensor_step(optimizer, tiny
 def test_torchao_step_compiled_on_cpu_equals_the_eager_step_and_the_meter_sees_it_eager(monkeypatch):
     """A large tensor's torchao step on a CPU is compiled (inductor) outside the memory meter and
     eager under it; both give the same update (float32 rounding)."""
-    import maximus.train.optimizers as optimizers
+    import maximus.train.optimizers.torchao_rows as optimizers
     from maximus.memory.meter import MemoryMeter
 
     monkeypatch.setattr(optimizers, "CPU_COMPILE_MIN_VALUES", 4096)  # a small tensor: a quick compile
@@ -183,7 +183,7 @@ def test_torchao_step_compiled_on_cpu_equals_the_eager_step_and_the_meter_sees_i
     start = torch.randn(64, 64, generator=g)
     weights = [torch.nn.Parameter(start.clone()) for _ in range(2)]
     grads = [torch.randn(64, 64, generator=g) for _ in range(3)]
-    opts = [optimizers._torchao_class(4)([w], lr=1e-2) for w in weights]
+    opts = [optimizers.torchao_class(4)([w], lr=1e-2) for w in weights]
     for grad in grads:
         for w, opt in zip(weights, opts):
             w.grad = grad.clone()
@@ -347,7 +347,7 @@ def test_head_and_embedding_stepped_row_by_row_equal_the_whole_gradient_step(tra
     within lr / 20 and all but 0.02 % to 1e-6 (both gradients are float32 sums in different orders,
     and Adam's first update g / (|g| + eps) amplifies that rounding where |g| is near eps = 1e-8);
     the step's norms to 1e-5."""
-    import maximus.train.optimizers as optimizers
+    import maximus.train.optimizers.torchao_rows as optimizers
     from maximus.losses.linear_cross_entropy import linear_cross_entropy
 
     monkeypatch.setattr(optimizers, "TORCHAO_CHUNK_VALUES", 1024)  # several row blocks per tiny weight
@@ -355,7 +355,7 @@ def test_head_and_embedding_stepped_row_by_row_equal_the_whole_gradient_step(tra
     for row_steps in (False, True):
         model = _model(tiny_llama)
         head, embed = model.get_output_embeddings().weight, model.get_input_embeddings().weight
-        assert len(optimizers._row_chunks(head)) > 2 and len(optimizers._row_chunks(embed)) > 2
+        assert len(optimizers.row_chunks(head)) > 2 and len(optimizers.row_chunks(embed)) > 2
         opt = build_optimizer(model, _training(optimizer_in_backward=True, max_grad_norm=None, **training),
                               row_steps=row_steps)
         for ids in _batches(3, model.config.vocab_size):

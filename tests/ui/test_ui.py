@@ -460,7 +460,7 @@ def test_train_stop_resume_chat_export_from_the_pages(browser, tiny_model_dirs, 
 
     from maximus import Config, Trainer
     from maximus.cli import main
-    from maximus.memory.plan_command import plan_json
+    from maximus.plan_command import plan_json
 
     api = Api(tmp_path, train_argv=[sys.executable, "-c", SLOW_TRAIN], slots=1)
     try:

@@ -43,7 +43,7 @@ def _qwen_dir(tmp_path, max_pixels=1280 * 28 * 28):
 def test_llava_image_tokens_are_the_processors(llavas, tmp_path):
     from transformers import AutoProcessor
 
-    from maximus.memory.estimate import load_model_config
+    from maximus.memory.shape import load_model_config
     from maximus.memory.vision_terms import image_geometry, processor_config, vision_shape
 
     for size, model in llavas.items():
@@ -119,7 +119,8 @@ def test_estimate_adds_the_tower_and_projector_terms(llavas):
     """What each switch adds, term by term (rows of one length: no padded attention): the tower and
     projector weights always; LoRA on the tower adds adapters and saved activations; the trained
     projector its float32 copy; checkpointing leaves the tower one input per layer."""
-    from maximus.memory.estimate import estimate_peak, load_model_config
+    from maximus.memory.estimate import estimate_peak
+    from maximus.memory.shape import load_model_config
     from maximus.memory.vision_terms import VisionSpec, image_geometry, vision_shape
 
     config = load_model_config(llavas[96])
@@ -147,8 +148,8 @@ def test_estimate_adds_the_tower_and_projector_terms(llavas):
 
 
 def test_maximus_plan_names_the_image_tokens_and_the_largest_image_per_card(llavas, tmp_path, monkeypatch):
-    from maximus.memory import plan_command
-    from maximus.memory.plan_command import plan_json
+    from maximus import plan_command
+    from maximus.plan_command import plan_json
 
     # Three cards, and no longest-context search (its own tests cover it): the vision columns only.
     monkeypatch.setattr(plan_command, "GPU_CARDS", {k: plan_command.GPU_CARDS[k] for k in ("T4", "L4", "H100")})
@@ -173,9 +174,10 @@ def test_largest_image_is_the_largest_that_fits(tmp_path):
     from dataclasses import replace
 
     from maximus.errors import BudgetError
-    from maximus.memory.estimate import model_shape
-    from maximus.memory.plan_command import largest_image
+    from maximus.memory.shape import model_shape
+    from maximus.plan_command import largest_image
     from maximus.memory.planner import plan_for_budget
+    from maximus.memory.run_spec import keyword_spec
     from maximus.memory.vision_terms import VisionSpec, image_geometry, processor_config, vision_shape
 
     d = _qwen_dir(tmp_path, max_pixels=16384 * 28 * 28)  # a cap no 8 GB plan reaches with LoRA on the tower
@@ -185,7 +187,7 @@ def test_largest_image_is_the_largest_that_fits(tmp_path):
     shape = model_shape(QWEN2_VL)
     kw = dict(method="lora", dtype="bf16", lora_r=16, device="cuda")
     budget = 8 * 2**30
-    found = largest_image(shape, budget, vision=spec, seq_len=20000, micro_batch=1, **kw)
+    found = largest_image(keyword_spec(shape, dict(kw, vision=spec)), budget, seq_len=20000, micro_batch=1)
     assert 56 * 56 < found["pixels"] < 16384 * 28 * 28
 
     def fits(pixels):

@@ -71,15 +71,8 @@ def kronecker_sketch_attention(
     query: torch.Tensor,
     key: torch.Tensor,
     value: torch.Tensor,
+    sketch,
     *,
-    block: int,
-    local_blocks: int,
-    select_blocks: int,
-    sub_slot_logits: torch.Tensor,
-    bucket_log_scale: torch.Tensor,
-    score_query: torch.Tensor,
-    score_key: torch.Tensor,
-    score_prior: torch.Tensor,
     scaling: float,
     key_valid: torch.Tensor | None = None,
     doc_start: torch.Tensor | None = None,
@@ -88,14 +81,20 @@ def kronecker_sketch_attention(
 ) -> torch.Tensor:
     """Detail + sketch attention of the last Tq positions over Tk cached/current positions.
 
+    One function of sections (key side, query side, importance scores, detail path, sketch path,
+    one softmax) rather than several: every section reads the block layout and the masks the
+    sections before it built, and autograd keeps their intermediates in one graph that the
+    memory coefficients (`maximus.memory.coefficients.KRONECKER_COEF`) were measured on.
+
     Args:
         query: [B, H, Tq, D]; the queries sit at positions Tk-Tq .. Tk-1.
         key, value: [B, Hkv, Tk, D] with H a multiple of Hkv (grouped-query attention).
-        block: L, tokens per block.
-        local_blocks, select_blocks: detail budget in blocks (recent ones, learned-selected ones).
-        sub_slot_logits: [S, L], the B factor (softmax over the L positions of a block).
-        bucket_log_scale: [M], the learned scale of the A factor's M distance buckets.
-        score_query, score_key: [D, D]; score_prior: [D]: the importance scorer.
+        sketch: the layer's `KroneckerSketch` (or anything with its attributes): ``block`` (L,
+            tokens per block); ``local_blocks``, ``select_blocks`` (detail budget in blocks: recent
+            ones, learned-selected ones); ``sub_slot_logits`` [S, L] (the B factor: softmax over
+            the L positions of a block); ``bucket_log_scale`` [M] (the learned scale of the A
+            factor's M distance buckets); ``score_query``, ``score_key`` [D, D] and
+            ``score_prior`` [D] (the importance scorer).
         scaling: logit scale (head_dim ** -0.5 for the models we support).
         key_valid: bool [B, Tk], False for padding; None = all valid.
         doc_start: long [B, Tk], first position of each token's packed document; None = 0.
@@ -105,6 +104,9 @@ def kronecker_sketch_attention(
     Returns:
         [B, H, Tq, D] in the dtype of `value`. Rows with no visible key are 0.
     """
+    block, local_blocks, select_blocks = sketch.block, sketch.local_blocks, sketch.select_blocks
+    sub_slot_logits, bucket_log_scale = sketch.sub_slot_logits, sketch.bucket_log_scale
+    score_query, score_key, score_prior = sketch.score_query, sketch.score_key, sketch.score_prior
     bsz, n_heads, tq, dim = query.shape
     n_kv, tk = key.shape[1], key.shape[2]
     groups = n_heads // n_kv

@@ -83,11 +83,5 @@ class KroneckerSketch(nn.Module):
     def forward(self, query, key, value, *, scaling: float, key_valid=None, doc_start=None,
                 sliding_window=None, dropout_p: float = 0.0) -> torch.Tensor:
         """Attention output [B, H, Tq, D]; see `kronecker_sketch_attention` for the arguments."""
-        return kronecker_sketch_attention(
-            query, key, value,
-            block=self.block, local_blocks=self.local_blocks, select_blocks=self.select_blocks,
-            sub_slot_logits=self.sub_slot_logits, bucket_log_scale=self.bucket_log_scale,
-            score_query=self.score_query, score_key=self.score_key, score_prior=self.score_prior,
-            scaling=scaling, key_valid=key_valid, doc_start=doc_start,
-            sliding_window=sliding_window, dropout_p=dropout_p,
-        )
+        return kronecker_sketch_attention(query, key, value, self, scaling=scaling, key_valid=key_valid,
+                                          doc_start=doc_start, sliding_window=sliding_window, dropout_p=dropout_p)

@@ -12,7 +12,7 @@ An export goes through these stages (a format skips the ones it has no use for):
   again before the result is renamed into place;
 - ``done``.
 
-The file is JSON, replaced atomically on every change (`maximus.train.checkpoint.write_json`), so a
+The file is JSON, replaced atomically on every change (`maximus.files.write_json`), so a
 reader never sees half of it: ``{"stage", "done", "total", "text"}``.
 """
 from __future__ import annotations
@@ -20,7 +20,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from maximus.train.checkpoint import write_json
+from maximus.files import write_json
 
 __all__ = ["ExportProgress", "STAGES", "progress_text"]
 

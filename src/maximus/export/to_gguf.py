@@ -22,11 +22,10 @@ from pathlib import Path
 import numpy as np
 
 from maximus.errors import ExportError
-from maximus.export.gguf_arch import GGUF_ARCHS, gguf_arch, gguf_tensors, write_hparams
+from maximus.export.gguf_arch import gguf_arch, gguf_tensors, write_hparams
 from maximus.export.gguf_vocab import write_vocab
 from maximus.export.target import GGUF_MARKER_KEY
 
-SUPPORTED_ARCHS = tuple(GGUF_ARCHS)
 # --quant name -> (tensor type, file type) in the gguf package; these are the types it can quantise to.
 QUANTS = {"f32": ("F32", "ALL_F32"), "f16": ("F16", "MOSTLY_F16"), "bf16": ("BF16", "MOSTLY_BF16"),
           "q8_0": ("Q8_0", "MOSTLY_Q8_0"), "q5_1": ("Q5_1", "MOSTLY_Q5_1"), "q5_0": ("Q5_0", "MOSTLY_Q5_0"),

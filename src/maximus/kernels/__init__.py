@@ -7,7 +7,7 @@ gradient checkpointing are in place and before DDP / FSDP2 wrap the model:
   (`maximus.attention.varlen`: exact, plain PyTorch, no ``T x T`` mask, only ``sum(L_i^2)``
   attention FLOPs), when the model uses SDPA through Transformers' registry;
 - a model with attention sinks (gpt-oss) loaded with Transformers' eager attention switches to
-  the exact SDPA path with a sink key (`maximus.attention.sinks`; `load_model` chooses it already);
+  the exact SDPA path with a sink key (`maximus.attention.sink_attention`; `load_model` chooses it already);
 - ``triton``: the fused Triton kernels of `maximus.kernels.triton` (RMSNorm, RoPE, SwiGLU, the
   QLoRA projection with fused NF4 dequantisation) on CUDA; where they cannot run (no CUDA, no
   triton) a one-line notice says so and the step stays eager;
@@ -39,10 +39,12 @@ from __future__ import annotations
 import os
 import shutil
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
-MODES = ("auto", "triton", "compile", "eager")
+if TYPE_CHECKING:
+    from maximus.kernels.choices import KernelChoices
 
 
 @dataclass
@@ -114,38 +116,36 @@ def busy_cores(samples: int = 5, interval_s: float = 0.01) -> int:
     return int(statistics.median(counts))
 
 
-def apply_kernels(model, mode: str, device: torch.device, *, lean_lora: bool = True,
-                  lean_norm: bool = True, grouped_experts: bool = True) -> KernelReport:
-    """Make ``model``'s training step run as ``mode`` asks (see the module docstring); with
-    ``lean_lora``, the LoRA linears left to PEFT then take the lean projection, with ``lean_norm``
-    the RMSNorms left to Transformers the lean norm, with ``grouped_experts`` the fused experts
-    the grouped forward on CPU (none of them under ``compile``).
+def apply_kernels(model, mode: str, device: torch.device, choices: "KernelChoices | None" = None) -> KernelReport:
+    """Make ``model``'s training step run as ``mode`` asks (see the module docstring), with the
+    kernels `choices` decided (`maximus.kernels.choices.KernelChoices`: the run's
+    `RunSpec.kernels`; None: every kernel this mode and device take, `decide_kernels`): lean LoRA
+    for the LoRA linears left to PEFT, the lean norm for the RMSNorms left to Transformers, the
+    grouped forward for the fused experts. Nothing is decided here again.
 
     Never raises for an unsupported combination: the step falls back to eager PyTorch and
     ``report.notices`` says why (the trainer prints them once).
     """
+    from maximus.kernels.choices import decide_kernels
+
+    if choices is None:
+        choices = decide_kernels(mode=mode, device_type=device.type, lean_lora=True, lean_norm=True,
+                                 grouped_experts=True)
     report = _apply_mode(model, mode, device)
-    if lean_lora and report.used != "compile":
+    if choices.lean_lora:
         from maximus.kernels.lean_lora import install_lean_lora
 
         report.lean_lora = len(install_lean_lora(model))
-    if lean_norm and report.used != "compile":
+    if choices.lean_norm:
         from maximus.kernels.lean_norm import install_lean_norm
 
         report.lean_norm = len(install_lean_norm(model))
-    if grouped_experts_apply(grouped_experts, report.used, device):
+    if choices.grouped_experts:
         from maximus.kernels.grouped_experts import install_grouped_experts
 
         report.grouped_experts = len(install_grouped_experts(model))
-    report.notices.extend(_lean_fallbacks(model, lean_lora and report.used != "compile" and not report.grouped_experts,
-                                          lean_norm and report.used != "compile"))
+    report.notices.extend(_lean_fallbacks(model, choices.lean_lora and not report.grouped_experts, choices.lean_norm))
     return report
-
-
-def grouped_experts_apply(enabled: bool, mode: str, device) -> bool:
-    """Whether `maximus.kernels.grouped_experts` takes the experts: asked for, on CPU (where it is
-    measured), and not under ``compile`` (its per-expert loop reads the routing counts)."""
-    return bool(enabled) and str(getattr(device, "type", device)).split(":")[0] == "cpu" and mode != "compile"
 
 
 def _lean_fallbacks(model, lean_lora: bool, lean_norm: bool) -> list[str]:
@@ -165,7 +165,7 @@ def _lean_fallbacks(model, lean_lora: bool, lean_norm: bool) -> list[str]:
 
 
 def _apply_mode(model, mode: str, device: torch.device) -> KernelReport:
-    from maximus.attention.sinks import use_sink_attention
+    from maximus.attention.sink_attention import use_sink_attention
     from maximus.attention.varlen import use_varlen_attention
 
     from maximus.attention import kronecker_module_names

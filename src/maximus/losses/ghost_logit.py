@@ -215,7 +215,11 @@ def _gauss_hermite(dtype: torch.dtype, device, order: int = 24):
 
 
 class _GhostLogitLoss(torch.autograd.Function):
-    """Forward computes the loss and, when needed, all gradients; backward scales them."""
+    """Forward computes the loss and, when needed, all gradients; backward scales them.
+
+    `forward` is one sectioned math kernel (vocabulary statistics, then per chunk the candidate
+    scan, the candidates' exact logits and their gradients): the gradients are formed chunk by
+    chunk while each chunk's logits exist, so the pass cannot be split without keeping them."""
 
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, chunk_size, num_candidates,

@@ -3,9 +3,11 @@
 Checkpointing and offload live in their own modules beside these."""
 from __future__ import annotations
 
-from maximus.memory.estimate import KNOWN_SHAPES, Estimate, estimate_peak, model_shape
+from maximus.memory.estimate import Estimate, estimate_peak
 from maximus.memory.meter import MemoryMeter, measure_step_peak
 from maximus.memory.plan import Attention, Plan
+from maximus.memory.run_spec import Candidate, RunSpec
+from maximus.memory.shape import KNOWN_SHAPES, ModelShape, model_shape
 
 
 def __getattr__(name):
@@ -14,12 +16,13 @@ def __getattr__(name):
         from maximus.memory import planner
 
         return getattr(planner, name)
-    if name in ("plan_run", "replan"):
+    if name in ("plan_run", "replan", "plan_below_measured"):
         from maximus.memory import run_plan
 
         return getattr(run_plan, name)
     raise AttributeError(name)
 
 
-__all__ = ["Attention", "Estimate", "KNOWN_SHAPES", "MemoryMeter", "Plan", "measure_step_peak", "estimate_peak",
-           "max_seq_len_for_budget", "model_shape", "plan_for_budget", "plan_run", "replan", "resolve_budget"]
+__all__ = ["Attention", "Candidate", "Estimate", "ModelShape", "RunSpec", "KNOWN_SHAPES", "MemoryMeter", "Plan", "measure_step_peak", "estimate_peak",
+           "max_seq_len_for_budget", "model_shape", "plan_below_measured", "plan_for_budget", "plan_run",
+           "replan", "resolve_budget"]

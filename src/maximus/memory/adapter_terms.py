@@ -15,7 +15,7 @@ Each takes PEFT's own code path, measured with the CPU meter on real trainer ste
   in float32, the dropped input its down-projection saves.
 
 A lean LoRA projection (`maximus.kernels.lean_lora`) never runs with DoRA or dropout: those fall
-back to PEFT's forward (`maximus.memory.run_plan.lean_lora_applies`), whose coefficients these add to.
+back to PEFT's forward (`maximus.memory.spec_from_config.lean_lora_applies`), whose coefficients these add to.
 """
 from __future__ import annotations
 

@@ -51,6 +51,7 @@ from torch.utils.checkpoint import (
 
 from maximus.config import format_bytes
 from maximus.errors import BudgetError, ConfigError, ModelError
+from maximus.memory.plan import RECOMPUTE_MODES
 from maximus.structure import find_decoder_layers
 
 __all__ = [
@@ -67,8 +68,7 @@ __all__ = [
     "TILED_RESIDUAL_LAYERS",
 ]
 
-RECOMPUTE_MODES = ("none", "selective", "full")
-POLICIES = ("off", "full", "selective", "auto")
+POLICIES = ("none", "full", "selective", "auto")
 
 # Extra step time allowed when `auto` has no memory budget: recompute FLOPs / (forward + backward FLOPs).
 DEFAULT_MAX_EXTRA_TIME = 0.25
@@ -79,7 +79,6 @@ DEFAULT_MAX_EXTRA_TIME = 0.25
 MIN_SAVED_MATMUL_INNER_DIM = 256
 
 _aten = torch.ops.aten
-_MATMULS = {_aten.mm, _aten.addmm, _aten.bmm, _aten.baddbmm}
 _ATTENTION = {
     getattr(_aten, name)
     for name in (
@@ -665,12 +664,12 @@ def _policy_modes(policy, n_layers: int) -> list[str] | None:
     if isinstance(policy, str):
         if policy == "auto":
             return None
-        if policy in ("off", "none"):
+        if policy in ("off", "none"):  # off: the config's former word for none
             return ["none"] * n_layers
         if policy in ("full", "selective"):
             return [policy] * n_layers
         raise ConfigError(f"gradient checkpointing: unknown policy {policy!r}",
-                          "use off, full, selective, auto, or a list with none/selective/full per layer")
+                          "use none, full, selective, auto, or a list with none/selective/full per layer")
     modes = list(policy)
     if len(modes) != n_layers:
         raise ConfigError(f"gradient checkpointing: the policy lists {len(modes)} modes for {n_layers} decoder layers",

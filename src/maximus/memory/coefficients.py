@@ -24,7 +24,7 @@ ATTENTION_BACKWARD_PROBS = {"gemma2": 2}
 
 #: Attention masks a step keeps, shared by the layers of a kind (full, sliding), by model type: each
 #: ``[rows, 1, T, T (+1)]`` in the compute dtype plus the boolean mask it was made from. SDPA with
-#: attention sinks (gpt-oss, maximus.attention.sinks) needs one for its sliding layers (and one for
+#: attention sinks (gpt-oss, maximus.attention.sink_attention) needs one for its sliding layers (and one for
 #: its full layers with padding or packed documents); a sliding window kept on SDPA
 #: (attention.varlen.sliding_window, Gemma 3) one for its sliding layers; Gemma 2's eager attention
 #: one per kind, held through the step by checkpointed layers. Measured as ATTENTION_PROBS.

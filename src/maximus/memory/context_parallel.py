@@ -27,7 +27,7 @@ OUTPUT_COPIES = 4
 def exchange_bytes_per_token(model_config: Any, degree: int, dtype_bytes: int = 2) -> int:
     """Bytes per local token of Ulysses' exchange buffers for one layer (0 at degree 1). Key/value
     heads that do not divide by `degree` travel repeated up to the query heads."""
-    from maximus.memory.estimate import model_shape
+    from maximus.memory.shape import model_shape
 
     if degree == 1:
         return 0
@@ -40,20 +40,21 @@ def exchange_bytes_per_token(model_config: Any, degree: int, dtype_bytes: int = 
 def longest_context_over_ranks(model_config: Any, budget_bytes: int, degree: int, *, dtype_bytes: int = 2,
                                micro_batch: int = 1, **plan_kw: Any) -> int:
     """The longest row (tokens, a multiple of ``2 * degree``) that `degree` ranks of `budget_bytes`
-    each train together: `degree` x the longest local share ``s`` whose one-card plan
-    (`plan_for_budget` keywords in `plan_kw`, every memory knob allowed) fits `budget_bytes` less
-    ``s`` x `exchange_bytes_per_token`."""
-    from maximus.memory.planner import _fits_at, max_seq_len_for_budget
+    each train together: `degree` x the longest local share ``s`` whose one-card plan fits
+    `budget_bytes` less ``s`` x `exchange_bytes_per_token`. `model_config`: a `RunSpec`, or
+    anything `model_shape` reads with `plan_for_budget` keywords in `plan_kw` (every memory knob
+    allowed; the method defaults to qlora, as for `max_seq_len_for_budget`)."""
+    from maximus.memory.planner import fits_at, max_seq_len_for_budget, spec_of
 
-    alone = max_seq_len_for_budget(model_config, budget_bytes, micro_batch=micro_batch, **plan_kw)
-    per_token = exchange_bytes_per_token(model_config, degree, dtype_bytes) * micro_batch
+    spec = spec_of(model_config, plan_kw, method="qlora")
+    alone = max_seq_len_for_budget(spec, budget_bytes, micro_batch=micro_batch)
+    per_token = exchange_bytes_per_token(spec.shape, degree, dtype_bytes) * micro_batch
     if not per_token:
         return alone
 
     def fits(local: int) -> bool:
         room = budget_bytes - per_token * local
-        return room > 0 and _fits_at(model_config, room, batch_size=micro_batch, micro_batch_size=micro_batch,
-                                     name_longest=False, **plan_kw)(local)
+        return room > 0 and fits_at(spec, room, micro_batch)(local)
 
     lo, hi = 0, alone + 1  # invariant: fits(lo) (or lo = 0), not fits(hi)
     while hi - lo > 1:

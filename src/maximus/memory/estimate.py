@@ -25,339 +25,30 @@ loss and workspace, summing exactly to `peak_bytes`.
 """
 from __future__ import annotations
 
-import json
 import math
-from dataclasses import dataclass, field, replace
-from pathlib import Path
+from dataclasses import dataclass, field
 from typing import Any, Literal, Sequence
 
-from maximus.errors import ConfigError, ModelError
-from maximus.gguf_base import gguf_config, is_gguf
-from maximus.memory.adapter_terms import AdapterTerms, adapter_terms
+from maximus.errors import ConfigError
 from maximus.config import DEFAULT_H2D_BYTES_PER_S
+from maximus.memory.adapter_terms import AdapterTerms, adapter_terms
+from maximus.memory.coefficients import DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF, LAYER_COEF  # noqa: F401
+from maximus.memory.optimizer_state import (head_block_bytes, in_backward_gradient_bytes, optimizer_note,
+                                            optimizer_settings, optimizer_state_bytes, optimizer_step_bytes,
+                                            steps_outer_rows)
+from maximus.memory.plan import RECOMPUTE_WORDS
+from maximus.memory.run_spec import Candidate, KroneckerLayout, RunSpec, candidate_of, keyword_spec
+from maximus.memory.shape import ModelShape, model_shape
 from maximus.memory.streamed_weights import STAGING_LAYERS, STREAMED_IN_FLIGHT, streamed_layer_bytes
-from maximus.memory.coefficients import (ATTENTION_BACKWARD_PROBS, ATTENTION_PROBS, ATTENTION_SINK_MASKS, QK_EXTRA, EXPERT_GATE_TENSORS, DEVICE_FLOPS, DTYPE_BYTES, KRONECKER_COEF,  # noqa: F401
-                                         LAYER_COEF)
-from maximus.memory.optimizer_state import (in_backward_gradient_bytes, optimizer_kwargs, optimizer_note,
-                                              optimizer_settings, optimizer_state_bytes, optimizer_step_bytes,
-                                              head_block_bytes, steps_outer_rows)
 
 Method = Literal["full", "lora", "qlora"]
 Attention = Literal["sdpa", "kronecker"]
 Objective = Literal["sft", "dpo", "contrastive", "grpo"]
 DpoReference = Literal["adapter_off", "precomputed", "none"]
 LossMode = Literal["naive", "exact", "ghost"]
-Checkpointing = Literal["off", "full", "selective"]
+Checkpointing = Literal["none", "full", "selective"]
 
-__all__ = ["Estimate", "ModelShape", "KNOWN_SHAPES", "estimate_peak", "model_shape", "load_model_config",
-           "DTYPE_BYTES", "DEVICE_FLOPS", "KroneckerLayout", "kronecker_layout", "technique_kwargs"]
-
-
-
-#: Public shapes (config.json fields) of popular hub models, so that `maximus plan` works
-#: without network access. Sources: the models' config.json on the Hugging Face hub.
-KNOWN_SHAPES: dict[str, dict[str, Any]] = {
-    "meta-llama/Llama-3.1-8B": dict(model_type="llama", vocab_size=128256, hidden_size=4096, intermediate_size=14336,
-                                    num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                    tie_word_embeddings=False, max_position_embeddings=131072),
-    "meta-llama/Llama-3.1-70B": dict(model_type="llama", vocab_size=128256, hidden_size=8192, intermediate_size=28672,
-                                     num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                                     tie_word_embeddings=False, max_position_embeddings=131072),
-    "meta-llama/Llama-3.2-1B": dict(model_type="llama", vocab_size=128256, hidden_size=2048, intermediate_size=8192,
-                                    num_hidden_layers=16, num_attention_heads=32, num_key_value_heads=8, head_dim=64,
-                                    tie_word_embeddings=True, max_position_embeddings=131072),
-    "meta-llama/Llama-3.2-3B": dict(model_type="llama", vocab_size=128256, hidden_size=3072, intermediate_size=8192,
-                                    num_hidden_layers=28, num_attention_heads=24, num_key_value_heads=8, head_dim=128,
-                                    tie_word_embeddings=True, max_position_embeddings=131072),
-    "meta-llama/Llama-2-7b-hf": dict(model_type="llama", vocab_size=32000, hidden_size=4096, intermediate_size=11008,
-                                     num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=32,
-                                     tie_word_embeddings=False, max_position_embeddings=4096),
-    "mistralai/Mistral-7B-v0.1": dict(model_type="mistral", vocab_size=32000, hidden_size=4096, intermediate_size=14336,
-                                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                      tie_word_embeddings=False, max_position_embeddings=32768),
-    "mistralai/Mistral-7B-v0.3": dict(model_type="mistral", vocab_size=32768, hidden_size=4096, intermediate_size=14336,
-                                      num_hidden_layers=32, num_attention_heads=32, num_key_value_heads=8,
-                                      tie_word_embeddings=False, max_position_embeddings=32768),
-    "mistralai/Mistral-Nemo-Base-2407": dict(model_type="mistral", vocab_size=131072, hidden_size=5120,
-                                             intermediate_size=14336, num_hidden_layers=40, num_attention_heads=32,
-                                             num_key_value_heads=8, head_dim=128, tie_word_embeddings=False,
-                                             max_position_embeddings=1024000),
-    "Qwen/Qwen2.5-0.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=896, intermediate_size=4864,
-                              num_hidden_layers=24, num_attention_heads=14, num_key_value_heads=2,
-                              tie_word_embeddings=True, max_position_embeddings=32768),
-    "Qwen/Qwen2.5-1.5B": dict(model_type="qwen2", vocab_size=151936, hidden_size=1536, intermediate_size=8960,
-                              num_hidden_layers=28, num_attention_heads=12, num_key_value_heads=2,
-                              tie_word_embeddings=True, max_position_embeddings=131072),
-    "Qwen/Qwen2.5-7B": dict(model_type="qwen2", vocab_size=152064, hidden_size=3584, intermediate_size=18944,
-                            num_hidden_layers=28, num_attention_heads=28, num_key_value_heads=4,
-                            tie_word_embeddings=False, max_position_embeddings=131072),
-    "Qwen/Qwen2.5-72B": dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
-                             num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-                             tie_word_embeddings=False, max_position_embeddings=131072),
-    "mistralai/Mistral-Large-Instruct-2407": dict(model_type="mistral", vocab_size=32768, hidden_size=12288,
-                                                  intermediate_size=28672, num_hidden_layers=88,
-                                                  num_attention_heads=96, num_key_value_heads=8, head_dim=128,
-                                                  tie_word_embeddings=False, max_position_embeddings=131072),
-    "TinyLlama/TinyLlama-1.1B-Chat-v1.0": dict(model_type="llama", vocab_size=32000, hidden_size=2048,
-                                               intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
-                                               num_key_value_heads=4, tie_word_embeddings=False,
-                                               max_position_embeddings=2048),
-}
-# Same shapes under other published names.
-for _alias, _name in {
-    "meta-llama/Meta-Llama-3-8B": "meta-llama/Llama-3.1-8B",
-    "meta-llama/Llama-3.1-8B-Instruct": "meta-llama/Llama-3.1-8B",
-    "meta-llama/Meta-Llama-3.1-8B": "meta-llama/Llama-3.1-8B",
-    "meta-llama/Meta-Llama-3-70B": "meta-llama/Llama-3.1-70B",
-    "meta-llama/Llama-3.1-70B-Instruct": "meta-llama/Llama-3.1-70B",
-    "meta-llama/Llama-3.2-1B-Instruct": "meta-llama/Llama-3.2-1B",
-    "meta-llama/Llama-3.2-3B-Instruct": "meta-llama/Llama-3.2-3B",
-    "mistralai/Mistral-7B-Instruct-v0.3": "mistralai/Mistral-7B-v0.3",
-    "mistralai/Mistral-Nemo-Instruct-2407": "mistralai/Mistral-Nemo-Base-2407",
-    # The config in the project's source article names this model; the 12B Mistral is Nemo.
-    "mistralai/Mistral-12B-v0.1": "mistralai/Mistral-Nemo-Base-2407",
-    "Qwen/Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B",
-    "Qwen/Qwen2.5-72B-Instruct": "Qwen/Qwen2.5-72B",
-    "mistralai/Mistral-Large-Instruct-2411": "mistralai/Mistral-Large-Instruct-2407",
-    "Qwen/Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B",
-    "Qwen/Qwen2.5-1.5B-Instruct": "Qwen/Qwen2.5-1.5B",
-}.items():
-    KNOWN_SHAPES[_alias] = KNOWN_SHAPES[_name]
-
-ALL_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
-
-
-# ------------------------------------------------------------------------------------------------
-# Model shape
-
-
-@dataclass(frozen=True)
-class ModelShape:
-    """The dimensions of a decoder-only transformer that memory depends on."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    tied_embeddings: bool
-    qkv_bias: bool = False
-    mlp_bias: bool = False
-    #: Mixture of experts (0: dense): experts per layer, experts each token goes through, and the
-    #: intermediate size of one expert. Every expert's weights are resident; activations follow top-k.
-    num_experts: int = 0
-    experts_per_token: int = 0
-    expert_intermediate_size: int = 0
-    #: Layers with experts (None: all); the others keep a dense MLP of `intermediate_size`
-    #: (Qwen3-MoE's ``mlp_only_layers`` / ``decoder_sparse_step``). Per-layer figures average them.
-    moe_layers: int | None = None
-    #: float32 heads x tokens x tokens attention tensors a layer holds for backward (0: SDPA without
-    #: them): Transformers' eager attention (Gemma 2) keeps the soft-capped scores and the softmax.
-    attention_probs: int = 0
-    #: Such tensors a layer's backward holds on top (the gradients of the probabilities and scores).
-    attention_backward_probs: int = 0
-    #: Attention masks (rows x T x T in the compute dtype, and their boolean source) a step keeps,
-    #: shared by the layers of a kind: attention sinks (gpt-oss), Gemma 3's sliding window on SDPA,
-    #: Gemma 2's eager masks (`maximus.memory.coefficients.ATTENTION_SINK_MASKS`).
-    sink_masks: int = 0
-    #: Intermediate-sized tensors an expert's gate keeps beyond SiLU x up's: (grouped expert
-    #: forward, Transformers' forward); gpt-oss's clamped SwiGLU (`EXPERT_GATE_TENSORS`).
-    gate_tensors: tuple[int, int] = (0, 0)
-    #: Norms per layer beyond the two of a Llama layer (Gemma's post-attention / post-MLP norms).
-    extra_norms: int = 0
-    #: What a layer keeps of q and k beyond a Llama layer: (compute-dtype elements per unit of
-    #: q_dim + kv_dim, float32 values per head): q / k norms, a fused qkv projection (`QK_EXTRA`).
-    qk_extra: tuple[float, int] = (0, 0)
-    #: The head's logits are soft-capped (Gemma's ``final_logit_softcapping``): the exact loss keeps
-    #: the tanh of a chunk beside its capped logits.
-    logit_softcap: bool = False
-
-    @property
-    def q_dim(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_dim(self) -> int:
-        return self.num_kv_heads * self.head_dim
-
-    def linear_shapes(self) -> dict[str, tuple[int, int]]:
-        """(in_features, out_features) of each linear layer of one decoder layer."""
-        h, i = self.hidden_size, self.intermediate_size
-        return {"q_proj": (h, self.q_dim), "k_proj": (h, self.kv_dim), "v_proj": (h, self.kv_dim),
-                "o_proj": (self.q_dim, h), "gate_proj": (h, i), "up_proj": (h, i), "down_proj": (i, h)}
-
-    @property
-    def sparse_fraction(self) -> float:
-        """The share of layers that route to experts (0.0 for a dense model)."""
-        if not self.num_experts:
-            return 0.0
-        return 1.0 if self.moe_layers is None else self.moe_layers / self.num_layers
-
-    @property
-    def layer_linear_params(self) -> int:
-        dense = sum(a * b for a, b in self.linear_shapes().values())
-        if not self.num_experts:
-            return dense
-        h = self.hidden_size
-        mlp = 3 * h * self.intermediate_size
-        sparse = dense - mlp + self.num_experts * 3 * h * self.expert_intermediate_size + h * self.num_experts
-        return round(self.sparse_fraction * sparse + (1 - self.sparse_fraction) * dense)
-
-    def expert_lora_params(self, r: int, experts: bool = True, dense_targets: int = 3) -> int:
-        """LoRA parameters of one layer's experts (fused gate_up and down, one adapter per expert)
-        minus what the `dense_targets` gate/up/down adapters counted at the dense shape would,
-        averaged over the layers; with `experts` False (``lora.experts: false``) the expert layers
-        have no MLP adapters at all. `lora.experts: true` adapts the experts even when
-        ``target_modules`` names no MLP projection (`maximus.models.lora_targets`)."""
-        if not self.num_experts:
-            return 0
-        h, e, i = self.hidden_size, self.expert_intermediate_size, self.intermediate_size
-        routed = self.num_experts * r * ((h + 2 * e) + (e + h)) if experts else 0
-        return round(self.sparse_fraction * (routed - r * dense_targets * (h + i)))
-
-    def active_shape(self) -> "ModelShape":
-        """The shape one token's activations see: top-k experts' intermediate side by side (the
-        average over the layers when some are dense)."""
-        if not self.num_experts:
-            return self
-        f = self.sparse_fraction
-        routed = self.experts_per_token * self.expert_intermediate_size
-        return replace(self, intermediate_size=round(f * routed + (1 - f) * self.intermediate_size))
-
-    def routing_bytes_per_token(self, dtype_bytes: int, lora_experts: bool = True) -> int:
-        """What an expert layer keeps for backward per token beyond a dense MLP of the active shape
-        (`active_shape`): the router's float32 logits and top-k, the routing indices, the experts'
-        output rows for their weights; without expert adapters the gathered input rows and the
-        gated rows are not kept (frozen expert weights need no input for a gradient). Measured with
-        saved_tensors_hooks on Transformers' Mixtral, Qwen3-MoE and gpt-oss experts (grouped_mm and
-        `maximus.kernels.grouped_experts` alike), averaged over the layers."""
-        if not self.num_experts:
-            return 0
-        b, k, h = dtype_bytes, self.experts_per_token, self.hidden_size
-        per = 4 * self.num_experts + 24 * k + 12 + b * (2 * k - 1) * h
-        if not lora_experts:
-            per -= b * k * (h + self.expert_intermediate_size)
-        return round(self.sparse_fraction * per)
-
-    def gate_bytes_per_token(self, dtype_bytes: int, grouped: bool) -> int:
-        """What the experts' gate keeps per token beyond SiLU x up (`gate_tensors`), averaged over the layers."""
-        tensors = self.gate_tensors[0 if grouped else 1]
-        return round(self.sparse_fraction * tensors * dtype_bytes * self.experts_per_token * self.expert_intermediate_size)
-
-    def merged_expert_bytes(self, dtype_bytes: int) -> int:
-        """One layer's expert weights as PEFT folds the adapters into them on every forward
-        (``target_parameters``), a copy Transformers' experts forward keeps for backward;
-        averaged over the layers. `maximus.kernels.grouped_experts` keeps the adapters factored."""
-        if not self.num_experts:
-            return 0
-        return round(self.sparse_fraction * self.num_experts * 3 * self.hidden_size * self.expert_intermediate_size
-                     * dtype_bytes)
-
-    @property
-    def layer_other_params(self) -> int:
-        """Norm weights and biases of one layer (never quantised)."""
-        bias = (self.q_dim + 2 * self.kv_dim) if self.qkv_bias else 0
-        if self.mlp_bias:
-            bias += 2 * self.intermediate_size + self.hidden_size
-        return 2 * self.hidden_size + bias
-
-    @property
-    def embedding_params(self) -> int:
-        return self.vocab_size * self.hidden_size
-
-    @property
-    def head_params(self) -> int:
-        return 0 if self.tied_embeddings else self.vocab_size * self.hidden_size
-
-    @property
-    def num_params(self) -> int:
-        return (self.num_layers * (self.layer_linear_params + self.layer_other_params)
-                + self.embedding_params + self.head_params + self.hidden_size)
-
-
-def _get(cfg: Any, *names: str, default: Any = None) -> Any:
-    for name in names:
-        value = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
-        if value is not None:
-            return value
-    return default
-
-
-def load_model_config(model: str | Path | dict | Any) -> Any:
-    """A config for `model`: a transformers PretrainedConfig or dict is returned as is; a dict of
-    known shapes for popular hub ids (`KNOWN_SHAPES`); a local directory or config.json path is
-    read from disk; otherwise the local Hugging Face cache is tried (no network)."""
-    if not isinstance(model, (str, Path)):
-        return model
-    text = str(model)
-    if text in KNOWN_SHAPES:
-        return dict(KNOWN_SHAPES[text])
-    if is_gguf(text):  # the shape is in the file's metadata; weights count dequantized, at the run's dtype
-        return gguf_config(text)
-    path = Path(text).expanduser()
-    if path.is_file():
-        try:
-            return json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError) as exc:
-            raise ModelError(f"cannot read {path} as a config.json: {exc}", "pass a model directory or a valid config.json") from None
-    if path.is_dir():
-        if not (path / "config.json").is_file():
-            raise ModelError(f"{path} has no config.json", "pass a Hugging Face model directory")
-        return json.loads((path / "config.json").read_text(encoding="utf-8"))
-    try:
-        from transformers import AutoConfig
-
-        return AutoConfig.from_pretrained(text, local_files_only=True)
-    except Exception:  # noqa: BLE001 - any failure means "not available offline"
-        known = "meta-llama/Llama-3.1-8B, mistralai/Mistral-7B-v0.1, Qwen/Qwen2.5-7B (all: KNOWN_SHAPES)"
-        raise ModelError(f"cannot find the config of '{text}' offline",
-                         f"pass a local model directory or config.json, or a known id such as {known}") from None
-
-
-def _moe_layers(cfg: Any, layers: int) -> int | None:
-    """How many layers route to experts, as Qwen3-MoE decides it (a layer is sparse unless listed
-    in ``mlp_only_layers``, and only every ``decoder_sparse_step``-th one); None: every layer."""
-    step = _get(cfg, "decoder_sparse_step")
-    dense = set(_get(cfg, "mlp_only_layers", default=None) or [])
-    if step is None and not dense:
-        return None
-    step = max(1, int(step or 1))
-    return sum(1 for i in range(layers) if i not in dense and (i + 1) % step == 0)
-
-
-def model_shape(model_config: Any) -> ModelShape:
-    """Read a `ModelShape` from a transformers config, a config.json dict, a path or a hub id."""
-    if isinstance(model_config, ModelShape):
-        return model_config
-    cfg = load_model_config(model_config)
-    text_cfg = _get(cfg, "text_config")  # multimodal wrappers keep the decoder here
-    if text_cfg is not None and _get(cfg, "hidden_size") is None:
-        cfg = text_cfg
-    h = _get(cfg, "hidden_size", "n_embd", "d_model")
-    layers = _get(cfg, "num_hidden_layers", "n_layer", "num_layers")
-    heads = _get(cfg, "num_attention_heads", "n_head")
-    vocab = _get(cfg, "vocab_size")
-    if not all(isinstance(v, int) and v > 0 for v in (h, layers, heads, vocab)):
-        raise ModelError("the model config lacks hidden_size / num_hidden_layers / num_attention_heads / vocab_size",
-                         "the estimator supports Llama, Mistral and Qwen2-style decoder configs")
-    kv = _get(cfg, "num_key_value_heads", default=heads)
-    head_dim = _get(cfg, "head_dim", default=h // heads)
-    inter = _get(cfg, "intermediate_size", "ffn_dim", "n_inner", default=4 * h)
-    model_type = str(_get(cfg, "model_type", default=""))
-    qkv_bias = bool(_get(cfg, "attention_bias", default=False)) or model_type == "qwen2"
-    experts = int(_get(cfg, "num_local_experts", "num_experts", "n_routed_experts", default=0) or 0)
-    moe = dict(num_experts=experts, experts_per_token=int(_get(cfg, "num_experts_per_tok", default=2)),
-               expert_intermediate_size=int(_get(cfg, "moe_intermediate_size", default=inter)),
-               moe_layers=_moe_layers(cfg, layers)) if experts > 1 else {}
-    return ModelShape(**moe, attention_probs=ATTENTION_PROBS.get(model_type, 0),
-                      attention_backward_probs=ATTENTION_BACKWARD_PROBS.get(model_type, 0), sink_masks=ATTENTION_SINK_MASKS.get(model_type, 0),
-                      gate_tensors=EXPERT_GATE_TENSORS.get(model_type, (0, 0)),
-                      extra_norms=2 if model_type.startswith("gemma") else 0, qk_extra=QK_EXTRA.get(model_type, (0, 0)),
-                      logit_softcap=bool(_get(cfg, "final_logit_softcapping")),vocab_size=vocab, hidden_size=h, intermediate_size=inter, num_layers=layers, num_heads=heads,
-                      num_kv_heads=kv, head_dim=head_dim, tied_embeddings=bool(_get(cfg, "tie_word_embeddings", default=False)),
-                      qkv_bias=qkv_bias, mlp_bias=bool(_get(cfg, "mlp_bias", default=False)))
+__all__ = ["Estimate", "Step", "estimate_peak", "estimate_step", "step_of", "DTYPE_BYTES", "DEVICE_FLOPS"]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -396,7 +87,7 @@ def tiled_layer_bytes_per_token(whole: float, mlp: float, dtype_bytes: int, hidd
 
 
 def layer_activation_bytes_per_token(shape: ModelShape, method: str, dtype_bytes: int, lora_r: int,
-                                     n_targets: int, policy: str = "off", lean_lora: bool = False,
+                                     n_targets: int, policy: str = "none", lean_lora: bool = False,
                                      n_mlp_targets: int = 3) -> float:
     """Bytes one decoder layer keeps for backward, per token, under a checkpointing policy.
 
@@ -407,7 +98,7 @@ def layer_activation_bytes_per_token(shape: ModelShape, method: str, dtype_bytes
     b = dtype_bytes
     if policy == "full":
         return shape.hidden_size * b
-    if policy == "off" and lean_lora and method != "full":
+    if policy == "none" and lean_lora and method != "full":
         return lean_layer_bytes_per_token(shape, b, lora_r, n_targets, n_mlp_targets)[0]
     if policy == "selective":
         h, i = shape.hidden_size, shape.intermediate_size
@@ -487,17 +178,6 @@ class Estimate:
                 "settings": dict(self.settings), "notes": list(self.notes)}
 
 
-def _targets(shape: ModelShape, lora_targets: str | Sequence[str]) -> list[str]:
-    if lora_targets == "all-linear" or lora_targets is None:
-        return list(ALL_LINEAR)
-    names = [lora_targets] if isinstance(lora_targets, str) else list(lora_targets)
-    known = [n for n in names if n in ALL_LINEAR]
-    if not known:
-        raise ConfigError(f"lora.target_modules {names} names no linear layer of a Llama-style decoder",
-                          f"use all-linear or some of {', '.join(ALL_LINEAR)}")
-    return known
-
-
 def default_loss_chunk(num_tokens: int, vocab_size: int, dtype_bytes: int, trainable_head: bool = False) -> int:
     """Tokens per chunk the exact loss uses when none is given (the loss module's default; a
     trainable head, as in full fine-tuning, has a larger floor)."""
@@ -507,124 +187,7 @@ def default_loss_chunk(num_tokens: int, vocab_size: int, dtype_bytes: int, train
 
 
 # ------------------------------------------------------------------------------------------------
-# Techniques beyond plain SFT on SDPA (issue 16): each piece measured on the real code path.
-
-
-def technique_kwargs(cfg: Any) -> dict[str, Any]:
-    """The `estimate_peak` keywords that a `maximus.Config` switches on, read in one place (the
-    planner forwards them to every estimate): ghost candidates, Kronecker Sketching, the
-    objective and its rows, the DPO reference, the Matryoshka pass, parameter offload, the lean
-    RMSNorm, and LoRA's modules_to_save, DoRA and dropout."""
-    opt = cfg.optimization
-    kron = opt.kronecker
-    dpo_reference = "none"
-    if cfg.objective == "dpo":
-        from maximus.losses.preference import needs_reference
-
-        dpo_reference = cfg.dpo.reference if needs_reference(cfg.dpo.loss) else "none"
-    mat = opt.matryoshka
-    return dict(ghost_candidates=opt.ghost_logit.candidates,
-                attention="kronecker" if kron is not None else "sdpa",
-                kronecker=None if kron is None else {k: getattr(kron, k) for k in ("detail_tokens", "sketch_slots", "block")},
-                # GRPO's backward is an SFT-shaped step over completion rows whose head runs over the
-                # completion tokens only (completion_loss_bytes)
-                objective=cfg.objective, dpo_reference=dpo_reference,
-                completion_tokens=cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else None,
-                matryoshka_dims=None if mat is None else list(mat.dims),
-                matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
-                offload_params=opt.offload.params,
-                # adapters only: estimate_peak ignores them for full fine-tuning
-                modules_to_save=list(cfg.lora.modules_to_save), use_dora=cfg.lora.use_dora,
-                lora_dropout=cfg.lora.dropout,
-                lean_norm=opt.lean_norm and opt.kernels != "compile", lora_experts=lora_reaches_experts(cfg),
-                grouped_experts=opt.grouped_experts and opt.kernels != "compile", vision=_vision_spec(cfg),
-                qat=cfg.training.qat, **optimizer_kwargs(cfg))
-
-
-def _vision_spec(cfg: Any):
-    from maximus.memory.vision_terms import vision_spec
-
-    try:
-        config = load_model_config(cfg.model)
-    except ModelError:  # the caller reports an unreadable model; no tower to add
-        return None
-    return vision_spec(cfg, config)
-
-
-def lora_reaches_experts(cfg: Any) -> bool:
-    """Whether LoRA adapts a mixture of experts' experts: `lora.experts` when set, else with
-    ``target_modules: all-linear`` (as `maximus.models.lora_targets` resolves it)."""
-    return cfg.lora.experts if cfg.lora.experts is not None else cfg.lora.target_modules == "all-linear"
-
-
-def _check_techniques(loss_mode: str, attention: str, objective: str, dpo_reference: str, token_fraction: float) -> None:
-    if attention not in ("sdpa", "kronecker"):
-        raise ConfigError(f"unknown attention {attention!r}", "use sdpa or kronecker")
-    if objective not in ("sft", "dpo", "contrastive", "grpo"):
-        raise ConfigError(f"unknown objective {objective!r}", "use sft, dpo, contrastive or grpo")
-    if dpo_reference not in ("adapter_off", "precomputed", "none"):
-        raise ConfigError(f"unknown dpo reference {dpo_reference!r}", "use adapter_off, precomputed or none")
-    if loss_mode == "ghost" and objective != "sft":
-        raise ConfigError(f"optimization.use_ghost_logit does not apply to objective {objective}",
-                          "the Ghost Logit loss replaces the SFT vocabulary softmax; set use_ghost_logit: false")
-    if not 0.0 < token_fraction <= 1.0:
-        raise ConfigError(f"matryoshka token_fraction must be in (0, 1], got {token_fraction}", "e.g. 0.0625")
-
-
-def _rows_per_example(objective: str) -> int:
-    """Rows one example adds to a forward: DPO pairs run chosen + rejected, contrastive pairs
-    query + positive, in one forward of 2N rows (both padded to the same length)."""
-    return 2 if objective in ("dpo", "contrastive") else 1
-
-
-@dataclass(frozen=True)
-class KroneckerLayout:
-    """The shapes of Kronecker Sketching attention (`maximus.attention.sketch_module`)."""
-
-    block: int
-    local_blocks: int
-    select_blocks: int
-    sub_slots: int
-    buckets: int
-
-    @property
-    def detail_tokens(self) -> int:
-        return (self.local_blocks + self.select_blocks) * self.block
-
-    @property
-    def slots(self) -> int:
-        return self.sub_slots * self.buckets
-
-    @property
-    def columns(self) -> int:
-        """Keys each query's softmax spans: detail tokens plus sketch slots."""
-        return self.detail_tokens + self.slots
-
-    def params(self, head_dim: int) -> int:
-        """Parameters of one layer's sketch (B factor, bucket scales, the block scorer)."""
-        return self.sub_slots * self.block + self.buckets + 2 * head_dim * head_dim + head_dim
-
-    def to_dict(self) -> dict[str, int]:
-        return {"detail_tokens": self.detail_tokens, "sketch_slots": self.slots, "block": self.block}
-
-
-def kronecker_layout(kronecker: Any = None) -> KroneckerLayout:
-    """The layout a `KroneckerConfig` (or a dict of its fields; None = defaults) builds, by the
-    rules of `KroneckerSketch`: detail_tokens // block blocks (two local), sub_slots =
-    min(block, isqrt(sketch_slots)), buckets = sketch_slots // sub_slots."""
-    get = (lambda k, d: kronecker.get(k, d)) if isinstance(kronecker, dict) else (lambda k, d: getattr(kronecker, k, d))
-    if kronecker is None or kronecker is True:
-        get = lambda k, d: d  # noqa: E731
-    detail, slots, block = int(get("detail_tokens", 256)), int(get("sketch_slots", 64)), int(get("block", 64))
-    if detail < block:
-        raise ConfigError(f"optimization.kronecker_sketching.detail_tokens ({detail}) must be at least block ({block})",
-                          "raise detail_tokens or lower block; detail_tokens is rounded down to whole blocks")
-    blocks = detail // block
-    sub = max(1, min(block, math.isqrt(slots)))
-    return KroneckerLayout(block=block, local_blocks=min(2, blocks), select_blocks=blocks - min(2, blocks),
-                           sub_slots=sub, buckets=max(1, slots // sub))
-
-
+# Techniques beyond plain SFT on SDPA: each piece measured on the real code path.
 
 
 def policy_names(checkpointing: Any) -> set[str]:
@@ -632,8 +195,8 @@ def policy_names(checkpointing: Any) -> set[str]:
     if isinstance(checkpointing, str):
         return {checkpointing}
     if isinstance(checkpointing, int):
-        return {"full", "off"}
-    return {"full" if f else "off" for f in checkpointing}
+        return {"full", "none"}
+    return {"full" if f else "none" for f in checkpointing}
 
 
 def _block_padding(seq_len: int, block: int) -> float:
@@ -748,9 +311,9 @@ def matryoshka_loss_bytes(shape: ModelShape, main_loss: int, loss_mode: str, T: 
     return int(max(main_loss, 2 * T * h * b + T * 24 + aux))
 
 
-def completion_loss_bytes(spec, trainable_head: bool) -> tuple[int, int]:
+def completion_loss_bytes(step, trainable_head: bool) -> tuple[int, int]:
     """(working set of GRPO's log-prob pass over one micro-batch, the chunk it uses when none is
-    given) for an `estimate_peak` step spec with `objective="grpo"` and the exact head.
+    given) for an `estimate_peak` step step with `objective="grpo"` and the exact head.
 
     `maximus.losses.token_outputs.label_log_probs` gathers the labelled rows, L =
     `micro_batch x completion_tokens` (not every prompt + completion position), and runs the head
@@ -763,17 +326,17 @@ def completion_loss_bytes(spec, trainable_head: bool) -> tuple[int, int]:
     512: 74.37)."""
     from maximus.losses.token_outputs import ROW_BLOCKS_PER_CHUNK
 
-    shape, b = spec.shape, spec.b
+    shape, b = step.shape, step.b
     V, h = shape.vocab_size, shape.hidden_size
-    labelled = spec.micro_batch * min(spec.completion_tokens or spec.seq_len, spec.seq_len)
+    labelled = step.cand.micro_batch * min(step.completion_tokens or step.seq_len, step.seq_len)
     default_chunk = default_loss_chunk(labelled, V, b, trainable_head=trainable_head)
-    chunk = max(1, min(spec.loss_chunk_tokens or default_chunk, labelled))
+    chunk = max(1, min(step.cand.loss_chunk_tokens or default_chunk, labelled))
     block = -(-chunk // ROW_BLOCKS_PER_CHUNK)
     loss = chunk * V * (4 + (b if b < 4 else 0)) + block * V * 4 + 2 * labelled * h * b
     if trainable_head:
         loss += V * h * 4 + labelled * h * b
     # Per-position scratch (labels, the scattered log-probs): small but not zero.
-    return int(loss + spec.T * 24), default_chunk
+    return int(loss + step.T * 24), default_chunk
 
 
 def contrastive_loss_bytes(shape: ModelShape, T: int, b: int) -> int:
@@ -801,67 +364,33 @@ def _streamed_weight_bytes(shape: ModelShape, method: str, b: int, device_type: 
 
 
 @dataclass(frozen=True)
-class StepSpec:
-    """One training step as the estimate reads it: `estimate_peak`'s arguments, validated, with the
-    model's shape read once and the per-layer recompute policy spelled out (`step_spec`)."""
+class Step:
+    """One training step as the terms read it: the run's `RunSpec` and the planner's `Candidate`,
+    validated, with what follows from both spelled out once (`step_of`): one recompute mode per
+    layer, the ranks the weights are split over, the targeted linears."""
 
-    shape: ModelShape
-    method: str
-    dtype: str
-    micro_batch: int
-    seq_len: int
-    #: The checkpointing argument as given (recorded in the settings), and one mode per layer.
-    checkpointing: Any
+    spec: RunSpec
+    cand: Candidate
     policy: tuple[str, ...]
-    offload_activations: bool
-    offload_optimizer: bool
-    loss_mode: str
-    optimizer: str
-    lora_r: int
-    targets: tuple[str, ...]
-    world_size: int
     #: Ranks the weights are split over (1: unsharded, DDP or one device).
     shard: int
-    loss_chunk_tokens: int | None
-    grad_accum: int
-    ghost_candidates: int
-    device_type: str
-    attention: str
-    layout: KroneckerLayout | None
-    objective: str
-    dpo_reference: str
-    matryoshka_dims: tuple[int, ...] | None
-    matryoshka_token_fraction: float
-    offload_params: bool
-    #: Where streamed layers live: ``host`` (pinned host memory) or ``disk`` (a memory-mapped file).
-    params_store: str
-    tile_tokens: int | None
-    #: Lean LoRA projections in use (an adapter and `lean_lora`).
-    lean: bool
-    lean_norm: bool
-    optimizer_rank: int | None
-    optimizer_in_backward: bool
-    master_weights: str
-    #: A mixture of experts' MLP adapters reach the experts; the grouped expert forward runs them.
-    lora_experts: bool = True
-    grouped_experts: bool = True
-    modules_to_save: tuple[str, ...] = ()
-    use_dora: bool = False
-    embedding_optimizer: str = "adamw"
-    lora_dropout: float = 0.0
-    #: A vision-language model's tower and projector (`maximus.memory.vision_terms.VisionSpec`).
-    vision: Any = None
-    #: Attention runs as one SDPA call per row with a document mask (`masked_attention_bytes_per_token`).
-    masked_attention: bool = False
-    #: GRPO: the completion tokens of a row (the labelled ones: the head runs over them only).
-    completion_tokens: int | None = None
-    #: `training.qat`: one rounded copy of each quantized matrix is kept (`qat_copy_bytes`).
-    qat: str = "off"
+    #: The adapters' targeted linears (none for full fine-tuning).
+    targets: tuple[str, ...]
+
+    shape = property(lambda self: self.spec.shape)
+    lora = property(lambda self: self.spec.lora, doc="`LoraSettings`")
+    opt = property(lambda self: self.spec.optimizer, doc="`OptimizerSettings`")
+    tech = property(lambda self: self.spec.techniques, doc="`Techniques`")
+    kernels = property(lambda self: self.spec.kernels, doc="`KernelChoices`")
+    device = property(lambda self: self.spec.device, doc="The device type.")
+    method = property(lambda self: self.cand.method)
+    seq_len = property(lambda self: self.cand.seq_len, doc="Tokens per row.")
+    layout = property(lambda self: self.spec.techniques.kronecker, doc="The Kronecker sketch's layout, or None.")
 
     @property
     def b(self) -> int:
         """Bytes per element of the compute dtype."""
-        return DTYPE_BYTES[self.dtype]
+        return self.spec.dtype_bytes
 
     @property
     def adapter(self) -> bool:
@@ -870,91 +399,93 @@ class StepSpec:
     @property
     def T(self) -> int:
         """Tokens of one micro-batch (DPO and contrastive run 2 rows per example)."""
-        return self.micro_batch * self.seq_len * _rows_per_example(self.objective)
+        return self.cand.micro_batch * self.seq_len * self.tech.rows_per_example
 
     @property
     def master(self) -> bool:
         """16-bit full fine-tuning keeps float32 master weights and computes under autocast."""
-        return self.method == "full" and self.b < 4 and self.master_weights != "bf16"
+        return self.method == "full" and self.b < 4 and self.opt.master_weights != "bf16"
 
     @property
     def weight_bytes(self) -> int:
         return 4 if self.master else self.b
 
+    @property
+    def lean(self) -> bool:
+        """Lean LoRA projections in use (an adapter and `KernelChoices.lean_lora`)."""
+        return self.kernels.lean_lora and self.adapter
+
+    @property
+    def masked_attention(self) -> bool:
+        """Attention runs as one SDPA call per row with a document mask (`masked_attention_bytes_per_token`)."""
+        return self.cand.masked_attention and self.tech.attention == "sdpa"
+
+    @property
+    def completion_tokens(self) -> int | None:
+        """GRPO: the completion tokens of a row (None for the other objectives)."""
+        return self.tech.completion_tokens if self.tech.objective == "grpo" else None
+
+    @property
+    def checkpointing(self) -> Any:
+        """The candidate's checkpointing as given (recorded in the settings)."""
+        c = self.cand.checkpointing
+        return c if isinstance(c, (str, int)) else list(c)
+
 
 def _policy(checkpointing: Any, num_layers: int) -> tuple[str, ...]:
-    """One recompute mode (off | full | selective) per layer from `estimate_peak`'s argument."""
+    """One recompute mode (off | full | selective) per layer from a candidate's checkpointing."""
     L = num_layers
     if isinstance(checkpointing, str):
-        if checkpointing not in ("off", "full", "selective"):
+        mode = RECOMPUTE_WORDS.get(checkpointing)
+        if mode is None:
             raise ConfigError(f"unknown checkpointing {checkpointing!r}", "use off, full or selective")
-        return (checkpointing,) * L
+        return (mode,) * L
     if isinstance(checkpointing, int):
         k = max(0, min(L, checkpointing))
-        return ("full",) * k + ("off",) * (L - k)
+        return ("full",) * k + ("none",) * (L - k)
     flags = list(checkpointing)
     if len(flags) != L:
         raise ConfigError(f"per-layer checkpointing needs {L} entries, got {len(flags)}",
                           "one recompute mode (none, selective, full) per layer")
     # Per layer: a recompute mode (`Plan.recompute`: none | selective | full) or a boolean (True = full).
-    modes = {True: "full", False: "off", "full": "full", "none": "off", "off": "off", "selective": "selective"}
+    modes = {True: "full", False: "none", **RECOMPUTE_WORDS}
     if any(f not in modes for f in flags):
         raise ConfigError(f"unknown per-layer recompute mode in {flags}", "use none, selective or full")
     return tuple(modes[f] for f in flags)
 
 
-def _check_step(method: str, dtype: str, loss_mode: str, micro_batch: int, seq_len: int, world_size: int) -> None:
-    """`estimate_peak`'s ConfigErrors for a method, dtype, loss mode or size it does not know."""
-    if method not in ("full", "lora", "qlora"):
-        raise ConfigError(f"method must be full, lora or qlora for an estimate, got {method!r}",
+def _check_step(spec: RunSpec, cand: Candidate) -> None:
+    """The estimate's ConfigErrors for a method, loss mode, size or technique it does not know."""
+    tech = spec.techniques
+    if cand.method not in ("full", "lora", "qlora"):
+        raise ConfigError(f"method must be full, lora or qlora for an estimate, got {cand.method!r}",
                           "the planner resolves method: auto")
-    if dtype not in DTYPE_BYTES:
-        raise ConfigError(f"unknown dtype {dtype!r}", "use bf16, fp16 or fp32")
-    if loss_mode not in ("naive", "exact", "ghost"):
-        raise ConfigError(f"unknown loss mode {loss_mode!r}", "use exact, naive or ghost")
-    if micro_batch < 1 or seq_len < 1 or world_size < 1:
+    if tech.loss_mode not in ("naive", "exact", "ghost"):
+        raise ConfigError(f"unknown loss mode {tech.loss_mode!r}", "use exact, naive or ghost")
+    if cand.micro_batch < 1 or cand.seq_len < 1 or spec.world_size < 1:
         raise ConfigError("micro_batch, seq_len and world_size must be positive", "check training.* keys")
+    if tech.attention not in ("sdpa", "kronecker"):
+        raise ConfigError(f"unknown attention {tech.attention!r}", "use sdpa or kronecker")
+    if tech.objective not in ("sft", "dpo", "contrastive", "grpo"):
+        raise ConfigError(f"unknown objective {tech.objective!r}", "use sft, dpo, contrastive or grpo")
+    if tech.dpo_reference not in ("adapter_off", "precomputed", "none"):
+        raise ConfigError(f"unknown dpo reference {tech.dpo_reference!r}", "use adapter_off, precomputed or none")
+    if tech.loss_mode == "ghost" and tech.objective != "sft":
+        raise ConfigError(f"optimization.use_ghost_logit does not apply to objective {tech.objective}",
+                          "the Ghost Logit loss replaces the SFT vocabulary softmax; set use_ghost_logit: false")
+    if not 0.0 < tech.matryoshka_token_fraction <= 1.0:
+        raise ConfigError(f"matryoshka token_fraction must be in (0, 1], got {tech.matryoshka_token_fraction}", "e.g. 0.0625")
 
 
-def step_spec(model_config: Any, *, method: Method = "lora", dtype: str = "bf16", micro_batch: int = 1,
-              seq_len: int = 2048, checkpointing: Any = "off", offload_activations: bool = False,
-              offload_optimizer: bool = False, loss_mode: LossMode = "exact", optimizer: str = "adamw",
-              lora_r: int = 16, lora_targets: str | Sequence[str] = "all-linear", world_size: int = 1,
-              loss_chunk_tokens: int | None = None, grad_accum: int = 1, ghost_candidates: int = 1024,
-              device: str = "cuda", sharded: bool | None = None, attention: Attention = "sdpa", kronecker: Any = None,
-              objective: Objective = "sft", dpo_reference: DpoReference = "adapter_off",
-              matryoshka_dims: Sequence[int] | None = None, matryoshka_token_fraction: float = 0.0625,
-              offload_params: bool | str = False, tile_tokens: int | None = None, lean_lora: bool = False,
-              lean_norm: bool = True, optimizer_rank: int | None = None, optimizer_in_backward: bool = False,
-              master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
-              modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
-              vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False,
-              completion_tokens: int | None = None, qat: str = "off") -> StepSpec:
-    """The `StepSpec` of `estimate_peak`'s arguments (documented there); raises its ConfigErrors."""
-    shape = model_shape(model_config)
-    _check_step(method, dtype, loss_mode, micro_batch, seq_len, world_size)
-    _check_techniques(loss_mode, attention, objective, dpo_reference, matryoshka_token_fraction)
-    layout = kronecker_layout(kronecker) if attention == "kronecker" else None
-    adapter = method != "full"
-    targets = tuple(_targets(shape, lora_targets)) if adapter else ()
-    if sharded is None:
-        sharded = world_size > 1
-    return StepSpec(
-        shape=shape, method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,
-        checkpointing=checkpointing if isinstance(checkpointing, (str, int)) else list(checkpointing),
-        policy=_policy(checkpointing, shape.num_layers), offload_activations=offload_activations,
-        offload_optimizer=offload_optimizer, loss_mode=loss_mode, optimizer=optimizer, lora_r=lora_r, targets=targets,
-        world_size=world_size, shard=world_size if (sharded and world_size > 1 and method != "qlora") else 1,
-        loss_chunk_tokens=loss_chunk_tokens, grad_accum=grad_accum, ghost_candidates=ghost_candidates,
-        device_type=str(device).split(":")[0], attention=attention, layout=layout, objective=objective,
-        dpo_reference=dpo_reference, matryoshka_dims=None if matryoshka_dims is None else tuple(matryoshka_dims),
-        matryoshka_token_fraction=matryoshka_token_fraction, offload_params=offload_params in (True, "on", "disk"),
-        params_store="disk" if offload_params == "disk" else "host", tile_tokens=tile_tokens,
-        lean=bool(lean_lora and adapter), lean_norm=lean_norm, optimizer_rank=optimizer_rank,
-        optimizer_in_backward=optimizer_in_backward, master_weights=master_weights, lora_experts=lora_experts,
-        grouped_experts=grouped_experts, modules_to_save=tuple(modules_to_save or ()), use_dora=use_dora, lora_dropout=lora_dropout,
-        vision=vision, embedding_optimizer=embedding_optimizer, masked_attention=masked_attention and attention == "sdpa",
-        completion_tokens=completion_tokens if objective == "grpo" else None, qat=qat)
+def step_of(spec: RunSpec, cand: Candidate) -> Step:
+    """The `Step` of `cand` in the run `spec`; raises the estimate's ConfigErrors."""
+    _check_step(spec, cand)
+    adapter = cand.method != "full"
+    sharded = spec.world_size > 1 if cand.sharded is None else cand.sharded
+    return Step(spec=spec, cand=cand, policy=_policy(cand.checkpointing, spec.shape.num_layers),
+                shard=spec.world_size if (sharded and spec.world_size > 1 and cand.method != "qlora") else 1,
+                targets=spec.lora.targets(spec.shape) if adapter else ())
+
 
 
 # ------------------------------------------------------------------------------------------------
@@ -979,13 +510,13 @@ class StaticTerms:
     vision: Any = None  # `maximus.memory.vision_terms.VisionTerms` of a VLM
 
 
-def _weight_bytes(spec: StepSpec, notes: list[str]) -> tuple[int, int, int]:
+def _weight_bytes(step: Step, notes: list[str]) -> tuple[int, int, int]:
     """(device bytes of the weights, bytes streamed from the host, tied-embedding parameters kept whole)."""
-    shape, b, wb, shard = spec.shape, spec.b, spec.weight_bytes, spec.shard
+    shape, b, wb, shard = step.shape, step.b, step.weight_bytes, step.shard
     L = shape.num_layers
     non_linear = L * shape.layer_other_params + shape.embedding_params + shape.head_params + shape.hidden_size
     linear = L * shape.layer_linear_params
-    if spec.method == "qlora":
+    if step.method == "qlora":
         # NF4: 4 bits per weight; blocks of 64 with a uint8 absmax, itself quantised in blocks of
         # 256 with a float32 absmax (double quantisation): 0.127 extra bits per weight.
         weights = int(linear * (0.5 + 1 / 64 + 4 / (64 * 256))) + non_linear * b
@@ -999,22 +530,22 @@ def _weight_bytes(spec: StepSpec, notes: list[str]) -> tuple[int, int, int]:
         # unit (embedding, final norm) for the whole step, the head while the loss runs.
         weights_dev += (2 * (shape.layer_linear_params + shape.layer_other_params)
                         + (shape.embedding_params + shape.head_params if not whole else 0)) * wb
-    streamed = _streamed_weight_bytes(shape, spec.method, b, spec.device_type, notes) if spec.offload_params else 0
-    return weights_dev - streamed + qat_copy_bytes(spec), streamed, whole
+    streamed = _streamed_weight_bytes(shape, step.method, b, step.device, notes) if step.tech.streams_params else 0
+    return weights_dev - streamed + qat_copy_bytes(step), streamed, whole
 
 
-def qat_copy_bytes(spec: StepSpec) -> int:
+def qat_copy_bytes(step: Step) -> int:
     """`training.qat`'s cache (`maximus.qat.install`): one rounded copy of every quantized matrix,
     kept between weight updates. GGUF targets round the decoder's linears, the embedding and an
     untied head; int4 the linears only. A copy is in the weight's dtype (float32 for QLoRA's
     dequantized base)."""
-    if spec.qat == "off":
+    if step.tech.qat == "off":
         return 0
-    shape = spec.shape
+    shape = step.shape
     matrices = shape.num_layers * shape.layer_linear_params
-    if spec.qat != "int4":
+    if step.tech.qat != "int4":
         matrices += shape.embedding_params + shape.head_params
-    return matrices * (4 if spec.method == "qlora" else spec.weight_bytes) // spec.shard
+    return matrices * (4 if step.method == "qlora" else step.weight_bytes) // step.shard
 
 
 def _mlp_targets(targets: Sequence[str]) -> int:
@@ -1022,86 +553,86 @@ def _mlp_targets(targets: Sequence[str]) -> int:
     return sum(1 for t in targets if t in ("gate_proj", "up_proj", "down_proj"))
 
 
-def _trainable_terms(spec: StepSpec, notes: list[str]) -> tuple[int, int, AdapterTerms]:
+def _trainable_terms(step: Step, notes: list[str]) -> tuple[int, int, AdapterTerms]:
     """(device bytes of the adapters, trainable parameters, `adapter_terms`): the LoRA matrices,
     the Kronecker sketch, `lora.modules_to_save` copies and DoRA magnitudes (no tower)."""
-    shape, shard, adapter = spec.shape, spec.shard, spec.adapter
-    L, lin, r = shape.num_layers, shape.linear_shapes(), spec.lora_r
-    n_adapter = L * sum(r * (lin[t][0] + lin[t][1]) for t in spec.targets)
-    dense_mlp = _mlp_targets(spec.targets)
-    if dense_mlp or spec.lora_experts:  # lora.experts: every expert's adapter, whatever target_modules says
-        n_adapter += L * shape.expert_lora_params(r, experts=spec.lora_experts, dense_targets=dense_mlp)
+    shape, shard, adapter = step.shape, step.shard, step.adapter
+    L, lin, r = shape.num_layers, shape.linear_shapes(), step.lora.r
+    n_adapter = L * sum(r * (lin[t][0] + lin[t][1]) for t in step.targets)
+    dense_mlp = _mlp_targets(step.targets)
+    if dense_mlp or step.lora.experts:  # lora.experts: every expert's adapter, whatever target_modules says
+        n_adapter += L * shape.expert_lora_params(r, experts=step.lora.experts, dense_targets=dense_mlp)
     adapters = 4 * n_adapter // shard  # PEFT keeps adapters in float32 (autocast_adapter_dtype)
     trainable = n_adapter if adapter else shape.num_params
-    if spec.layout is not None:
+    if step.layout is not None:
         # The sketch's own parameters: float32, trainable; PEFT (modules_to_save) keeps a frozen
         # original beside the trained copy.
-        n_sketch = L * spec.layout.params(shape.head_dim)
+        n_sketch = L * step.layout.params(shape.head_dim)
         adapters += 4 * n_sketch * (2 if adapter else 1)
         trainable += n_sketch if adapter else 0
     # lora.modules_to_save copies, DoRA magnitudes (float32, trainable), and what they and dropout save.
-    extras = (adapter_terms(shape, spec.targets, spec.b, modules_to_save=spec.modules_to_save, use_dora=spec.use_dora,
-                            lora_dropout=spec.lora_dropout) if adapter else AdapterTerms())
+    extras = (adapter_terms(shape, step.targets, step.b, modules_to_save=step.lora.modules_to_save, use_dora=step.lora.use_dora,
+                            lora_dropout=step.lora.dropout) if adapter else AdapterTerms())
     notes.extend(extras.notes)
     adapters += 4 * extras.trainable_params // shard
     trainable += extras.trainable_params
     return adapters, trainable, extras
 
 
-def _vision_static(spec: StepSpec):
+def _vision_static(step: Step):
     """The tower and the projector of a VLM (`maximus.memory.vision_terms.VisionTerms`); None for text."""
-    if spec.vision is None:
+    if step.tech.vision is None:
         return None
     from maximus.memory.vision_terms import vision_terms
 
-    return vision_terms(spec.vision, rows=spec.T // spec.seq_len, seq_len=spec.seq_len, text=spec.shape,
-                        method=spec.method, dtype_bytes=spec.b, lora_r=spec.lora_r, checkpointing=spec.checkpointing,
-                        grad_accum=spec.grad_accum)
+    return vision_terms(step.tech.vision, rows=step.T // step.seq_len, seq_len=step.seq_len, text=step.shape,
+                        method=step.method, dtype_bytes=step.b, lora_r=step.lora.r, checkpointing=step.checkpointing,
+                        grad_accum=step.cand.grad_accum)
 
 
-def _optimizer_terms(spec: StepSpec, trainable: int, whole: int, notes: list[str]) -> tuple[int, int, int, int]:
+def _optimizer_terms(step: Step, trainable: int, whole: int, notes: list[str]) -> tuple[int, int, int, int]:
     """(gradients, optimizer state on the device, the step's temporaries, host optimizer bytes), per rank."""
-    shape, shard, adapter = spec.shape, spec.shard, spec.adapter
-    p_bytes = 4 if adapter else spec.weight_bytes
+    shape, shard, adapter = step.shape, step.shard, step.adapter
+    p_bytes = 4 if adapter else step.weight_bytes
     opt = dict(full=not adapter, trainable=trainable, p_bytes=p_bytes)
     # Per trainable parameter, on average (maximus.memory.optimizer_state: one row per optimizer).
-    state_bytes = optimizer_state_bytes(shape, spec.optimizer, rank=spec.optimizer_rank,
-                                        embedding_optimizer=spec.embedding_optimizer, **opt) / max(1, trainable)
+    state_bytes = optimizer_state_bytes(shape, step.opt.name, rank=step.opt.rank,
+                                        embedding_optimizer=step.opt.embedding, **opt) / max(1, trainable)
     replicated = 0 if adapter else whole  # a trainable tied embedding: whole gradient and moments
     per_rank_trainable = (trainable - replicated) / shard + replicated
     grads = int(per_rank_trainable * p_bytes)
-    if spec.optimizer_in_backward:
-        grads = in_backward_gradient_bytes(shape, rows=_outer_rows(spec), **opt)
-    step_temporaries = (optimizer_step_bytes(shape, spec.optimizer, device=spec.device_type, rank=spec.optimizer_rank,
-                                             master_weights=spec.master_weights, rows=_outer_rows(spec),
-                                             in_backward=spec.optimizer_in_backward,
-                                             embedding_optimizer=spec.embedding_optimizer, **opt) // shard
-                        if not spec.offload_optimizer else 0)
-    note = optimizer_note(spec.optimizer, spec.optimizer_rank, spec.optimizer_in_backward, spec.master_weights,
-                          spec.embedding_optimizer)
+    if step.opt.in_backward:
+        grads = in_backward_gradient_bytes(shape, rows=_outer_rows(step), **opt)
+    step_temporaries = (optimizer_step_bytes(shape, step.opt.name, device=step.device, rank=step.opt.rank,
+                                             master_weights=step.opt.master_weights, rows=_outer_rows(step),
+                                             in_backward=step.opt.in_backward,
+                                             embedding_optimizer=step.opt.embedding, **opt) // shard
+                        if not step.cand.offload_optimizer else 0)
+    note = optimizer_note(step.opt.name, step.opt.rank, step.opt.in_backward, step.opt.master_weights,
+                          step.opt.embedding)
     if note:
         notes.append(note)
     states = int(per_rank_trainable * state_bytes)
     # `OffloadedAdamW` keeps, per trainable parameter, a float32 master, a float32 gradient buffer
     # and the moments in host memory.
-    host_opt = int(per_rank_trainable * 8) + states if spec.offload_optimizer else 0
-    return grads, 0 if spec.offload_optimizer else states, step_temporaries, host_opt
+    host_opt = int(per_rank_trainable * 8) + states if step.cand.offload_optimizer else 0
+    return grads, 0 if step.cand.offload_optimizer else states, step_temporaries, host_opt
 
 
-def _static_terms(spec: StepSpec) -> StaticTerms:
+def _static_terms(step: Step) -> StaticTerms:
     """Weights, adapters (with the sketch and `adapter_terms`), gradients and optimizer state."""
     notes: list[str] = []
-    weights_dev, streamed, whole = _weight_bytes(spec, notes)
-    adapters, trainable, extras = _trainable_terms(spec, notes)
-    vision = _vision_static(spec)
+    weights_dev, streamed, whole = _weight_bytes(step, notes)
+    adapters, trainable, extras = _trainable_terms(step, notes)
+    vision = _vision_static(step)
     if vision is not None:
         weights_dev += vision.weights
-        adapters += vision.adapters if spec.adapter else 0
+        adapters += vision.adapters if step.adapter else 0
         trainable += vision.trainable
-    grads, opt_dev, step_temporaries, host_opt = _optimizer_terms(spec, trainable, whole, notes)
+    grads, opt_dev, step_temporaries, host_opt = _optimizer_terms(step, trainable, whole, notes)
     return StaticTerms(weights_dev=weights_dev, adapters=adapters, opt_dev=opt_dev, grads=grads,
                        step_temporaries=step_temporaries, host_opt=host_opt, streamed=streamed, trainable=trainable,
-                       trainable_head=not spec.adapter or extras.trains_head, extras=extras, notes=notes, vision=vision)
+                       trainable_head=not step.adapter or extras.trains_head, extras=extras, notes=notes, vision=vision)
 
 
 @dataclass(frozen=True)
@@ -1120,150 +651,150 @@ class LayerTerms:
     notes: list[str]
 
 
-def _layer_saved_bytes(spec: StepSpec, extras: AdapterTerms) -> tuple[float, float, float, float]:
+def _layer_saved_bytes(step: Step, extras: AdapterTerms) -> tuple[float, float, float, float]:
     """(off, full, selective, attention work): bytes per token one layer keeps per recompute mode."""
-    n_t, n_mlp_t = len(spec.targets), _mlp_targets(spec.targets)
-    act = spec.shape.active_shape()  # mixture of experts: each token's activations go through top-k experts
-    per_off = layer_activation_bytes_per_token(act, spec.method, spec.b, spec.lora_r, n_t, "off", spec.lean, n_mlp_t)
-    per_full = layer_activation_bytes_per_token(act, spec.method, spec.b, spec.lora_r, n_t, "full")
-    per_sel = layer_activation_bytes_per_token(act, spec.method, spec.b, spec.lora_r, n_t, "selective")
-    for term, selective_too in _layer_saved_extras(spec, extras):
+    n_t, n_mlp_t = len(step.targets), _mlp_targets(step.targets)
+    act = step.shape.active_shape()  # mixture of experts: each token's activations go through top-k experts
+    per_off = layer_activation_bytes_per_token(act, step.method, step.b, step.lora.r, n_t, "none", step.lean, n_mlp_t)
+    per_full = layer_activation_bytes_per_token(act, step.method, step.b, step.lora.r, n_t, "full")
+    per_sel = layer_activation_bytes_per_token(act, step.method, step.b, step.lora.r, n_t, "selective")
+    for term, selective_too in _layer_saved_extras(step, extras):
         per_off += term
         if selective_too:
             per_sel += term
-    return per_off, per_full, per_sel, _sketch_backward_bytes(spec)
+    return per_off, per_full, per_sel, _sketch_backward_bytes(step)
 
 
-def _layer_saved_extras(spec: StepSpec, extras: AdapterTerms):
+def _layer_saved_extras(step: Step, extras: AdapterTerms):
     """What a layer not fully recomputed keeps beyond its projections and attention, in order:
     (bytes per token, whether a selectively recomputed layer keeps it too)."""
-    shape, b, r, T, lin, targets = spec.shape, spec.b, spec.lora_r, spec.T, spec.shape.linear_shapes(), spec.targets
-    expert_adapters = spec.adapter and spec.lora_experts and shape.num_experts > 0  # whatever the MLP targets
-    yield shape_extra_bytes_per_token(shape, b, spec.seq_len, expert_adapters) + extras.layer_bytes_per_token, True
-    if spec.masked_attention:  # the mask and the repeated keys / values, saved by SDPA
-        yield masked_attention_bytes_per_token(shape, b, spec.seq_len), True
-    yield shape.gate_bytes_per_token(b, spec.grouped_experts and spec.device_type == "cpu"), False
-    if expert_adapters and not (spec.grouped_experts and spec.device_type == "cpu"):
+    shape, b, r, T, lin, targets = step.shape, step.b, step.lora.r, step.T, step.shape.linear_shapes(), step.targets
+    expert_adapters = step.adapter and step.lora.experts and shape.num_experts > 0  # whatever the MLP targets
+    yield shape_extra_bytes_per_token(shape, b, step.seq_len, expert_adapters) + extras.layer_bytes_per_token, True
+    if step.masked_attention:  # the mask and the repeated keys / values, saved by SDPA
+        yield masked_attention_bytes_per_token(shape, b, step.seq_len), True
+    yield shape.gate_bytes_per_token(b, step.kernels.grouped_experts), False
+    if expert_adapters and not (step.kernels.grouped_experts):
         # PEFT's merged expert weights, kept per layer until its backward (a per-layer constant)
         yield shape.merged_expert_bytes(b) / T, False
-    if spec.lean_norm and b < 4:  # the lean norm keeps its input, not Transformers' float32 copy (16-bit steps)
+    if step.kernels.lean_norm and b < 4:  # the lean norm keeps its input, not Transformers' float32 copy (16-bit steps)
         yield -4 * shape.hidden_size, False
-    if spec.adapter and b < 4 and not spec.lean:
+    if step.adapter and b < 4 and not step.lean:
         # Autocast caches a 16-bit copy of each float32 adapter weight per forward, saved for
         # backward: a per-layer constant (measured; it dominates short sequences).
         yield 2 * sum(r * (lin[t][0] + lin[t][1]) for t in targets) / T, True
-    if spec.master:  # autocast's 16-bit copies of the float32 linear weights, saved for backward
+    if step.master:  # autocast's 16-bit copies of the float32 linear weights, saved for backward
         yield 2 * shape.layer_linear_params / T, True
-    if spec.layout is not None:
+    if step.layout is not None:
         # Selective recompute keeps the attention's outputs; for the sketch that is bounded by
         # everything it saves (its probabilities are the attention's output here).
-        yield kronecker_saved_bytes_per_token(shape, spec.method, b, spec.layout, spec.seq_len), True
+        yield kronecker_saved_bytes_per_token(shape, step.method, b, step.layout, step.seq_len), True
 
 
-def _sketch_backward_bytes(spec: StepSpec) -> float:
+def _sketch_backward_bytes(step: Step) -> float:
     """What the Kronecker sketch's backward adds per token to a layer's backward."""
-    if spec.layout is None or spec.b >= 4:
+    if step.layout is None or step.b >= 4:
         return 0.0
     # In backward each gradient of the sketch (probabilities, logits, gathered keys) mostly
     # replaces a saved tensor that its node frees as it runs: nothing extra in float32; in
     # 16-bit the casts' gradients add ~3 bytes per head and softmax column (measured with
     # the meter on real trainer steps, full recompute, 2 x 1,024 tokens).
-    return 3.0 * spec.shape.num_heads * spec.layout.columns * _block_padding(spec.seq_len, spec.layout.block)
+    return 3.0 * step.shape.num_heads * step.layout.columns * _block_padding(step.seq_len, step.layout.block)
 
 
-def _kept_by_policy(spec: StepSpec, kept: dict[str, float]) -> tuple[tuple[float, ...], float, int]:
+def _kept_by_policy(step: Step, kept: dict[str, float]) -> tuple[tuple[float, ...], float, int]:
     """(what each layer keeps under its policy, 0 when offloaded; all layers plus an offloaded
     layer in flight; bytes on the host), from the bytes per token `kept` per recompute mode."""
-    policy, offload = spec.policy, spec.offload_activations
+    policy, offload = step.policy, step.cand.offload_activations
     per_layer = tuple(0.0 if (p == "full" and offload) else kept[p] for p in policy)  # offloaded: on host
-    host_acts = int(spec.T * kept["full"] * sum(1 for p in policy if p == "full")) if offload else 0
-    in_flight = 2 * kept["full"] if (offload and any(p != "off" for p in policy)) else 0.0  # prefetch one layer ahead
+    host_acts = int(step.T * kept["full"] * sum(1 for p in policy if p == "full")) if offload else 0
+    in_flight = 2 * kept["full"] if (offload and any(p != "none" for p in policy)) else 0.0  # prefetch one layer ahead
     return per_layer, sum(per_layer) + in_flight, host_acts
 
 
-def _tile_fraction(spec: StepSpec) -> float:
+def _tile_fraction(step: Step) -> float:
     """Tiling: the share of the tokens a fully recomputed layer's MLP holds at once (1: untiled)."""
-    if spec.tile_tokens is not None and "full" in spec.policy:
-        return min(1.0, max(1, int(spec.tile_tokens)) / spec.T)
+    if step.cand.tile_tokens is not None and "full" in step.policy:
+        return min(1.0, max(1, int(step.cand.tile_tokens)) / step.T)
     return 1.0
 
 
-def _mlp_saved_bytes(spec: StepSpec) -> float:
+def _mlp_saved_bytes(step: Step) -> float:
     """Bytes per token the MLP of a layer keeps for backward (what tiling divides)."""
-    shape, b, h = spec.shape, spec.b, spec.shape.hidden_size
-    n_mlp_t = _mlp_targets(spec.targets)
-    if spec.lean:
-        return lean_layer_bytes_per_token(shape, b, spec.lora_r, len(spec.targets), n_mlp_t)[1]
+    shape, b, h = step.shape, step.b, step.shape.hidden_size
+    n_mlp_t = _mlp_targets(step.targets)
+    if step.lean:
+        return lean_layer_bytes_per_token(shape, b, step.lora.r, len(step.targets), n_mlp_t)[1]
     # PEFT: gate and up each keep a float32 copy of the input (adapters) or share it (full)
-    return 4 * b * shape.active_shape().intermediate_size + (8 * h + 12 * spec.lora_r * n_mlp_t if spec.adapter else b * h)
+    return 4 * b * shape.active_shape().intermediate_size + (8 * h + 12 * step.lora.r * n_mlp_t if step.adapter else b * h)
 
 
-def _norm_work_bytes(spec: StepSpec) -> int:
+def _norm_work_bytes(step: Step) -> int:
     """A later moment of a layer's backward: its post-attention RMSNorm, after the MLP's tensors
     are gone. Transformers' norm computes in float32: five float32 hidden-size temporaries in its
     backward, plus its float32 copy of the input (16-bit steps) and the incoming and residual
     gradients (measured at the peak with the CPU meter, reference shape, bf16, 16k-32k tokens).
     Untiled, the MLP moment is larger; tiled, this one sets the peak unless the norm is lean
     (`maximus.kernels.lean_norm`, or the Triton one): float32 work for one block of rows, the input kept once."""
-    b, h = spec.b, spec.shape.hidden_size
+    b, h = step.b, step.shape.hidden_size
     norm_copy = 4 * h if b < 4 else 0
-    return 2 * b * h if spec.lean_norm else 5 * 4 * h + norm_copy + 2 * b * h
+    return 2 * b * h if step.kernels.lean_norm else 5 * 4 * h + norm_copy + 2 * b * h
 
 
-def _layer_terms(spec: StepSpec, extras: AdapterTerms) -> LayerTerms:
+def _layer_terms(step: Step, extras: AdapterTerms) -> LayerTerms:
     """What the layers keep for backward under the policy (offloaded, tiled), and a layer's backward."""
-    shape, b, T = spec.shape, spec.b, spec.T
-    h, wb, notes = shape.hidden_size, spec.weight_bytes, []
-    per_off, per_full, per_sel, attn_work = _layer_saved_bytes(spec, extras)
-    if spec.layout is not None and "selective" in policy_names(spec.checkpointing):
+    shape, b, T = step.shape, step.b, step.T
+    h, wb, notes = shape.hidden_size, step.weight_bytes, []
+    per_off, per_full, per_sel, attn_work = _layer_saved_bytes(step, extras)
+    if step.layout is not None and "selective" in policy_names(step.checkpointing):
         notes.append("selective recompute with Kronecker Sketching: bounded by everything the sketch saves")
-    per_layer, stored, host_acts = _kept_by_policy(spec, {"off": per_off, "full": per_full, "selective": per_sel})
-    tile_fraction = _tile_fraction(spec)
-    mlp_part = _mlp_saved_bytes(spec)
+    per_layer, stored, host_acts = _kept_by_policy(step, {"none": per_off, "full": per_full, "selective": per_sel})
+    tile_fraction = _tile_fraction(step)
+    mlp_part = _mlp_saved_bytes(step)
     # Attention masks shared by the layers of a kind live through forward and backward; an eager
     # attention's only when a checkpointed layer holds them for its recompute.
-    masks = shape.sink_masks if not shape.attention_probs or any(m != "off" for m in spec.policy) else 0
-    shared_masks = masks * (b + 1) * (spec.seq_len + 1)
+    masks = shape.sink_masks if not shape.attention_probs or any(m != "none" for m in step.policy) else 0
+    shared_masks = masks * (b + 1) * (step.seq_len + 1)
     # Backward of one layer also holds the gradients flowing through it (hidden and MLP
     # intermediate, partly in float32): ~2*b*(h + i) bytes per token, measured, plus the
     # incoming hidden-state gradient; tiled, the intermediate part exists for one tile.
     grad_work = (shared_masks + 2 * b * (h + shape.active_shape().intermediate_size * tile_fraction) + 2 * h * b + attn_work
-                 + shape.attention_backward_probs * eager_attention_bytes_per_token(shape, spec.seq_len))
+                 + shape.attention_backward_probs * eager_attention_bytes_per_token(shape, step.seq_len))
     # Embedding output, final norm (float32 copy) and the head's input; a float32 master model
     # keeps a float32 residual stream; the lean final norm keeps its input, not a float32 copy.
     norm_copy = 4 * h if b < 4 else 0
-    head_acts = ((2 * wb + 4) * h + extras.stream_bytes_per_token - (norm_copy if spec.lean_norm else 0)
+    head_acts = ((2 * wb + 4) * h + extras.stream_bytes_per_token - (norm_copy if step.kernels.lean_norm else 0)
                  + shared_masks)
     return LayerTerms(per_layer=per_layer, stored=stored, acts=int(T * (stored + head_acts)), host_acts=host_acts,
                       per_off=per_off, per_recomputed=tiled_layer_bytes_per_token(per_off, mlp_part, b, h, tile_fraction),
-                      grad_work=grad_work, norm_moment=per_off - mlp_part + _norm_work_bytes(spec),
+                      grad_work=grad_work, norm_moment=per_off - mlp_part + _norm_work_bytes(step),
                       tile_fraction=tile_fraction, notes=notes)
 
 
-def _backward_walk(spec: StepSpec, layers: LayerTerms) -> list[float]:
+def _backward_walk(step: Step, layers: LayerTerms) -> list[float]:
     """Bytes per token at each point of backward's walk, from the last layer down: at layer l, the
     layers below still hold what they kept, and a recomputed layer holds its full set of saved
     tensors again (one MLP tile of it when tiled) plus the gradients through it."""
     below, points = layers.stored, []
-    for l in range(len(spec.policy) - 1, -1, -1):
-        mode = spec.policy[l]
+    for l in range(len(step.policy) - 1, -1, -1):
+        mode = step.policy[l]
         below -= layers.per_layer[l]
-        here = layers.per_recomputed if mode == "full" else layers.per_off if mode != "off" else layers.per_layer[l]
+        here = layers.per_recomputed if mode == "full" else layers.per_off if mode != "none" else layers.per_layer[l]
         points.append(max(below + here + layers.grad_work, below + layers.norm_moment if mode == "full" else 0.0))
     return points
 
 
-def _backward_peak(spec: StepSpec, static: StaticTerms, walk: list[int]) -> tuple[int, int]:
+def _backward_peak(step: Step, static: StaticTerms, walk: list[int]) -> tuple[int, int]:
     """(gradients, activations) at backward's worst moment, for the walk's bytes `walk` (from the
     last layer down). Full fine-tuning, one micro-step, gradients in .grad: a layer's weight
     gradients appear at its own backward, so at layer l only the head's (formed with the loss) and
     those of the layers from l up exist, and the embedding's is formed last, when the layers'
     activations are gone; otherwise every gradient is counted beside the walk's worst point."""
     worst = max(walk, default=0)
-    if (spec.adapter or spec.optimizer_in_backward or spec.grad_accum > 1 or spec.shard > 1
+    if (step.adapter or step.opt.in_backward or step.cand.grad_accum > 1 or step.shard > 1
             or static.vision is not None or not walk):
         return static.grads, worst
-    shape = spec.shape
+    shape = step.shape
     per_param = static.grads / max(1, static.trainable)
     per_layer = (shape.layer_linear_params + shape.layer_other_params) * per_param
     head = ((shape.head_params or shape.embedding_params) + shape.hidden_size) * per_param
@@ -1279,113 +810,113 @@ def _backward_peak(spec: StepSpec, static: StaticTerms, walk: list[int]) -> tupl
     return grads_then, walk[at]
 
 
-def _loss_terms(spec: StepSpec, trainable_head: bool) -> tuple[int, int]:
+def _loss_terms(step: Step, trainable_head: bool) -> tuple[int, int]:
     """(working set of the loss, the chunk the loss uses when none is given)."""
-    shape, T, b, V, h = spec.shape, spec.T, spec.b, spec.shape.vocab_size, spec.shape.hidden_size
+    shape, T, b, V, h = step.shape, step.T, step.b, step.shape.vocab_size, step.shape.hidden_size
     # A trainable head (full fine-tuning, a saved lm_head) has a larger chunk floor.
     default_chunk = default_loss_chunk(T, V, b, trainable_head=trainable_head)
-    if spec.objective == "contrastive":
+    if step.tech.objective == "contrastive":
         return contrastive_loss_bytes(shape, T, b), default_chunk
-    if spec.objective == "grpo" and spec.loss_mode == "exact":  # the head over the completion tokens only
-        return completion_loss_bytes(spec, trainable_head)
-    head_block = (head_block_bytes(shape, T, b, spec.master_weights)
-                  if _outer_rows(spec) and spec.loss_mode == "exact" else 0)
-    loss = head_loss_bytes(shape, spec.loss_mode, T, b, trainable_head=trainable_head,
-                           chunk_tokens=spec.loss_chunk_tokens, default_chunk=default_chunk,
-                           ghost_candidates=spec.ghost_candidates, head_block=head_block)
-    if spec.matryoshka_dims and spec.objective == "sft":
-        loss = matryoshka_loss_bytes(shape, loss, spec.loss_mode, T, b, trainable_head=trainable_head,
-                                     dims=spec.matryoshka_dims, token_fraction=spec.matryoshka_token_fraction,
-                                     chunk_tokens=spec.loss_chunk_tokens)
-    if spec.master:  # the loss casts the float32 head to the 16-bit matmul dtype once per call
+    if step.tech.objective == "grpo" and step.tech.loss_mode == "exact":  # the head over the completion tokens only
+        return completion_loss_bytes(step, trainable_head)
+    head_block = (head_block_bytes(shape, T, b, step.opt.master_weights)
+                  if _outer_rows(step) and step.tech.loss_mode == "exact" else 0)
+    loss = head_loss_bytes(shape, step.tech.loss_mode, T, b, trainable_head=trainable_head,
+                           chunk_tokens=step.cand.loss_chunk_tokens, default_chunk=default_chunk,
+                           ghost_candidates=step.tech.ghost_candidates, head_block=head_block)
+    if step.tech.matryoshka_dims and step.tech.objective == "sft":
+        loss = matryoshka_loss_bytes(shape, loss, step.tech.loss_mode, T, b, trainable_head=trainable_head,
+                                     dims=step.tech.matryoshka_dims, token_fraction=step.tech.matryoshka_token_fraction,
+                                     chunk_tokens=step.cand.loss_chunk_tokens)
+    if step.master:  # the loss casts the float32 head to the 16-bit matmul dtype once per call
         loss += V * h * 2
     return loss, default_chunk
 
 
-def _outer_rows(spec: StepSpec) -> bool:
+def _outer_rows(step: Step) -> bool:
     """The embedding and head updated row block by row block inside the backward (`steps_outer_rows`)."""
-    return steps_outer_rows(spec.shape, spec.optimizer, full=spec.method == "full", in_backward=spec.optimizer_in_backward,
-                            master_weights=spec.master_weights, embedding_optimizer=spec.embedding_optimizer)
+    return steps_outer_rows(step.shape, step.opt.name, full=step.method == "full", in_backward=step.opt.in_backward,
+                            master_weights=step.opt.master_weights, embedding_optimizer=step.opt.embedding)
 
 
-def _workspace_terms(spec: StepSpec) -> int:
+def _workspace_terms(step: Step) -> int:
     """Scratch the step needs whatever the phase: dequantised 4-bit weights, CUDA's workspaces."""
     workspace = 0
-    if spec.method == "qlora":
+    if step.method == "qlora":
         # bitsandbytes dequantises a whole 4-bit weight to the compute dtype for each matmul.
-        workspace += max(a * c for a, c in spec.shape.linear_shapes().values()) * spec.b
-    if spec.device_type == "cuda":
+        workspace += max(a * c for a, c in step.shape.linear_shapes().values()) * step.b
+    if step.device == "cuda":
         workspace += 64 * 2**20  # cuBLAS / attention workspaces and allocator slack
     return workspace
 
 
-def _phases(spec: StepSpec, static: StaticTerms, layers: LayerTerms, walk: list[float], loss: int,
+def _phases(step: Step, static: StaticTerms, layers: LayerTerms, walk: list[float], loss: int,
             workspace: int) -> dict[str, dict[str, int]]:
     """Each phase's gradients, activations, loss and workspace (the static part aside)."""
-    T, grads = spec.T, static.grads
+    T, grads = step.T, static.grads
     # The head's weight gradient appears only after the loss's large buffers are gone, so the
     # loss phase holds gradients only when they accumulate over micro-steps.
-    grads_before = grads if spec.grad_accum > 1 else 0
-    step = static.step_temporaries
-    bwd_grads, bwd_acts = _backward_peak(spec, static, [int(T * (v + static.extras.stream_bytes_per_token))
+    grads_before = grads if step.cand.grad_accum > 1 else 0
+    step_temps = static.step_temporaries
+    bwd_grads, bwd_acts = _backward_peak(step, static, [int(T * (v + static.extras.stream_bytes_per_token))
                                                         for v in walk])
     phases = {
         "loss": {"gradients": grads_before, "activations": layers.acts, "loss": loss, "workspace": workspace},
         # In backward, each weight's step runs there: its temporaries join the backward's peak.
         "backward": {"gradients": bwd_grads, "activations": bwd_acts, "loss": 0, "workspace": workspace,
-                     "workspace_extra": step if spec.optimizer_in_backward else 0},
-        "optimizer": {"gradients": grads, "activations": 0, "loss": 0, "workspace": workspace, "workspace_extra": step},
+                     "workspace_extra": step_temps if step.opt.in_backward else 0},
+        "optimizer": {"gradients": grads, "activations": 0, "loss": 0, "workspace": workspace, "workspace_extra": step_temps},
     }
-    if spec.objective == "dpo" and spec.dpo_reference != "none":
+    if step.tech.objective == "dpo" and step.tech.dpo_reference != "none":
         # The reference log-probs: a no-grad forward of the same rows (before each policy forward,
         # or once before training when precomputed): one layer's transients and one loss chunk.
         phases["reference"] = {
-            "gradients": grads_before if spec.dpo_reference == "adapter_off" else 0,
-            "activations": int(T * reference_forward_bytes_per_token(spec.shape, spec.b, spec.layout, spec.seq_len)),
-            "loss": head_loss_bytes(spec.shape, spec.loss_mode, T, spec.b, trainable_head=False,
-                                    chunk_tokens=spec.loss_chunk_tokens,
-                                    default_chunk=default_loss_chunk(T, spec.shape.vocab_size, spec.b),
-                                    ghost_candidates=spec.ghost_candidates, with_grad=False),
+            "gradients": grads_before if step.tech.dpo_reference == "adapter_off" else 0,
+            "activations": int(T * reference_forward_bytes_per_token(step.shape, step.b, step.layout, step.seq_len)),
+            "loss": head_loss_bytes(step.shape, step.tech.loss_mode, T, step.b, trainable_head=False,
+                                    chunk_tokens=step.cand.loss_chunk_tokens,
+                                    default_chunk=default_loss_chunk(T, step.shape.vocab_size, step.b),
+                                    ghost_candidates=step.tech.ghost_candidates, with_grad=False),
             "workspace": workspace}
     return phases
 
 
-def _settings(spec: StepSpec, static: StaticTerms, tile_fraction: float) -> dict[str, Any]:
+def _settings(step: Step, static: StaticTerms, tile_fraction: float) -> dict[str, Any]:
     """`Estimate.settings`: what the estimate assumed."""
-    settings = dict(method=spec.method, dtype=spec.dtype, micro_batch=spec.micro_batch, seq_len=spec.seq_len,
-                    checkpointing=spec.checkpointing, offload_activations=spec.offload_activations,
-                    offload_optimizer=spec.offload_optimizer, loss_mode=spec.loss_mode,
-                    loss_chunk_tokens=spec.loss_chunk_tokens if spec.loss_mode != "naive" else None,
-                    optimizer=spec.optimizer, lora_r=spec.lora_r if spec.adapter else None,
-                    world_size=spec.world_size, sharded=spec.shard > 1, device=spec.device_type,
-                    tile_tokens=spec.tile_tokens if tile_fraction < 1.0 else None, lean_lora=spec.lean,
-                    lean_norm=spec.lean_norm, attention=spec.attention, objective=spec.objective)
-    if spec.layout is not None:
-        settings["kronecker"] = spec.layout.to_dict()
-    if spec.objective == "dpo":
-        settings["dpo_reference"] = spec.dpo_reference
-    if spec.objective == "grpo":
-        settings["completion_tokens"] = spec.completion_tokens
-    if spec.loss_mode == "ghost":
-        settings["ghost_candidates"] = spec.ghost_candidates
-    if spec.matryoshka_dims and spec.objective == "sft":
-        settings.update(matryoshka_dims=list(spec.matryoshka_dims),
-                        matryoshka_token_fraction=spec.matryoshka_token_fraction)
-    if spec.offload_params:
-        settings["offload_params"] = spec.params_store
-    if spec.masked_attention:
+    settings = dict(method=step.method, dtype=step.spec.dtype, micro_batch=step.cand.micro_batch, seq_len=step.seq_len,
+                    checkpointing=step.checkpointing, offload_activations=step.cand.offload_activations,
+                    offload_optimizer=step.cand.offload_optimizer, loss_mode=step.tech.loss_mode,
+                    loss_chunk_tokens=step.cand.loss_chunk_tokens if step.tech.loss_mode != "naive" else None,
+                    optimizer=step.opt.name, lora_r=step.lora.r if step.adapter else None,
+                    world_size=step.spec.world_size, sharded=step.shard > 1, device=step.device,
+                    tile_tokens=step.cand.tile_tokens if tile_fraction < 1.0 else None, lean_lora=step.lean,
+                    lean_norm=step.kernels.lean_norm, attention=step.tech.attention, objective=step.tech.objective)
+    if step.layout is not None:
+        settings["kronecker"] = step.layout.to_dict()
+    if step.tech.objective == "dpo":
+        settings["dpo_reference"] = step.tech.dpo_reference
+    if step.tech.objective == "grpo":
+        settings["completion_tokens"] = step.completion_tokens
+    if step.tech.loss_mode == "ghost":
+        settings["ghost_candidates"] = step.tech.ghost_candidates
+    if step.tech.matryoshka_dims and step.tech.objective == "sft":
+        settings.update(matryoshka_dims=list(step.tech.matryoshka_dims),
+                        matryoshka_token_fraction=step.tech.matryoshka_token_fraction)
+    if step.tech.streams_params:
+        settings["offload_params"] = step.tech.params_store
+    if step.masked_attention:
         settings["masked_attention"] = True
     if static.extras.trainable_params or static.extras.layer_bytes_per_token:
         settings["adapter_terms"] = static.extras.to_dict()
     if static.vision is not None:
         settings["vision"] = static.vision.to_dict()
-    settings.update(optimizer_settings(spec.optimizer, spec.optimizer_rank, spec.optimizer_in_backward,
-                                       spec.master_weights, spec.embedding_optimizer))
+    settings.update(optimizer_settings(step.opt.name, step.opt.rank, step.opt.in_backward,
+                                       step.opt.master_weights, step.opt.embedding))
     return settings
 
 
 def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "bf16", micro_batch: int = 1,
-                  seq_len: int = 2048, checkpointing: Checkpointing | Sequence[bool] | int = "off",
+                  seq_len: int = 2048, checkpointing: Checkpointing | Sequence[bool] | int = "none",
                   offload_activations: bool = False, offload_optimizer: bool = False, loss_mode: LossMode = "exact",
                   optimizer: str = "adamw", lora_r: int = 16, lora_targets: str | Sequence[str] = "all-linear",
                   world_size: int = 1, loss_chunk_tokens: int | None = None, grad_accum: int = 1,
@@ -1456,7 +987,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         offload_params: frozen decoder weights (4-bit ones too) stream to the device one layer ahead
             (`optimization.offload.params`): True or ``on`` from pinned host memory, ``disk`` from a
             memory-mapped file (host memory then holds two pinned staging layers on CUDA); ``auto``
-            and ``off`` are False here (the planner decides ``auto``).
+            and ``off`` stream nothing here (the planner decides ``auto``).
         tile_tokens: the MLP of each fully recomputed layer runs over tiles of this many tokens
             in backward (`optimization.tile_tokens`); None: untiled.
         lean_norm: the RMSNorms are Maximus' lean ones (`optimization.lean_norm`, or the Triton
@@ -1464,7 +995,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         lean_lora: the adapters' projections are Maximus' lean ones (the input kept once, in the
             compute dtype); False: PEFT's own layers (what a plain Transformers + PEFT step keeps).
         vision: a vision-language model's tower and projector (`maximus.memory.vision_terms.VisionSpec`,
-            from `vision_spec(cfg, config)`); None for a text model. The rows' image tokens are in `seq_len`.
+            from `maximus.memory.spec_from_config.run_spec`); None for a text model. The rows' image tokens are in `seq_len`.
         modules_to_save, use_dora, lora_dropout: `lora.modules_to_save` (full trained copies, e.g.
             embed_tokens, lm_head), DoRA and LoRA dropout (`maximus.memory.adapter_terms`); adapters only.
         masked_attention: SDPA gets a document mask (`MicroBatch.masked`: many short packed
@@ -1476,30 +1007,22 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         An `Estimate` whose breakdown (weights, adapters, gradients, optimizer, activations,
         loss, workspace) sums to `peak_bytes`.
     """
-    return estimate_step(step_spec(
-        model_config, method=method, dtype=dtype, micro_batch=micro_batch, seq_len=seq_len,
-        checkpointing=checkpointing, offload_activations=offload_activations, offload_optimizer=offload_optimizer,
-        loss_mode=loss_mode, optimizer=optimizer, lora_r=lora_r, lora_targets=lora_targets, world_size=world_size,
-        loss_chunk_tokens=loss_chunk_tokens, grad_accum=grad_accum, ghost_candidates=ghost_candidates, device=device,
-        sharded=sharded, attention=attention, kronecker=kronecker, objective=objective, dpo_reference=dpo_reference,
-        matryoshka_dims=matryoshka_dims, matryoshka_token_fraction=matryoshka_token_fraction,
-        offload_params=offload_params, tile_tokens=tile_tokens, lean_lora=lean_lora, lean_norm=lean_norm,
-        optimizer_rank=optimizer_rank, optimizer_in_backward=optimizer_in_backward, master_weights=master_weights,
-        lora_experts=lora_experts, grouped_experts=grouped_experts,
-        modules_to_save=modules_to_save, use_dora=use_dora, lora_dropout=lora_dropout, vision=vision,
-        embedding_optimizer=embedding_optimizer, masked_attention=masked_attention,
-        completion_tokens=completion_tokens, qat=qat))
+    settings = {k: v for k, v in locals().items() if k != "model_config"}
+    return estimate_step(keyword_spec(model_shape(model_config), settings, lean_lora=lean_lora),
+                         candidate_of(settings))
 
 
-def estimate_step(spec: StepSpec) -> Estimate:
-    """The `Estimate` of one step: static part + the largest of its phases (`estimate_peak`)."""
-    static = _static_terms(spec)
-    layers = _layer_terms(spec, static.extras)
-    walk = _backward_walk(spec, layers)
-    loss, default_chunk = _loss_terms(spec, static.trainable_head)
-    phases = _phases(spec, static, layers, walk, loss, _workspace_terms(spec))
+def estimate_step(spec: RunSpec, cand: Candidate) -> Estimate:
+    """The `Estimate` of the candidate plan `cand` in the run `spec`: static part + the largest of
+    its phases (`estimate_peak` documents what it counts)."""
+    step = step_of(spec, cand)
+    static = _static_terms(step)
+    layers = _layer_terms(step, static.extras)
+    walk = _backward_walk(step, layers)
+    loss, default_chunk = _loss_terms(step, static.trainable_head)
+    phases = _phases(step, static, layers, walk, loss, _workspace_terms(step))
     if static.vision is not None:
-        static.vision.add_to_phases(phases, static.grads if spec.grad_accum > 1 else 0)
+        static.vision.add_to_phases(phases, static.grads if step.cand.grad_accum > 1 else 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     phase = max(totals, key=totals.get)
     chosen = phases[phase]
@@ -1507,37 +1030,43 @@ def estimate_step(spec: StepSpec) -> Estimate:
                  "optimizer": static.opt_dev, "activations": chosen["activations"], "loss": chosen["loss"],
                  "workspace": chosen["workspace"] + chosen.get("workspace_extra", 0)}
     peak = sum(breakdown.values())
-    chunk_used = None if spec.loss_mode == "naive" else max(1, min(spec.loss_chunk_tokens or default_chunk, spec.T))
-    flops, tps = _throughput(spec.shape, spec.method, spec.T, spec.seq_len, list(spec.policy), spec.offload_activations,
-                             spec.offload_optimizer, spec.loss_mode, static.trainable, spec.grad_accum, spec.device_type,
-                             spec.b, chunk_used, spec.lora_r, len(spec.targets), layers.tile_fraction)
-    L = spec.shape.num_layers
-    streamed_layers = static.streamed // max(1, L - STREAMED_IN_FLIGHT) * L  # every layer lives off the device
+    chunk_used = None if step.tech.loss_mode == "naive" else max(1, min(step.cand.loss_chunk_tokens or default_chunk, step.T))
+    flops, tps = _throughput(step, static.trainable, chunk_used, layers.tile_fraction)
+    streaming = _streaming_terms(step, static.streamed, tps)
+    return Estimate(peak_bytes=int(peak), breakdown={k: int(v) for k, v in breakdown.items()},
+                    flops_per_token=flops, tokens_per_s_guess=streaming["tokens_per_s"], phase=phase,
+                    settings=_settings(step, static, layers.tile_fraction), notes=static.notes + layers.notes,
+                    host_bytes=int(layers.host_acts + static.host_opt + streaming["host"]),
+                    disk_bytes=streaming["disk"], streamed_bytes_per_step=streaming["per_step"],
+                    compute_tokens_per_s=tps)
+
+
+def _streaming_terms(step: Step, streamed: int, compute_tps: float) -> dict[str, Any]:
+    """What streamed frozen weights (`optimization.offload.params`) cost off the device: the host
+    bytes (every layer; with ``disk`` two pinned staging layers) and the file's bytes, the bytes
+    copied per micro-step, and the tokens/s of a step that takes the slower of its compute and
+    its copies (they overlap, one layer ahead) at `DEFAULT_H2D_BYTES_PER_S`."""
+    L = step.shape.num_layers
+    streamed_layers = streamed // max(1, L - STREAMED_IN_FLIGHT) * L  # every layer lives off the device
     per_layer = streamed_layers // L
-    host_streamed, disk = (STAGING_LAYERS * per_layer, streamed_layers) if spec.params_store == "disk" else (
-        streamed_layers, 0)
+    host, disk = ((STAGING_LAYERS * per_layer, streamed_layers) if step.tech.params_store == "disk"
+                  else (streamed_layers, 0))
     # Forward fetches every layer but the first (resident since the last backward); backward every
     # layer but the last again (for the recompute and the input gradients).
     per_step = 2 * max(0, L - 1) * per_layer
-    step_tps = tps
+    tps = compute_tps
     if per_step:
         transfer_s = (per_step + per_layer) / DEFAULT_H2D_BYTES_PER_S  # the first layer's copy is not hidden
-        step_tps = spec.T / max(spec.T / tps, transfer_s)
-    return Estimate(peak_bytes=int(peak), breakdown={k: int(v) for k, v in breakdown.items()},
-                    flops_per_token=flops, tokens_per_s_guess=step_tps, phase=phase,
-                    settings=_settings(spec, static, layers.tile_fraction), notes=static.notes + layers.notes,
-                    host_bytes=int(layers.host_acts + static.host_opt + host_streamed), disk_bytes=int(disk),
-                    streamed_bytes_per_step=int(per_step), compute_tokens_per_s=tps)
+        tps = step.T / max(step.T / compute_tps, transfer_s)
+    return {"host": host, "disk": int(disk), "per_step": int(per_step), "tokens_per_s": tps}
 
 
-def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: list[str], offload_act: bool,
-                offload_opt: bool, loss_mode: str, trainable: int, grad_accum: int, device_type: str,
-                dtype_bytes: int = 2, loss_chunk: int | None = None, lora_r: int = 16,
-                lora_targets: int = 7, tile_fraction: float = 1.0) -> tuple[float, float]:
+def _throughput(step: Step, trainable: int, loss_chunk: int | None, tile_fraction: float) -> tuple[float, float]:
     """(training FLOPs per token, a tokens/s guess) used to rank plans against each other. The
     time is `maximus.memory.step_time.step_seconds`: op class by op class, measured rates."""
-    from maximus.memory.step_time import step_seconds
+    from maximus.memory.step_time import MicroStep, step_seconds
 
+    shape, method, T, seq_len, policy = step.shape, step.method, step.T, step.seq_len, step.policy
     L = shape.num_layers
     layer_fwd = 2 * shape.layer_linear_params + 2 * seq_len * shape.q_dim  # causal attention: half of 4*s*d
     head_fwd = 2 * shape.vocab_size * shape.hidden_size
@@ -1547,20 +1076,18 @@ def _throughput(shape: ModelShape, method: str, T: int, seq_len: int, policy: li
     bwd = fwd * (2.0 if method == "full" else 1.0)
     recompute = sum(layer_fwd if p == "full" else 0.08 * layer_fwd if p == "selective" else 0 for p in policy)
     flops = float(fwd + bwd + recompute)
-    parts = step_seconds(hidden=shape.hidden_size, intermediate=shape.intermediate_size, q_dim=shape.q_dim,
-                         kv_dim=shape.kv_dim, num_heads=shape.num_heads, head_dim=shape.head_dim,
-                         vocab_size=shape.vocab_size, layer_linear_params=shape.layer_linear_params, tokens=T,
-                         seq_len=seq_len, policy=policy, method=method, lora_r=lora_r, lora_targets=lora_targets,
-                         dtype_bytes=dtype_bytes, device=device_type, loss_mode=loss_mode, loss_chunk=loss_chunk,
-                         offload_activations=offload_act)
+    work = MicroStep(tokens=T, seq_len=seq_len, policy=policy, method=method, lora_r=step.lora.r,
+                     lora_targets=len(step.targets), loss_mode=step.tech.loss_mode, loss_chunk=loss_chunk,
+                     offload_activations=step.cand.offload_activations)
+    parts = step_seconds(shape, work, device=step.device, dtype_bytes=step.b)
     seconds = sum(parts.values())
     if tile_fraction < 1.0:
         # Tiles run smaller MLP matmuls (the MLP forward is not repeated: see kernels/tiled_mlp.py).
         seconds *= 1.01 + 0.01 * math.log2(1.0 / tile_fraction)
     # The optimizer step is memory-bound: ~16 bytes touched per trainable parameter, once per
     # optimizer step (spread over grad_accum micro-steps of T tokens).
-    bandwidth = 2e12 if device_type == "cuda" else 20e9
-    if offload_opt:
+    bandwidth = 2e12 if step.device == "cuda" else 20e9
+    if step.cand.offload_optimizer:
         bandwidth = 20e9  # host-side update
-    seconds += 16 * trainable / bandwidth / max(1, grad_accum)
+    seconds += 16 * trainable / bandwidth / max(1, step.cand.grad_accum)
     return flops, T / seconds

@@ -41,46 +41,43 @@ TOP_P_LOGIT_COPIES = 4.5
 LOGPS_LOGIT_COPIES = 1
 
 
-def sampler_records_logps(cfg, dtype: str) -> bool:
+def sampler_records_logps(g, dtype: str) -> bool:
     """Whether GRPO keeps the sampling policy's log-probs (a step may train on completions its
     weights did not sample: `steps_per_generation` or `updates_per_generation` > 1, or
     `async_generation`) and takes them from the batched sampler, which draws them anyway: in
-    float32 (`dtype` "fp32"), where they equal the loss pass's to float32 rounding."""
-    g = cfg.grpo
+    float32 (`dtype` "fp32"), where they equal the loss pass's to float32 rounding. `g`: the run's
+    `maximus.memory.run_spec.GrpoSettings`."""
     keeps = g.steps_per_generation * g.updates_per_generation > 1 or g.async_generation
-    return keeps and g.generation == "batched" and dtype == "fp32"
+    return keeps and g.sampler == "batched" and dtype == "fp32"
 
 
 def merged_weight_bytes(model_config: Any) -> int:
     """A float32 copy of every decoder projection LoRA can adapt (q, k, v, o, gate, up, down:
     all seven charged, whichever are targeted), what `merged_for_sampling` forms for sampling."""
-    from maximus.memory.estimate import model_shape
+    from maximus.memory.shape import model_shape
 
     shape = model_shape(model_config)
     attention = 2 * shape.hidden_size * shape.head_dim * (shape.num_heads + shape.num_kv_heads)
     return 4 * shape.num_layers * (attention + 3 * shape.hidden_size * shape.intermediate_size)
 
 
-def can_merge_lora(cfg, dtype: str) -> bool:
+def can_merge_lora(g, dtype: str) -> bool:
     """Whether sampling may run LoRA merged into a float32 copy of the weights
     (`maximus.kernels.lean_lora.merged_for_sampling`): LoRA on float32 weights, the batched
     sampler, and no second thread (`async_generation` samples while the step trains)."""
-    g = cfg.grpo
-    return cfg.method == "lora" and dtype == "fp32" and g.generation == "batched" and not g.async_generation
+    return g.method == "lora" and dtype == "fp32" and g.sampler == "batched" and not g.async_generation
 
 
-def rollout_rows(cfg) -> tuple[int, int]:
-    """(completion rows per optimizer step, tokens per row) of a GRPO config: what the backward
-    trains on, for the planner (the step's share of `batch_size` prompts x `group_size`; prompt +
+def rollout_rows(g) -> tuple[int, int]:
+    """(completion rows per optimizer step, tokens per row) of GRPO's sampling `g`: what the
+    backward trains on, for the planner (the step's share of `prompts` x `group_size`; prompt +
     completion tokens)."""
-    g = cfg.grpo
-    return (cfg.training.batch_size * g.group_size // g.steps_per_generation,
-            cfg.training.seq_len + g.max_completion_tokens)
+    return g.prompts * g.group_size // g.steps_per_generation, g.prompt_tokens + g.max_completion_tokens
 
 
 def kv_cache_bytes(model_config: Any, *, sequences: int, tokens: int, dtype_bytes: int) -> int:
     """K and V of every layer for `sequences` x `tokens` positions."""
-    from maximus.memory.estimate import model_shape
+    from maximus.memory.shape import model_shape
 
     shape = model_shape(model_config)
     return 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * sequences * tokens * dtype_bytes
@@ -93,7 +90,7 @@ def generation_peak_bytes(model_config: Any, *, resident_bytes: int, group_size:
     `prompts` groups of `group_size` sequences of up to `tokens` (prompt + completion) tokens
     sampled in one decode loop (`top_p` < 1: with nucleus sampling's scratch; `record_logps`:
     with the kept logits the sampled tokens' log-probs are read from)."""
-    from maximus.memory.estimate import model_shape
+    from maximus.memory.shape import model_shape
 
     shape = model_shape(model_config)
     rows = prompts * group_size
@@ -103,8 +100,9 @@ def generation_peak_bytes(model_config: Any, *, resident_bytes: int, group_size:
     return {"resident": resident_bytes, "kv_cache": kv, "logits": logits, "total": resident_bytes + kv + logits}
 
 
-def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dict[str, int]:
-    """`generation_peak_bytes` for a GRPO config (`model_config`: its model's `ModelShape`, or anything
+def check_generation(model_config: Any, plan, g, *, budget: int | None) -> dict[str, int]:
+    """`generation_peak_bytes` for GRPO's sampling `g` (`maximus.memory.run_spec.GrpoSettings`;
+    `model_config`: its model's `ModelShape`, or anything
     `model_shape` reads) and its training `plan` (the resident state is
     the plan's weights, adapters and optimizer moments; gradients are freed between steps), at
     the largest `prompts_at_once` (returned with the parts) that fits `budget`, else the plan's
@@ -115,31 +113,31 @@ def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dic
     is loaded)."""
     from maximus.config import format_bytes
     from maximus.errors import BudgetError
-    from maximus.memory.estimate import DTYPE_BYTES, model_shape
+    from maximus.memory.coefficients import DTYPE_BYTES
+    from maximus.memory.shape import model_shape
 
-    check_sampler(cfg, plan.device)
+    check_sampler(g, plan.device)
     shape = model_shape(model_config)  # `plan_run` passes its step's shape: nothing is read again
     resident = sum(plan.breakdown.get(k, 0) for k in ("weights", "adapters", "optimizer"))
-    g = cfg.grpo
     # The longest prompt the data has (planned from it) or the cap, plus the longest completion.
-    tokens = plan.rows_tokens_max or cfg.training.seq_len + g.max_completion_tokens
+    tokens = plan.rows_tokens_max or g.prompt_tokens + g.max_completion_tokens
 
     def parts_for(prompts: int) -> dict[str, int]:
         parts = generation_peak_bytes(shape, resident_bytes=resident, group_size=g.group_size, tokens=tokens,
                                       dtype_bytes=DTYPE_BYTES[plan.dtype], prompts=prompts, top_p=g.top_p,
-                                      record_logps=sampler_records_logps(cfg, plan.dtype))
+                                      record_logps=sampler_records_logps(g, plan.dtype))
         if g.async_generation:  # sampled while the backward runs: on top of the training step
             parts["total"] = max(parts["total"], (plan.peak_bytes or resident) + parts["kv_cache"] + parts["logits"])
         return {**parts, "prompts_at_once": prompts}
 
     limit = budget if budget is not None else getattr(plan, "free_memory_bytes", None)
-    prompts = cfg.training.batch_size
+    prompts = g.prompts
     if limit is not None:
         while prompts > 1 and parts_for(prompts)["total"] > limit:
             prompts -= 1
     parts = parts_for(prompts)
     parts["merge_lora"] = False
-    if can_merge_lora(cfg, plan.dtype):  # when the copy fits beside the chosen generation
+    if can_merge_lora(g, plan.dtype):  # when the copy fits beside the chosen generation
         merged = merged_weight_bytes(shape)
         if limit is None or parts["total"] + merged <= limit:
             parts.update(merge_lora=True, merged_weights=merged, total=parts["total"] + merged)
@@ -152,9 +150,9 @@ def check_generation(model_config: Any, plan, cfg, *, budget: int | None) -> dic
     return parts
 
 
-def check_sampler(cfg, device_type: str) -> None:
+def check_sampler(g, device_type: str) -> None:
     """`grpo.generation: vllm` needs CUDA and the vllm package: one line otherwise."""
-    if cfg.grpo.generation != "vllm":
+    if g.sampler != "vllm":
         return
     import importlib.util
 
@@ -163,7 +161,7 @@ def check_sampler(cfg, device_type: str) -> None:
     if device_type != "cuda":
         raise ConfigError(f"grpo.generation: vllm needs a CUDA GPU, but this run is on {device_type}",
                           "set grpo.generation: batched (the KV-cached sampler, on any device)")
-    if cfg.method == "full":
+    if g.method == "full":
         raise ConfigError("grpo.generation: vllm receives the policy as a LoRA adapter, but method is full",
                           "use method: lora or qlora, or set grpo.generation: batched")
     if importlib.util.find_spec("vllm") is None:

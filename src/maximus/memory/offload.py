@@ -212,10 +212,6 @@ class OffloadedAdamW(torch.optim.AdamW):
         self._grad_buffers = [torch.empty(m.shape, dtype=torch.float32, device="cpu", pin_memory=_pin())
                               for _, m in self._pairs]
 
-    @property
-    def device_params(self) -> list[torch.Tensor]:
-        return [p for p, _ in self._pairs]
-
     def reload_from_params(self) -> None:
         """Copy the device parameters into the host masters (after loading weights into the model)."""
         for p, master in self._pairs:

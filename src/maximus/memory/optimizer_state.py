@@ -31,7 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 __all__ = ["OPTIMIZERS", "OptimizerSpec", "PROJECTED", "EMBEDDING_ON_ADAMW", "TORCHAO_ADAMW", "TORCHAO_CHUNK_VALUES", "optimizer_state_bytes", "optimizer_step_bytes",
-           "in_backward_gradient_bytes", "steps_outer_rows", "row_block_rows", "head_block_bytes", "projection_settings", "optimizer_note", "uses_bf16_weights", "optimizer_kwargs",
+           "in_backward_gradient_bytes", "steps_outer_rows", "row_block_rows", "head_block_bytes", "projection_settings", "optimizer_note",
            "optimizer_settings"]
 
 
@@ -99,11 +99,6 @@ _FOUR_BIT_BYTES = 2 * (0.5 + 4 / 128)
 #: torchao's 8-bit moments: a uint8 code each plus a scale per block of 256 (`torchao.optim.AdamW8bit`),
 #: only for tensors of at least 4,096 values.
 _EIGHT_BIT_BYTES = 2 * (1 + 4 / 256)
-
-
-def uses_bf16_weights(cfg: Any) -> bool:
-    """Full fine-tuning with bf16 weights and stochastic rounding (`training.master_weights: bf16`)."""
-    return cfg.method == "full" and cfg.training.master_weights == "bf16"
 
 
 def projection_settings(optimizer: str, rank: int | None = None, scale: float | None = None) -> dict[str, Any]:
@@ -290,14 +285,6 @@ def in_backward_gradient_bytes(shape: Any, *, full: bool, trainable: int, p_byte
     if rows:
         return p_bytes * (2 * max(o * n for o, n in _hidden_matrices(shape)) + row_block_rows(shape) * h)
     return p_bytes * (V * h + i * h)
-
-
-def optimizer_kwargs(cfg: Any) -> dict[str, Any]:
-    """The `estimate_peak` keywords a Config's optimizer settings decide (`technique_kwargs`)."""
-    t = cfg.training
-    return dict(optimizer_rank=t.optimizer_rank, optimizer_in_backward=t.optimizer_in_backward,
-                master_weights="bf16" if uses_bf16_weights(cfg) else "fp32",
-                embedding_optimizer=t.embedding_optimizer)
 
 
 def optimizer_note(optimizer: str, rank: int | None, in_backward: bool, master_weights: str,

@@ -19,12 +19,17 @@ from typing import Any, Mapping
 
 from maximus.config import format_bytes
 
-__all__ = ["Attention", "Plan", "recompute_label", "BREAKDOWN_ROWS", "RECOMPUTE_MODES", "STRATEGIES"]
+__all__ = ["Attention", "Plan", "recompute_label", "BREAKDOWN_ROWS", "RECOMPUTE_MODES", "RECOMPUTE_WORDS", "STRATEGIES"]
 
 BREAKDOWN_ROWS = ("weights", "adapters", "gradients", "optimizer", "activations", "loss", "workspace")
 
-#: Per-layer recompute modes (the same as `maximus.memory.checkpointing.RECOMPUTE_MODES`).
+#: Per-layer recompute modes: the one vocabulary from the config (`optimization.gradient_checkpointing`)
+#: through the planner, the estimator and `maximus.memory.checkpointing` to run.json.
 RECOMPUTE_MODES = ("none", "selective", "full")
+
+#: The words a recompute mode may be written as: the modes, and ``off``, the config's former word
+#: for ``none`` (still read: configs written with it keep working).
+RECOMPUTE_WORDS = {"none": "none", "off": "none", "selective": "selective", "full": "full"}
 
 #: How the ranks hold the model: one process, every rank whole (DDP), or sharded (FSDP2).
 STRATEGIES = ("single", "ddp", "fsdp")
@@ -143,10 +148,11 @@ class Plan:
     #: ``grad_accum`` the most micro-batches one step has. None: ``micro_batch_size`` rows each.
     micro_batch_tokens: int | None = None
     rows_per_step: int | None = None
-    #: The step description the plan was estimated for (`maximus.memory.planner.RunStep`: the
-    #: model's shape and the run's fixed settings), so a re-plan need not read the model again;
-    #: None for a plan made without an estimate. Not part of run.json nor of equality.
-    step: Any = field(default=None, compare=False, repr=False)
+    #: The run the plan was estimated for (`maximus.memory.run_spec.RunSpec`: the model's shape,
+    #: the run's fixed settings, its search space and the data's lengths), so a re-plan needs
+    #: neither the config nor the model again; None for a plan made without an estimate. Not
+    #: part of run.json nor of equality.
+    spec: Any = field(default=None, compare=False, repr=False)
 
     def __post_init__(self):
         object.__setattr__(self, "recompute", tuple(self.recompute))
@@ -176,7 +182,7 @@ class Plan:
         """JSON-ready, for run.json (``plan``); lists for tuples, the attention as a mapping."""
         d: dict[str, Any] = {}
         for f in fields(self):
-            if f.name == "step":
+            if f.name == "spec":
                 continue
             value = getattr(self, f.name)
             if isinstance(value, Attention):

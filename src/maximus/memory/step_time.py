@@ -132,15 +132,32 @@ def _chunk_factor(rates: OpRates, chunk: int | None) -> float:
     return 1.0  # pragma: no cover
 
 
-def step_seconds(*, hidden: int, intermediate: int, q_dim: int, kv_dim: int, num_heads: int, head_dim: int,
-                 vocab_size: int, layer_linear_params: int, tokens: int, seq_len: int, policy: list[str],
-                 method: str, lora_r: int, lora_targets: int, dtype_bytes: int, device: str,
-                 loss_mode: str = "exact", loss_chunk: int | None = None, offload_activations: bool = False,
+@dataclass(frozen=True)
+class MicroStep:
+    """What one micro-step runs, as the time model reads it (`step_seconds`)."""
+
+    #: Tokens of the micro-step, in rows of `seq_len`.
+    tokens: int
+    seq_len: int
+    #: One recompute mode per layer: ``none`` / ``full`` / ``selective``.
+    policy: tuple[str, ...]
+    method: str
+    lora_r: int
+    #: Targeted linears per layer.
+    lora_targets: int
+    loss_mode: str = "exact"
+    loss_chunk: int | None = None
+    offload_activations: bool = False
+
+
+def step_seconds(shape, work: MicroStep, *, device: str, dtype_bytes: int,
                  naive_loss_factor: float = 1.4) -> dict[str, float]:
-    """Seconds of one micro-step (forward + backward of ``tokens`` tokens in rows of ``seq_len``),
+    """Seconds of one micro-step `work` of a model of `shape` (a `maximus.memory.shape.ModelShape`),
     by op class: ``head``, ``decoder_matmuls``, ``attention``, ``elementwise``, ``dequantize`` and
-    ``recompute`` (the part of the others that checkpointing replays). ``policy`` is one of
-    ``off`` / ``full`` / ``selective`` per layer."""
+    ``recompute`` (the part of the others that checkpointing replays)."""
+    hidden, intermediate, q_dim, kv_dim = shape.hidden_size, shape.intermediate_size, shape.q_dim, shape.kv_dim
+    tokens, seq_len, policy, method, lora_r = work.tokens, work.seq_len, work.policy, work.method, work.lora_r
+    loss_mode, loss_chunk = work.loss_mode, work.loss_chunk
     r = op_rates(device, dtype_bytes)
     # Fewer tokens than calibrated run less efficiently: T / (T + k), k = 1024 on a GPU (it needs
     # many rows to fill), 128 on a CPU (a 64-token step of the reference model measured ~2.7x the
@@ -149,15 +166,15 @@ def step_seconds(*, hidden: int, intermediate: int, q_dim: int, kv_dim: int, num
     eff = min(1.0, (tokens / (tokens + k)) / (r.calibrated_tokens / (r.calibrated_tokens + k)))
     trainable = method == "full"
     lora = 0 if trainable else lora_r
-    mm_fwd = layer_matmul_flops(hidden, intermediate, q_dim, kv_dim, lora, lora_targets) * tokens / (r.decoder_flops_per_s * eff)
+    mm_fwd = layer_matmul_flops(hidden, intermediate, q_dim, kv_dim, lora, work.lora_targets) * tokens / (r.decoder_flops_per_s * eff)
     base_fwd = layer_matmul_flops(hidden, intermediate, q_dim, kv_dim, 0) * tokens / (r.decoder_flops_per_s * eff)
     lora_fwd = mm_fwd - base_fwd
     # backward: input gradients of every product, weight gradients of what trains (LoRA or all)
     mm_bwd = base_fwd * (2.0 if trainable else 1.0) + 2 * lora_fwd
-    attn_fwd = 2.0 * tokens * seq_len * head_dim * num_heads / r.attention_flops_per_s  # causal half of 4 s^2 d
+    attn_fwd = 2.0 * tokens * seq_len * shape.head_dim * shape.num_heads / r.attention_flops_per_s  # causal half of 4 s^2 d
     attn_bwd = attn_fwd * r.attention_backward_x_forward
     elem_fwd = r.elementwise_s_per_element * tokens * (hidden + intermediate)
-    deq = r.dequantize_s_per_weight * layer_linear_params if method == "qlora" else 0.0
+    deq = r.dequantize_s_per_weight * shape.layer_linear_params if method == "qlora" else 0.0
     layer_fwd = mm_fwd + attn_fwd + elem_fwd + deq
     L = len(policy)
     out = {"decoder_matmuls": L * (mm_fwd + mm_bwd), "attention": L * (attn_fwd + attn_bwd),
@@ -166,10 +183,10 @@ def step_seconds(*, hidden: int, intermediate: int, q_dim: int, kv_dim: int, num
     # and the LoRA adapters' small matmuls (measured in fp32: 72 % of a full replay's cost).
     selective = layer_fwd - base_fwd - deq
     recompute = sum(layer_fwd if p == "full" else selective if p == "selective" else 0.0 for p in policy)
-    if offload_activations:
+    if work.offload_activations:
         recompute += 0.05 * L * layer_fwd  # copies, mostly hidden behind compute
     out["recompute"] = recompute
-    head_flops = (6.0 if trainable else 4.0) * tokens * hidden * vocab_size
+    head_flops = (6.0 if trainable else 4.0) * tokens * hidden * shape.vocab_size
     head = head_flops / (r.head_flops_per_s * eff) * _chunk_factor(r, loss_chunk if loss_mode != "naive" else None)
     if loss_mode == "naive":
         head *= naive_loss_factor  # full logits: several tokens x vocab tensors written and read

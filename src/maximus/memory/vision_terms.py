@@ -21,7 +21,7 @@ tokens, which the processor wrote into ``input_ids``. This module adds the rest:
   in float32 beside the frozen original) its weights, gradients and optimizer state, and the
   tensors its backward needs.
 
-`vision_spec(cfg)` reads everything from the run's config (config.json and the processor's
+`vision_spec` reads everything from the model (config.json and the processor's
 preprocessor_config.json, no weights); `estimate_peak(..., vision=spec)` adds `vision_terms`.
 """
 from __future__ import annotations
@@ -99,7 +99,7 @@ class ImageGeometry:
 
 @dataclass(frozen=True)
 class VisionSpec:
-    """What `estimate_peak` needs to add a VLM's tower and projector (`vision_spec(cfg)` builds it)."""
+    """What `estimate_peak` needs to add a VLM's tower and projector (`vision_spec` builds it)."""
 
     shape: VisionShape
     geometry: ImageGeometry
@@ -329,19 +329,20 @@ def tower_targets(lora_targets: Any) -> tuple[str, ...]:
     return tuple(n for n in TOWER_LORA_LINEARS if n in names)
 
 
-def vision_spec(cfg: Any, model_config: Any) -> VisionSpec | None:
-    """The `VisionSpec` of the run `cfg` (a `maximus.Config`) whose config.json is `model_config`
-    (`maximus.memory.estimate.technique_kwargs` reads it), None for a text model. Reads the
-    processor's settings beside the model. Raises ModelError for a tower the estimator does not know."""
-    config = model_config
-    if "vision_config" not in _as_dict(config):
+def vision_spec(model: Any, model_config: Any, *, max_pixels: int | None, lora_vision: bool,
+                lora_projector: bool, target_modules: Any) -> VisionSpec | None:
+    """The `VisionSpec` of `model` (its path or hub id: the processor's settings are read beside
+    it) whose config.json is `model_config`, None for a text model; images capped at `max_pixels`,
+    the tower and the projector adapted as `lora.vision` / `lora.projector` say
+    (`maximus.memory.spec_from_config` reads them). Raises ModelError for a tower the estimator
+    does not know."""
+    if "vision_config" not in _as_dict(model_config):
         return None
-    shape = vision_shape(config)
-    processor = processor_config(cfg.model)
-    geometry = image_geometry(shape, processor, cfg.vision.max_pixels)
-    return VisionSpec(shape, geometry, lora_vision=bool(cfg.lora.vision), lora_projector=bool(cfg.lora.projector),
-                      tower_targets=tower_targets(cfg.lora.target_modules) if cfg.lora.vision else (),
-                      processor=processor)
+    shape = vision_shape(model_config)
+    processor = processor_config(model)
+    return VisionSpec(shape, image_geometry(shape, processor, max_pixels), lora_vision=bool(lora_vision),
+                      lora_projector=bool(lora_projector),
+                      tower_targets=tower_targets(target_modules) if lora_vision else (), processor=processor)
 
 
 def tower_checkpointed(checkpointing: Any) -> bool:
@@ -349,7 +350,7 @@ def tower_checkpointed(checkpointing: Any) -> bool:
     trainer's rule, `maximus.memory.checkpointing.apply_tower_checkpointing`). `checkpointing`
     in any form `estimate_peak` takes (a policy name, a number of layers, per-layer modes)."""
     if isinstance(checkpointing, str):
-        return checkpointing != "off"
+        return checkpointing not in ("off", "none")
     if isinstance(checkpointing, int):
         return checkpointing > 0
     return any(m not in ("off", "none", False) for m in checkpointing)
@@ -386,7 +387,7 @@ def pixel_bytes(shape: VisionShape, geometry: ImageGeometry) -> int:
 
 
 def vision_terms(spec: VisionSpec, *, rows: int, seq_len: int, text: Any, method: str, dtype_bytes: int,
-                 lora_r: int, checkpointing: Any = "off", grad_accum: int = 1) -> VisionTerms:
+                 lora_r: int, checkpointing: Any = "none", grad_accum: int = 1) -> VisionTerms:
     """The bytes `spec`'s tower and projector add to a micro-batch of `rows` rows of `seq_len`
     tokens (see the module docstring), and the padded attention of the language model (`text`,
     its `ModelShape`). `checkpointing`: the language model's (`tower_checkpointed` says what the

@@ -44,7 +44,7 @@ _DTYPES = {str(t): t for t in (torch.uint8, torch.int8, torch.float16, torch.bfl
 
 def streamed_cache_dir(fingerprint: dict[str, Any]) -> Path:
     """The cache directory of one model + quantization: ``$MAXIMUS_CACHE/streamed-weights/<hash>``."""
-    from maximus.builtin import cache_root
+    from maximus.files import cache_root
 
     digest = hashlib.sha256(json.dumps(fingerprint, sort_keys=True).encode()).hexdigest()[:20]
     return cache_root() / "streamed-weights" / digest

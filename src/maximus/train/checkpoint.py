@@ -25,23 +25,11 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from maximus.errors import CheckpointError
+from maximus.files import fsync_dir, write_json
 from maximus.ownership import swap_in, unlisted_files
 
 _STEP_DIR = re.compile(r"^step-(\d{6,})$")
 MANIFEST = "manifest.json"
-
-
-def fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(str(path), os.O_RDONLY)
-    except OSError:  # pragma: no cover - platforms without directory fds
-        return
-    try:
-        os.fsync(fd)
-    except OSError:  # pragma: no cover
-        pass
-    finally:
-        os.close(fd)
 
 
 def _sha256(path: Path) -> str:
@@ -50,16 +38,6 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)
     return h.hexdigest()
-
-
-def write_json(path: Path, data) -> None:
-    """Write JSON through a temporary file and rename, so readers never see half a file."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w", encoding="utf-8") as f:
-        json.dump(data, f, indent=2, default=str)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _save_tensors(tensors: dict[str, torch.Tensor], path: Path) -> None:

@@ -9,7 +9,7 @@ import time
 from pathlib import Path
 
 from maximus.models import count_parameters
-from maximus.train.checkpoint import write_json
+from maximus.files import write_json
 from maximus.train.progress import ProgressDisplay, plot_loss
 from maximus.train.run_directory import replace_final_weights
 from maximus.vision import is_vision_config
@@ -138,12 +138,13 @@ def print_header(trainer, out: ProgressDisplay) -> None:
         out.message("  " + line)
 
 
-def print_summary(trainer, before: dict, after: dict) -> None:
-    """The before/after (and prompted) table of the held-out metrics, the generations, the run directory."""
+def print_summary(trainer, summary: dict, before: dict, after: dict) -> None:
+    """The before/after (and prompted) table of the held-out metrics, the generations, the run
+    directory; `summary`: what `write_outputs` wrote to run.json."""
     from maximus.evaluate.report import summary_lines
     from maximus.evaluate.tasks import task_metrics
 
-    ev = trainer._summary.get("eval", {})
+    ev = summary.get("eval", {})
     lines = summary_lines(before, after, ev.get("prompted"), ev.get("verdict"), metrics=task_metrics(trainer.cfg.eval),
                           prompts=trainer.cfg.eval.prompts)
     lines.append(f"run directory: {trainer.run_dir} (adapter/, run.json, metrics.jsonl, loss.png)")

@@ -18,7 +18,7 @@ class MetricsLog:
 
     def __init__(self, path: Path, resume_step: int = 0, sinks=None):
         self.path = path
-        self.sinks = sinks  # `maximus.train.sinks.Sinks`: every row also goes there
+        self.sinks = sinks  # `maximus.train.metric_loggers.Sinks`: every row also goes there
         rows = read_metrics(path)
         kept = [r for r in rows if r.get("step", 0) <= resume_step]
         tmp = path.with_name(".metrics.jsonl.tmp")

@@ -23,7 +23,7 @@ def guarded_step(trainer, step: int, say, work=None):
             trainer.optimizer.zero_grad(set_to_none=True)
             if trainer.device.type == "cuda":
                 torch.cuda.empty_cache()
-            smaller = smaller_plan(trainer.cfg, trainer.plan, trainer.lengths)
+            smaller = smaller_plan(trainer.plan, trainer.lengths)
             if smaller is None:
                 raise TrainingError(f"out of memory at step {step} with micro-batch 1 and full recomputation",
                                     "lower training.seq_len, use method: qlora, or set a smaller target_vram "
@@ -42,8 +42,8 @@ def check_budget(trainer, step: int, say) -> None:
     if not meter.over_budget_bytes():
         return
     budget, measured = int(meter.budget_bytes), meter.peak_bytes()
-    smaller = (plan_below_measured(trainer.cfg, trainer.plan, measured, budget, lengths=trainer.lengths)
-               or smaller_plan(trainer.cfg, trainer.plan, trainer.lengths))
+    smaller = (plan_below_measured(trainer.plan, trainer.lengths, measured, budget)
+               or smaller_plan(trainer.plan, trainer.lengths))
     reason = f"measured peak {measured:,} bytes over the budget of {budget:,}"
     change = "nothing left to shrink"
     if smaller is not None:
@@ -52,15 +52,15 @@ def check_budget(trainer, step: int, say) -> None:
         f"re-planned for the next steps: {change}")
 
 
-def smaller_plan(cfg, plan, lengths):
+def smaller_plan(plan, lengths):
     """The next cheaper plan, or None: halve the micro-batch (the accumulation doubles; a token
     budget halves down to the longest row), then recompute every layer."""
     if plan.micro_batch_tokens and plan.micro_batch_tokens > lengths.longest:
-        return replan(cfg, plan, micro_batch_tokens=max(lengths.longest, plan.micro_batch_tokens // 2), lengths=lengths)
+        return replan(plan, lengths, micro_batch_tokens=max(lengths.longest, plan.micro_batch_tokens // 2))
     if plan.micro_batch_size > 1 and not plan.micro_batch_tokens:
-        return replan(cfg, plan, micro_batch_size=plan.micro_batch_size // 2, lengths=lengths)
+        return replan(plan, lengths, micro_batch_size=plan.micro_batch_size // 2)
     if set(plan.recompute) != {"full"}:
-        return replan(cfg, plan, recompute=("full",) * len(plan.recompute), lengths=lengths)
+        return replan(plan, lengths, recompute=("full",) * len(plan.recompute))
     return None
 
 

@@ -23,7 +23,7 @@ from pathlib import Path
 
 from maximus.errors import CheckpointError, ConfigError
 from maximus.ownership import files_under, swap_in, unlisted_files
-from maximus.train.checkpoint import fsync_dir, write_json
+from maximus.files import fsync_dir, write_json
 from maximus.train.lock import LOCK_NAME
 
 __all__ = ["MARKER", "check_output_dir", "mark_run_directory", "replace_final_weights"]

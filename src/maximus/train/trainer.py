@@ -50,7 +50,9 @@ from maximus.errors import PREEMPTED_EXIT_CODE, MaximusError, Preempted, Trainin
 from maximus.families import untested_family_notice
 from maximus.forward import autocast_for
 from maximus.kernels import apply_kernels, cpu_threads
-from maximus.memory.run_plan import lean_lora_applies, plan_run, replan, resolve_dtype
+from maximus.device import resolve_dtype
+from maximus.memory.run_plan import plan_run, replan
+from maximus.memory.spec_from_config import kernel_choices, uses_bf16_weights
 from maximus.model_source import resolve_source
 from maximus.models import load_model, load_tokenizer, resolve_device
 from maximus.train import distributed as dist_env
@@ -66,7 +68,7 @@ from maximus.train.outputs import print_header, print_summary, write_data_report
 from maximus.train.progress import MetricsLog, ProgressDisplay
 from maximus.train.replanning import check_budget, guarded_step
 from maximus.train.run_directory import check_output_dir, mark_run_directory
-from maximus.train.sinks import open_sinks
+from maximus.train.metric_loggers import open_sinks
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Trainer", "TrainingError"]
 
@@ -159,11 +161,8 @@ class Trainer:
         self.qat = None
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
-        # A QAT QLoRA base layer dequantizes and rounds in its own forward, which the lean kernel would skip.
-        lean_lora = lean_lora_applies(cfg) and not (cfg.training.qat != "off" and self.method == "qlora")
-        self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device, lean_lora=lean_lora,
-                                     lean_norm=cfg.optimization.lean_norm,
-                                     grouped_experts=cfg.optimization.grouped_experts)
+        self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device,
+                                     kernel_choices(cfg, self.device.type, method=self.method))
         self.kernels.threads = self.threads
         for notice in self.kernels.notices:
             self.dist.say(notice)
@@ -244,7 +243,7 @@ class Trainer:
                                      micro_batch=plan.micro_batch_size, seq_len=self.cfg.training.seq_len,
                                      offload_activations=plan.offload_activations, tile_tokens=plan.tile_tokens)
         if not plan.recompute:
-            self.plan = replan(self.cfg, plan, recompute=tuple(report.modes), lengths=self.lengths)
+            self.plan = replan(plan, self.lengths, recompute=tuple(report.modes))
         from maximus.vision import vision_parts
 
         if self.cfg.lora.vision and any(m != "none" for m in report.modes) and self.source.vision:
@@ -260,8 +259,6 @@ class Trainer:
 
     def _build_optimizer(self):
         """`training.optimizer` over the trainable parameters (maximus.train.optimizers)."""
-        from maximus.memory.optimizer_state import uses_bf16_weights
-
         return build_optimizer(self.model, self.cfg.training, optimizer=self.plan.optimizer,
                                offload=self.plan.offload_optimizer, bf16_weights=uses_bf16_weights(self.cfg))
 
@@ -421,7 +418,7 @@ class Trainer:
             run.sinks.close()
         if self.dist.is_main:
             self._summary = write_outputs(self, run.state, eval_after, run.peak, run.skipped, started)
-            print_summary(self, run.state.get("eval_before", {}), eval_after)
+            print_summary(self, self._summary, run.state.get("eval_before", {}), eval_after)
         return self._summary
 
     # ------------------------------------------------------------------------------ the loop's steps

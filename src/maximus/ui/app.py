@@ -12,7 +12,7 @@ models, the error handlers, and one blueprint per page or API area (`maximus.ui.
 - `routes.export`: ``POST /api/runs/<run>/export`` and its download.
 
 The JSON API is documented in docs/ui.md. Every planner number comes from
-`maximus.memory.plan_command` and every config check from `Config.from_dict`, so the pages and the
+`maximus.plan_command` and every config check from `Config.from_dict`, so the pages and the
 CLI cannot disagree. Any failure is one line: a `MaximusError` its own, anything else a generic line
 (the traceback stays in the server log); the API answers ``{"error": "<one line>"}`` with a 4xx
 (5xx for a bug). Uploads and configs are capped (`MAX_UPLOAD_BYTES`,

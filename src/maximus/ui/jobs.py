@@ -46,7 +46,7 @@ from urllib.parse import quote
 import yaml
 
 from maximus.errors import MaximusError
-from maximus.train.checkpoint import write_json
+from maximus.files import write_json
 from maximus.train.lock import LOCK_NAME, in_use
 from maximus.ui.runs import lock_is_held, read_json
 

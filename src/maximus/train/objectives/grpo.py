@@ -52,6 +52,7 @@ from maximus.errors import ConfigError
 from maximus.losses.grpo import group_advantages, grpo_loss_sum
 from maximus.losses.token_outputs import label_log_probs
 from maximus.memory.generation import sampler_records_logps
+from maximus.memory.spec_from_config import grpo_settings
 from maximus.memory.plan import Plan
 from maximus.forward import IGNORE_INDEX, autocast_for, batch_target, hidden_states, output_head, through_head
 from maximus.structure import peft_model_of
@@ -300,7 +301,7 @@ class GRPOObjective(Objective):
         prompts = trainer.rows_for_step(index + 1)
         started = time.perf_counter()
         mode = nullcontext() if in_thread else self._generating(trainer.model)
-        record = sampler_records_logps(self.cfg, self.plan.dtype)  # the kept old log-probs, drawn with the tokens
+        record = sampler_records_logps(grpo_settings(self.cfg), self.plan.dtype)  # the kept old log-probs, drawn with the tokens
         with mode, torch.no_grad(), autocast_for(trainer.device, trainer.dtype):
             sampled = self.sample(trainer, [p["prompt_ids"] for p in prompts], index, record_logps=record)
         if self.split is not None:  # the same seed samples the same completions; this makes it certain

@@ -1,6 +1,6 @@
 """The planner: ``/`` (the page) and ``/api/plan`` (its `maximus plan --json` object).
 
-Every number comes from `maximus.memory.plan_command.plan_json`, the function behind ``maximus
+Every number comes from `maximus.plan_command.plan_json`, the function behind ``maximus
 plan --json``; the form's fields become the CLI's flags (`planner_argv`). Planning starts and
 writes nothing, so it needs no token (`maximus.ui.guard.UNGUARDED_POSTS`); the model it reads is
 confined to ``--models-root`` all the same (`form_model`).
@@ -66,7 +66,7 @@ def plan_text(p: dict[str, Any]) -> str:
 
 def planner_context(**extra: Any) -> dict[str, Any]:
     from maximus.config import GPU_CARDS
-    from maximus.memory.estimate import KNOWN_SHAPES
+    from maximus.memory.shape import KNOWN_SHAPES
 
     known = sorted(k for k in KNOWN_SHAPES if "/" in k)
     return dict(known_models=known, cards=list(GPU_CARDS), methods=METHODS, optimizers=OPTIMIZERS, dtypes=DTYPES,
@@ -98,7 +98,7 @@ def planner_argv(form, model_path: str | None = None) -> list[str]:
 
 
 def plan_from_form(form, upload) -> dict[str, Any]:
-    from maximus.memory.plan_command import plan_json
+    from maximus.plan_command import plan_json
 
     if upload is not None and upload.filename:
         raw = upload.read(MAX_UPLOAD_BYTES + 1)

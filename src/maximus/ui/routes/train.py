@@ -42,7 +42,7 @@ def check_report(data: dict) -> dict[str, Any]:
     plan of ``maximus plan --config FILE --json`` (with its HTML table), and beside it the data
     check of ``maximus data check --config FILE --json`` (`data_check`, each check's rows cut to
     the first `DATA_ROWS_SHOWN`; `{"error": line}` when the data cannot be read) with its HTML."""
-    from maximus.memory.plan_command import plan_json
+    from maximus.plan_command import plan_json
 
     with tempfile.TemporaryDirectory(prefix="maximus-ui-") as tmp:
         path = Path(tmp) / "config.yaml"

@@ -4,7 +4,7 @@
     maximus plan --model ID_OR_DIR --method qlora --seq 2048 --batch 2 [--budget 16GB] [--json]
 
 With ``--model`` only config.json is read (a local directory, a config.json path, a hub id from
-`maximus.memory.estimate.KNOWN_SHAPES`, or the local Hugging Face cache): no weights, no network.
+`maximus.memory.shape.KNOWN_SHAPES`, or the local Hugging Face cache): no weights, no network.
 With ``--config`` the tokenizer and the data are read too, when they can be (the plan is for the
 rows the data has); ``--measure`` also trains a short probe of the run on this device (weights
 loaded) and sizes the cards from the estimator calibrated by it (`measure_report`).
@@ -27,12 +27,14 @@ from typing import Any
 from maximus.arguments import ArgumentParser
 from maximus.config import GPU_CARDS, Config, format_bytes
 from maximus.errors import BudgetError, ConfigError
-from maximus.memory.estimate import DEVICE_FLOPS, load_model_config, model_shape, technique_kwargs
+from maximus.memory.coefficients import DEVICE_FLOPS
 from maximus.memory.lengths import RowLengths
 from maximus.memory.optimizer_state import OPTIMIZERS
 from maximus.memory.plan import Plan, plan_summary, recompute_label
-from maximus.memory.planner import max_seq_len_for_budget, plan_for_budget, resolve_budget
-from maximus.memory.run_plan import lean_lora_applies, plan_run
+from maximus.memory.planner import check_batch_splits, max_seq_len_for_budget, plan_for_budget, resolve_budget
+from maximus.memory.run_plan import plan_run
+from maximus.memory.run_spec import RunSpec, SearchSpace
+from maximus.memory.spec_from_config import run_spec
 
 __all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS", "card_tokens_per_s"]
 
@@ -75,7 +77,8 @@ def _parser() -> ArgumentParser:
                    "(default) or bf16 weights with stochastic rounding")
     p.add_argument("--dtype", choices=["bf16", "fp16", "fp32"])
     p.add_argument("--loss", choices=["exact", "naive", "ghost"], help="default: exact (chunked)")
-    p.add_argument("--checkpointing", choices=["off", "full", "selective", "auto"])
+    p.add_argument("--checkpointing", choices=["none", "off", "full", "selective", "auto"],
+                   help="none (off: the same), full, selective or auto")
     p.add_argument("--world-size", type=int, default=1, help="data-parallel ranks (default 1)")
     p.add_argument("--gpus", type=int, help="also show, per card, the longest context over 1, 2, 4, ... up to this many "
                                             "cards with training.context_parallel, and the degree --seq needs")
@@ -135,7 +138,7 @@ def _planner_picks_method(cfg: Config) -> bool:
     return "method" not in cfg.model_fields_set or cfg.method == "auto"
 
 
-def largest_image(shape, budget_bytes: int, *, vision, seq_len: int, micro_batch: int, **kwargs: Any) -> dict | None:
+def largest_image(spec: RunSpec, budget_bytes: int, *, seq_len: int, micro_batch: int) -> dict | None:
     """The largest image (pixels) whose rows still fit `budget_bytes` at `micro_batch`, as the
     longest context is for text: each row keeps its text tokens (``seq_len`` less its image tokens)
     and gets the image tokens of that size (`maximus.memory.vision_terms.image_geometry`). A
@@ -143,23 +146,25 @@ def largest_image(shape, budget_bytes: int, *, vision, seq_len: int, micro_batch
     does not fit. None when not even the smallest image fits."""
     from maximus.memory.vision_terms import image_geometry, processor_limits
 
+    vision = spec.techniques.vision
     text = max(1, seq_len - vision.geometry.tokens * vision.images_per_row)
 
     def spec_at(pixels: int | None):
         g = vision.geometry if pixels is None else image_geometry(vision.shape, vision.processor, pixels)
         return replace(vision, geometry=g)
 
-    def fits(spec) -> bool:
-        rows = text + spec.geometry.tokens * spec.images_per_row
+    def fits(tower) -> bool:
+        rows = text + tower.geometry.tokens * tower.images_per_row
+        at = replace(spec, techniques=replace(spec.techniques, vision=tower)).searching(
+            batch_size=micro_batch, seq_len=rows, micro_batch_size=micro_batch)
         try:
-            plan_for_budget(shape, budget_bytes, batch_size=micro_batch, seq_len=rows, micro_batch_size=micro_batch,
-                            vision=spec, name_longest=False, **kwargs)
+            plan_for_budget(at, budget_bytes, name_longest=False)
             return True
         except BudgetError:
             return False
 
-    def found(spec) -> dict:
-        g = spec.geometry
+    def found(tower) -> dict:
+        g = tower.geometry
         return {"width": g.width, "height": g.height, "pixels": g.width * g.height, "image_tokens": g.tokens,
                 "fixed_size": g.fixed}
 
@@ -196,21 +201,16 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
     """Everything `maximus plan` shows, as one JSON-ready dict (bytes for memory); the plans
     themselves (`Plan` objects) under the keys ``_requested`` / ``_budget`` for the tables.
     ``lengths``: the data's rows (`data_lengths`), else every row at ``seq_len``."""
-    if cfg.training.batch_size % world_size:
-        raise ConfigError(f"training.batch_size {cfg.training.batch_size} is not a multiple of the {world_size} ranks",
-                          f"use a batch_size divisible by {world_size}")
-    shape = model_shape(load_model_config(cfg.model))
+    check_batch_splits(cfg.training.batch_size, world_size)
     requested = plan_run(_requested(cfg, world_size), device="cuda", world_size=world_size, budget_bytes=None,
                          lengths=lengths)
-    t, opt = cfg.training, cfg.optimization
-    longest_kw = dict(method=requested.method, micro_batch=t.micro_batch_size if isinstance(t.micro_batch_size, int)
-                      else 1, loss_mode=opt.loss_mode, tile_tokens=opt.tile_tokens, lean_lora=lean_lora_applies(cfg),
-                      dtype=requested.dtype, optimizer=t.optimizer, lora_r=cfg.lora.r,
-                      lora_targets=cfg.lora.target_modules, **technique_kwargs(cfg))
-
-    vision = longest_kw.get("vision")
-    if vision is not None and lengths is not None:  # the most images a row of the data has
-        vision = longest_kw["vision"] = vision.for_data(lengths.images_per_row, lengths.uneven)
+    t = cfg.training
+    # The longest context and the largest image per card: every memory knob allowed, one rank.
+    longest = replace(run_spec(cfg, device="cuda", world_size=1, lengths=lengths), lengths=None,
+                      dtype=requested.dtype)
+    longest = replace(longest, search=SearchSpace(method=requested.method, tile_tokens=cfg.optimization.tile_tokens))
+    shape, vision = longest.shape, longest.techniques.vision  # a VLM's tower: the most images a row of the data has
+    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else 1
 
     def plan_or_none(budget: int) -> tuple[Plan | None, str | None]:
         try:
@@ -218,27 +218,8 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
         except BudgetError as exc:
             return None, exc.message
 
-    cards = []
-    for name, (memory, price, h2d) in GPU_CARDS.items():
-        plan, why = plan_or_none(memory)
-        speed = bound = None
-        if plan is not None and name in CARD_TFLOPS:
-            speed, bound = card_tokens_per_s(plan, CARD_TFLOPS[name] * 1e12 / DEVICE_FLOPS["cuda"], h2d)
-        longest = max_seq_len_for_budget(shape, memory, **longest_kw) if world_size == 1 else None
-        image = largest_image(shape, memory, seq_len=t.seq_len, **longest_kw) if vision and world_size == 1 else None
-        if gpus:
-            from maximus.memory.context_parallel import fewest_cards, longest_over_cards
-
-            over_cards = longest_over_cards(shape, memory, gpus, **longest_kw)
-            longest_cp = {"longest_context_over_cards": over_cards,
-                          "context_parallel_for_seq": fewest_cards(over_cards, t.seq_len)}
-        else:
-            longest_cp = {}
-        cards.append({**longest_cp, "card": name, "memory_bytes": memory, "price_per_hour": price,
-                      "fits": plan is not None, "plan": plan.to_dict() if plan else None, "why_not": why, "longest_context_tokens": longest,
-                      "largest_image": image,
-                      "tokens_per_s_guess": speed, "bound": bound,
-                      "usd_per_million_tokens": price / (speed * 3600) * 1e6 if speed else None})
+    cards = [_card(name, (memory, price, h2d), plan_or_none(memory), longest, world_size == 1, micro, t.seq_len, gpus)
+             for name, (memory, price, h2d) in GPU_CARDS.items()]
     fitting = [c for c in cards if c["fits"]]
     cheapest = min(fitting, key=lambda c: (c["price_per_hour"], c["memory_bytes"]))["card"] if fitting else None
     report: dict[str, Any] = {
@@ -262,7 +243,7 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
         "breakdown": dict(requested.breakdown),
         "cards": cards,
         "cheapest_card": cheapest,
-        "longest_context_micro_batch": longest_kw["micro_batch"],
+        "longest_context_micro_batch": micro,
         "_requested": requested,
     }
     budget = cfg.optimization.target_vram
@@ -276,6 +257,33 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
                             "why_not": why}
         report["_budget"] = plan
     return report
+
+
+def _card(name: str, card: tuple[int, float, float], planned: tuple[Plan | None, str | None], longest: RunSpec,
+          one_rank: bool, micro: int, seq_len: int, gpus: int | None) -> dict[str, Any]:
+    """One card's row of `plan_report`: its plan (or why none fits), the speed (compute- or
+    transfer-bound) and cost guesses; for `one_rank`, the longest context of the run `longest`
+    and the largest image of a VLM; with `gpus`, the longest context over several cards under
+    context parallelism. `card`: (memory bytes, US$/hour, host-to-device bytes/s), `GPU_CARDS`'."""
+    memory, price, h2d = card
+    plan, why = planned
+    speed = bound = None
+    if plan is not None and name in CARD_TFLOPS:
+        speed, bound = card_tokens_per_s(plan, CARD_TFLOPS[name] * 1e12 / DEVICE_FLOPS["cuda"], h2d)
+    tokens = max_seq_len_for_budget(longest, memory, micro_batch=micro) if one_rank else None
+    image = (largest_image(longest, memory, seq_len=seq_len, micro_batch=micro)
+             if one_rank and longest.techniques.vision is not None else None)
+    longest_cp = {}
+    if gpus:
+        from maximus.memory.context_parallel import fewest_cards, longest_over_cards
+
+        over_cards = longest_over_cards(longest, memory, gpus, micro_batch=micro)
+        longest_cp = {"longest_context_over_cards": over_cards,
+                      "context_parallel_for_seq": fewest_cards(over_cards, seq_len)}
+    return {**longest_cp, "card": name, "memory_bytes": memory, "price_per_hour": price,
+            "fits": plan is not None, "plan": plan.to_dict() if plan else None, "why_not": why,
+            "longest_context_tokens": tokens, "largest_image": image, "tokens_per_s_guess": speed, "bound": bound,
+            "usd_per_million_tokens": price / (speed * 3600) * 1e6 if speed else None}
 
 
 #: How the calibrated estimate did in our own tests (docs/benchmarks/planner.md, "Calibrated by a
