@@ -21,7 +21,7 @@ FLOORS: list[tuple[str, tuple[str, ...]]] = [
     # the plan: the config resolved into a RunSpec, the estimator, the planner; memory at run time
     ("plan", ("maximus.memory",)),
     # the model and the data: loading, adapters, datasets, evaluation, export, the HF Trainer patch
-    ("model + data", ("maximus.models", "maximus.layerwise_load", "maximus.qat", "maximus.data", "maximus.builtin",
+    ("model + data", ("maximus.models", "maximus.model_source", "maximus.layerwise_load", "maximus.qat", "maximus.data", "maximus.builtin",
                       "maximus.embed", "maximus.evaluate", "maximus.export", "maximus.hf_patch", "maximus.memory_callback")),
     # the trainer and what it writes into the run directory
     ("trainer", ("maximus.train",)),
