@@ -291,7 +291,7 @@ HOOKS = (
          "torch.utils._pytree.tree_leaves", "maximus.memory.meter, maximus.memory.checkpointing, "
          "maximus.train.optimizers", _python_dispatch),
     Hook("torch._dynamo.utils.disable_cache_limit, aten._softmax.out, mkldnn._is_mkldnn_bf16_supported, "
-         "Tensor._version", "maximus.train.optimizers, maximus.losses.linear_cross_entropy, maximus.memory.run_plan, "
+         "Tensor._version", "maximus.train.optimizers, maximus.losses.linear_cross_entropy, maximus.device, "
          "maximus.attention (varlen, sinks)", _torch_internals),
     Hook("Transformers' fused experts (is_transposed, has_bias, _apply_gate: _default_apply_gate, gpt-oss's "
          "clamped SwiGLU)", "maximus.kernels.grouped_experts", _experts_layout),

@@ -32,7 +32,7 @@ from maximus.memory.lengths import RowLengths
 from maximus.memory.optimizer_state import OPTIMIZERS
 from maximus.memory.plan import Plan, plan_summary, recompute_label
 from maximus.memory.planner import check_batch_splits, max_seq_len_for_budget, plan_for_budget, resolve_budget
-from maximus.memory.run_plan import plan_run
+from maximus.memory.spec_from_config import plan_run
 from maximus.memory.run_spec import RunSpec, SearchSpace
 from maximus.memory.spec_from_config import run_spec
 

@@ -92,7 +92,7 @@ def test_8b_full_finetune_fits_a_24gb_card_with_margin_with_4bit_embedding_momen
 
 
 def test_auto_chooses_full_when_allowed_and_it_fits(tiny_llama, pc_data, tmp_path):
-    from maximus.memory.run_plan import plan_run
+    from maximus.memory.spec_from_config import plan_run
 
     def plan(**extra):
         cfg = Config.from_dict({"model": str(tiny_llama), "dataset": str(pc_data), "method": "auto",

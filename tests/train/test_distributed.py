@@ -23,7 +23,7 @@ from safetensors.torch import load_file
 
 from maximus import Config, Trainer
 from maximus.errors import ConfigError
-from maximus.memory.run_plan import QLORA_FSDP_NOTICE, fixed_strategy
+from maximus.memory.spec_from_config import QLORA_FSDP_NOTICE, fixed_strategy
 from maximus.train.distributed import DistEnv
 from maximus.train.run_directory import MARKER
 

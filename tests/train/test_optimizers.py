@@ -298,7 +298,7 @@ def test_clipping_inside_the_backward_equals_clip_grad_norm_then_step(tiny_llama
 
 def test_plan_with_grad_accumulation_is_refused_in_backward(tiny_llama, pc_data, tmp_path):
     """The planner keeps one pass per step under optimizer_in_backward (no accumulation)."""
-    from maximus.memory.run_plan import plan_run
+    from maximus.memory.spec_from_config import plan_run
 
     cfg = Config.from_dict(tiny_config(tiny_llama, pc_data, tmp_path / "run", method="full",
                                        training={"optimizer_in_backward": True, "max_grad_norm": None,

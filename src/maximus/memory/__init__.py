@@ -16,10 +16,14 @@ def __getattr__(name):
         from maximus.memory import planner
 
         return getattr(planner, name)
-    if name in ("plan_run", "replan", "plan_below_measured"):
+    if name in ("replan", "plan_below_measured"):
         from maximus.memory import run_plan
 
         return getattr(run_plan, name)
+    if name == "plan_run":
+        from maximus.memory import spec_from_config
+
+        return spec_from_config.plan_run
     raise AttributeError(name)
 
 

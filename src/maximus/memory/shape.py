@@ -238,9 +238,10 @@ class ModelShape:
                 + self.embedding_params + self.head_params + self.hidden_size)
 
 
-def _get(cfg: Any, *names: str, default: Any = None) -> Any:
+def _get(fields: Any, *names: str, default: Any = None) -> Any:
+    """The first of `names` set in a model's config (a config.json dict or a PretrainedConfig)."""
     for name in names:
-        value = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+        value = fields.get(name) if isinstance(fields, dict) else getattr(fields, name, None)
         if value is not None:
             return value
     return default
@@ -277,11 +278,11 @@ def load_model_config(model: str | Path | dict | Any) -> Any:
                          f"pass a local model directory or config.json, or a known id such as {known}") from None
 
 
-def _moe_layers(cfg: Any, layers: int) -> int | None:
+def _moe_layers(fields: Any, layers: int) -> int | None:
     """How many layers route to experts, as Qwen3-MoE decides it (a layer is sparse unless listed
     in ``mlp_only_layers``, and only every ``decoder_sparse_step``-th one); None: every layer."""
-    step = _get(cfg, "decoder_sparse_step")
-    dense = set(_get(cfg, "mlp_only_layers", default=None) or [])
+    step = _get(fields, "decoder_sparse_step")
+    dense = set(_get(fields, "mlp_only_layers", default=None) or [])
     if step is None and not dense:
         return None
     step = max(1, int(step or 1))

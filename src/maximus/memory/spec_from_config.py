@@ -1,5 +1,13 @@
-"""From a `Config` to a `RunSpec`: the config's one door into the estimator, the planner and the
-kernels (`run_spec`). Every technique decision the config makes for memory is read here:
+"""From a `Config` to a `RunSpec` and a `Plan`: the config's one door into the estimator, the
+planner and the kernels. No other module of memory/ reads the config.
+
+`run_spec(cfg, ...)` resolves the run once; `plan_run(cfg, device=..., world_size=...)` (used by
+`maximus-train`, `maximus plan` and every torchrun rank) resolves ``target_vram``, decides the
+distributed strategy once (``single``, ``ddp`` or ``fsdp``: `fixed_strategy`) and asks the planner
+(`plan_for_budget`) for the fastest plan that fits; the plan carries its spec, so re-plans in the
+middle of a run (`maximus.memory.run_plan`) need the config no more.
+
+Every technique decision the config makes for memory is read here:
 
 * the dtype (`run_dtype`: bf16 weights with stochastic rounding compute in bf16; ``auto`` by the
   device, `maximus.device.dtype_name`);
@@ -15,15 +23,20 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from dataclasses import replace
+
+from maximus.device import device_capacity_bytes, dtype_name, host_available_bytes
 from maximus.device import device_type as _device_type
-from maximus.device import dtype_name, host_available_bytes
+from maximus.errors import BudgetError, ConfigError, ModelError
 from maximus.memory.lengths import RowLengths
 from maximus.kernels.choices import KernelChoices
 from maximus.memory.run_spec import (GrpoSettings, LoraSettings, OptimizerSettings, RunSpec, SearchSpace, Techniques,
                                      decide_kernels, kronecker_layout)
+from maximus.memory.plan import Attention, Plan
+from maximus.memory.planner import DEFAULT_ALLOW, plan_for_budget, resolve_budget
 from maximus.memory.shape import load_model_config, model_shape
 
-__all__ = ["run_spec", "run_dtype", "kernel_choices", "lean_lora_applies", "lora_reaches_experts",
+__all__ = ["plan_run", "fixed_strategy", "QLORA_FSDP_NOTICE", "STRATEGY_CHOICES", "run_spec", "run_dtype", "kernel_choices", "lean_lora_applies", "lora_reaches_experts",
            "uses_bf16_weights", "search_space", "grpo_settings", "HOST_OFFLOAD_SHARE"]
 
 #: Share of the available host RAM that offloaded state may fill (the rest: the process itself,
@@ -162,3 +175,184 @@ def host_for_offload(device_type: str) -> int | None:
         return None
     per_process = host_available_bytes() // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
     return int(per_process * HOST_OFFLOAD_SHARE)
+
+
+# ------------------------------------------------------------------------------------------------
+# The run's plan
+
+#: `training.distributed` values.
+STRATEGY_CHOICES = ("auto", "ddp", "fsdp")
+
+
+QLORA_FSDP_NOTICE = ("notice: FSDP2 cannot shard bitsandbytes 4-bit weights; QLoRA runs with DDP "
+                     "(each process holds the whole NF4 base)")
+
+
+def plan_run(cfg: Any, *, device: Any, world_size: int = 1, budget_bytes: int | None | str = "config",
+             lengths: RowLengths | None = None) -> Plan:
+    """The plan of the run `cfg` on `device` (``cuda``, ``cpu``, a torch.device) with
+    `world_size` data-parallel ranks.
+
+    `budget_bytes`: ``"config"`` (default) reads ``optimization.target_vram``: the fastest plan
+    that fits it, which the run is then held to; without ``target_vram`` the plan is fitted to
+    the device's free memory (read as ``target_vram: auto`` reads it; `Plan.free_memory_bytes`)
+    but the run is not held to it, and the smallest plan is attempted when none fits. An int or
+    None overrides the config (`maximus plan` plans one config per card; None: the run exactly as
+    configured, the fastest plan).
+
+    `lengths`: the run's tokenized rows in loader order (`maximus.data.lengths.run_lengths`; the
+    trainer reads the data before planning): the plan is for the largest micro-batch the loader
+    really forms, and records the lengths it assumed (`Plan.rows_tokens_max`,
+    `Plan.micro_batch_tokens_max`). None (`maximus plan --model`): every row at ``seq_len``.
+
+    Raises:
+        BudgetError: nothing fits ``target_vram`` (names the smallest budget that would).
+        ConfigError: the batch does not split over the ranks; FSDP2 with optimizer offload or an
+            8-bit optimizer.
+        ModelError: the model's config.json cannot be found offline, or (with a budget) cannot
+            be read as a decoder the estimator knows.
+    """
+    opt, t = cfg.optimization, cfg.training
+    if t.micro_batch_tokens is not None and cfg.objective == "grpo":
+        raise ConfigError("training.micro_batch_tokens does not apply to objective grpo (its micro-batches are "
+                          "completions of one length bound)", "set training.micro_batch_size instead")
+    kind = _device_type(device)
+    free_memory = budget_bytes == "config" and opt.target_vram is None
+    if budget_bytes == "config":
+        budget_bytes = _free_memory(device) if free_memory else resolve_budget(opt.target_vram, device)
+    try:  # the run, resolved once (a VLM's tower must be one the estimator knows)
+        spec = run_spec(cfg, device=kind, world_size=world_size, lengths=lengths)
+    except ModelError:
+        if not free_memory:
+            raise
+        return _unplanned(cfg, kind, world_size)  # an architecture the estimator cannot read
+    # With a budget and no explicit method (the article's config), the planner may pick the method.
+    bounded = budget_bytes is not None and not free_memory
+    method = cfg.method if "method" in cfg.model_fields_set or not bounded else "auto"
+    if method == "auto" and not bounded:
+        method = "lora"
+    spec = spec.searching(method=method)
+    if spec.techniques.vision is not None and lengths is None:  # rows at seq_len must hold their images
+        from maximus.memory.vision_terms import check_row_fits
+
+        check_row_fits(spec.techniques.vision, spec.search.seq_len)
+    if budget_bytes is None:
+        # No memory to fit: the run as configured (the planner only fills in what is auto).
+        spec = spec.searching(allow=DEFAULT_ALLOW - {"micro_batch", "offload_activations", "offload_optimizer"})
+    plan = None
+    if method == "auto" and cfg.allow_full and bounded:
+        try:  # allow_full: full fine-tuning whenever it fits, else the planner's adapter choice
+            plan, notes = _plan_with_strategy(cfg, spec.searching(method="full"), budget_bytes, device, free_memory)
+            notes.append("allow_full: full fine-tuning fits the budget")
+        except BudgetError:
+            plan = None
+    if plan is None:
+        plan, notes = _plan_with_strategy(cfg, spec, budget_bytes, device, free_memory)
+    if plan.micro_batch_tokens and plan.strategy == "fsdp":  # FSDP2's collectives need as many micro-batches per rank
+        raise ConfigError("training.micro_batch_tokens does not work with FSDP2 (ranks would run different numbers "
+                          "of micro-batches)", "set training.distributed: ddp, or micro_batch_tokens: null")
+    plan = replace(plan, budget_bytes=None if free_memory else plan.budget_bytes,
+                   free_memory_bytes=budget_bytes if free_memory else None, **_from_config(cfg),
+                   notes=plan.notes + tuple(notes))
+    if cfg.objective == "grpo":  # sampling holds a KV cache beside the resident state
+        from maximus.memory.generation import check_generation
+
+        plan = replace(plan, generation=check_generation(spec.shape, plan, spec.techniques.grpo,
+                                                               budget=plan.budget_bytes))
+    return plan
+
+
+def _from_config(cfg: Any) -> dict[str, Any]:
+    """The Plan fields the config decides alone (the search does not vary them)."""
+    opt = cfg.optimization
+    return dict(objective=cfg.objective, attention=_attention(cfg),
+                ghost_candidates=opt.ghost_logit.candidates if opt.loss_mode == "ghost" else None)
+
+
+def _free_memory(device: Any) -> int | None:
+    """The device's free memory (`resolve_budget("auto")`); None for a GPU this machine lacks."""
+    import torch
+
+    if _device_type(device) == "cuda" and not torch.cuda.is_available():
+        return None
+    return resolve_budget("auto", device)
+
+
+def _unplanned(cfg: Any, kind: str, world_size: int) -> Plan:
+    """The configured run without a prediction: micro-batch ``min(per-rank batch, 4)`` when auto,
+    offload only when asked, recompute left to the trainer (the config's policy on the model)."""
+    opt, t = cfg.optimization, cfg.training
+    rows = search_space(cfg, kind, world_size).batch_size
+    per_rank = max(1, rows // world_size)
+    micro = t.micro_batch_size if isinstance(t.micro_batch_size, int) else min(per_rank, 4)
+    method = cfg.method if cfg.method != "auto" else "lora"
+    strategy = fixed_strategy(cfg, method, world_size)[0] or "ddp"  # auto without a prediction: unsharded
+    return Plan(method=method, micro_batch_size=micro, grad_accum=max(1, per_rank // micro), recompute=(),
+                offload_activations=opt.offload.activations == "on", offload_optimizer=opt.offload.optimizer == "on",
+                optimizer=t.optimizer, loss_mode=opt.loss_mode,
+                loss_chunk_size=opt.loss_chunk_size if isinstance(opt.loss_chunk_size, int) else None,
+                peak_bytes=None, breakdown={}, budget_bytes=None, margin_bytes=0, seq_len=t.seq_len,
+                world_size=world_size, dtype=run_dtype(cfg, kind), lora_r=cfg.lora.r if method != "full" else None,
+                device=kind, strategy=strategy, **_from_config(cfg),
+                offload_params=opt.offload.params in ("on", "disk"),
+                params_store="disk" if opt.offload.params == "disk" else "host",
+                tile_tokens=opt.tile_tokens if isinstance(opt.tile_tokens, int) else None,
+                micro_batch_tokens=t.micro_batch_tokens if isinstance(t.micro_batch_tokens, int) else None,
+                rows_per_step=per_rank,
+                notes=("the estimator cannot read this architecture's config.json: no prediction, the configured "
+                       "settings run as they are",))
+
+
+def _attention(cfg: Any) -> Attention:
+    k = cfg.optimization.kronecker
+    if k is None:
+        return Attention("sdpa")
+    return Attention("kronecker", detail_tokens=k.detail_tokens, sketch_slots=k.sketch_slots, block=k.block)
+
+
+# ---------------------------------------------------------------------------------- strategy
+def fixed_strategy(cfg: Any, method: str, world_size: int) -> tuple[str | None, list[str]]:
+    """The one place DDP vs FSDP2 is decided from the config: (``single`` | ``ddp`` | ``fsdp``, or
+    None when ``auto`` must size it against the memory; notes). One rank: ``single``. QLoRA is
+    never sharded (`fully_shard` cannot split bitsandbytes' packed 4-bit weights), nor a run whose
+    optimizer FSDP2 cannot update (8-bit, offloaded: ConfigError when fsdp is asked for)."""
+    if world_size == 1:
+        return "single", []
+    requested = cfg.training.distributed
+    if requested not in STRATEGY_CHOICES:  # pragma: no cover - the schema allows only these
+        raise ConfigError(f"training.distributed must be one of {', '.join(STRATEGY_CHOICES)}, got {requested!r}")
+    fsdp_ok = cfg.training.optimizer == "adamw" and cfg.optimization.offload.optimizer != "on"
+    if requested == "fsdp" and not fsdp_ok:
+        raise ConfigError("training.distributed: fsdp supports the torch AdamW optimizer without offload only",
+                          "set training.optimizer: adamw and optimization.offload.optimizer: off, "
+                          "or training.distributed: ddp")
+    if requested == "ddp" or method == "qlora" or not fsdp_ok or cfg.training.context_parallel > 1:
+        return "ddp", [QLORA_FSDP_NOTICE.removeprefix("notice: ")] if requested == "fsdp" else []
+    return ("fsdp", []) if requested == "fsdp" else (None, [])
+
+
+def _plan_with_strategy(cfg: Any, spec: RunSpec, budget: int | None, device: Any,
+                        free_memory: bool) -> tuple[Plan, list[str]]:
+    """The plan and the strategy, decided once. One rank: ``single``. Several: DDP or FSDP2 as
+    asked; ``auto`` plans unsharded (every rank holds the model) and shards only when that does
+    not fit the budget (or, without one, the device). QLoRA is never sharded (4-bit weights), nor
+    a run whose optimizer FSDP2 cannot update (8-bit, offloaded)."""
+    free = free_memory and budget is not None
+    strategy, notes = fixed_strategy(cfg, spec.search.method, spec.world_size)
+    unsharded_spec = spec.searching(sharded=False)
+    if strategy in ("single", "ddp"):
+        return plan_for_budget(unsharded_spec, budget, free_memory=free), notes
+    # FSDP2 updates its DTensor shards on the device
+    fsdp_spec = spec.searching(sharded=True, offload_optimizer="off")
+    if strategy == "fsdp":
+        return plan_for_budget(fsdp_spec, budget, free_memory=free), []
+    try:  # unsharded only when it really fits (also against free memory)
+        unsharded = plan_for_budget(unsharded_spec, budget)
+    except BudgetError:
+        return plan_for_budget(fsdp_spec, budget, free_memory=free), []
+    capacity = device_capacity_bytes(device) if budget is None else None
+    if capacity is not None and unsharded.method != "qlora" and unsharded.peak_bytes > capacity:
+        sharded = plan_for_budget(fsdp_spec, budget, free_memory=free)
+        return sharded, [f"one device ({capacity:,} bytes) cannot hold the run unsharded "
+                         f"({unsharded.peak_bytes:,} bytes predicted): FSDP2"]
+    return unsharded, []

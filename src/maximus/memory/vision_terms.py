@@ -146,19 +146,19 @@ class VisionTerms:
             phase["activations"] = phase.get("activations", 0) + self.inputs
 
 
-def _get(cfg: Any, name: str, default: Any = None) -> Any:
-    value = cfg.get(name) if isinstance(cfg, dict) else getattr(cfg, name, None)
+def _get(fields: Any, name: str, default: Any = None) -> Any:
+    value = fields.get(name) if isinstance(fields, dict) else getattr(fields, name, None)
     return default if value is None else value
 
 
-def _as_dict(cfg: Any) -> dict:
-    return cfg if isinstance(cfg, dict) else cfg.to_dict()
+def _as_dict(fields: Any) -> dict:
+    return fields if isinstance(fields, dict) else fields.to_dict()
 
 
-def vision_shape(config: Any) -> VisionShape:
+def vision_shape(model_config: Any) -> VisionShape:
     """The tower and projector shape of a VLM config (config.json dict or PretrainedConfig).
     Raises ModelError for a family whose tower the estimator does not know."""
-    cfg = _as_dict(config)
+    cfg = _as_dict(model_config)
     vc, tc = cfg.get("vision_config") or {}, cfg.get("text_config") or {}
     model_type = str(cfg.get("model_type", ""))
     text_hidden = int(_get(tc, "hidden_size", _get(cfg, "hidden_size", 0)))

@@ -39,7 +39,7 @@ import torch.distributed as dist
 
 from maximus.errors import ConfigError
 from maximus.memory.plan import Plan
-from maximus.memory.run_plan import QLORA_FSDP_NOTICE  # noqa: F401 - the choice lives in the plan (fixed_strategy)
+from maximus.memory.spec_from_config import QLORA_FSDP_NOTICE  # noqa: F401 - the choice lives in the plan (fixed_strategy)
 
 #: Seconds a collective may wait for a peer before the process group gives up (env
 #: MAXIMUS_DIST_TIMEOUT_S). Long enough for rank 0 to write a large checkpoint while the others

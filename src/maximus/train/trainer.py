@@ -51,8 +51,8 @@ from maximus.families import untested_family_notice
 from maximus.forward import autocast_for
 from maximus.kernels import apply_kernels, cpu_threads
 from maximus.device import resolve_dtype
-from maximus.memory.run_plan import plan_run, replan
-from maximus.memory.spec_from_config import kernel_choices, uses_bf16_weights
+from maximus.memory.run_plan import replan
+from maximus.memory.spec_from_config import kernel_choices, plan_run, uses_bf16_weights
 from maximus.model_source import resolve_source
 from maximus.models import load_model, load_tokenizer, resolve_device
 from maximus.train import distributed as dist_env
