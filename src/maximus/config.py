@@ -318,12 +318,24 @@ class TrainingConfig(_Section):
     context_parallel: int = Field(1, ge=1, description="Under torchrun: split each row's tokens over this many processes (context parallelism), so a row longer than one device holds can train; it must divide the world size, the remaining factor splits the batch (DDP). Attention sees the whole causal row through Ulysses (an all-to-all, when the query heads divide by it) or else ring attention; positions and packed documents are the whole row's; the loss is normalised by the whole step's token count, so the update equals one process's. Objectives sft, dpo (chosen and rejected rows split alike) and grpo (its training pass; generation runs whole rows on every rank, and context_parallel must then equal the world size), with DDP; 1 = off. See docs/distributed.md.")
     log_every: int = Field(1, ge=1, description="Print/log every N optimizer steps (metrics.jsonl always gets every step).")
     qat: Literal["off", "q8_0", "q4_0", "q4_k_m", "int4"] = Field("off", description="Quantization-aware training for the file you deploy: in training mode every forward sees the weights rounded as the export will round them (a straight-through gradient; with LoRA / QLoRA the quantized merged weight base + adapter). `q8_0`, `q4_0`, `q4_k_m`: the GGUF types of `maximus export --format gguf | ollama --quant` (which then defaults to this), rounded exactly as the gguf package and llama.cpp's quantiser round each tensor (llama.cpp's own Q4_K_M mixture and fallbacks); `int4`: torchao's symmetric int4 in groups of 32 on the decoder's linears (no GGUF export holds it). Held-out evaluation scores the float model; `maximus eval --gguf FILE` scores the export in llama.cpp. Costs one fake-quantized copy of the quantized weights and their rounding each step (docs/benchmarks/qat.md). Not with DoRA, mixture-of-experts models or Kronecker sketching.")
+    qat_start: float = Field(0.0, ge=0, lt=1, description="With training.qat: the fraction of the optimizer steps trained without the rounding before it starts (0 = from the first step; 0.5 = the second half of the steps see the rounded weights): the model first learns the task in float, then adapts to the rounding. The planner counts the rounded copies for the whole run. See docs/benchmarks/qat.md.")
     memory_meter: Literal["auto", "every_step", "sampled"] = Field("auto", description="Which steps run under the memory meter. `every_step`: all of them. `sampled`: on the CPU, where the meter sees every op and can nearly double a small model's step, only the steps that can set a new peak (the first two, a step with longer rows or more tokens than every metered one, the first after a re-plan, every 25th and the last; GRPO decides on its sampled rows, and its sampling is always metered); the others log no memory. `auto`: every step on CUDA (the allocator's counters cost nothing), `sampled` elsewhere.")
 
     @field_validator("qat", mode="before")
     @classmethod
     def _yaml_boolean_qat(cls, v):
         return _yaml_switch(v, on="on")  # unquoted YAML off arrives as False; `on` names no target
+
+    @model_validator(mode="after")
+    def _qat_start_needs_qat(self):
+        if self.qat_start and self.qat == "off":
+            raise ConfigError(f"training.qat_start {self.qat_start} has no rounding to start: training.qat is off",
+                              "set training.qat (e.g. q4_0) or remove training.qat_start")
+        return self
+
+    def qat_first_step(self, total_steps: int) -> int:
+        """The first optimizer step (1-based) whose forward sees the rounded weights (`qat_start`)."""
+        return int(self.qat_start * total_steps) + 1
 
     @field_validator("micro_batch_size", "micro_batch_tokens")
     @classmethod

@@ -31,13 +31,13 @@ CASES = {"q4_0-lora": ("q4_0", "lora", False, 64), "q8_0-full": ("q8_0", "full",
          "q4_k_m-lora-tied": ("q4_k_m", "lora", True, 256)}
 
 
-def _train(root, target, method, tie, hidden, steps=2):
+def _train(root, target, method, tie, hidden, steps=2, **training):
     from maximus.train.trainer import Trainer
 
     model_dir = build_tiny_model_dir(root / "model", "llama", hidden=hidden, tie=tie)
     data = write_prompt_completion(root / "data.jsonl")
     cfg = tiny_config(model_dir, data, root / "run", method=method, eval={"split": 0.1, "before": False},
-                      training={"max_steps": steps, "qat": target})
+                      training={"max_steps": steps, "qat": target, **training})
     trainer = Trainer(Config.from_dict(cfg))
     trainer.train()
     return trainer
@@ -146,6 +146,23 @@ def test_full_finetune_gradient_is_straight_through():
     master = linear._parameters["weight"]  # `linear.weight` reads as the rounded weight
     assert torch.equal(master.grad, twin.weight.grad)
     assert not torch.equal(master, twin.weight)  # the master weight is kept, not rounded
+
+
+def test_qat_start_trains_the_first_steps_in_float(tmp_path):
+    """training.qat_start 0.5 of 4 steps: steps 1-2 are the plain run's, loss for loss; from step 3
+    the forward sees the rounding; without training.qat the key is refused in one line."""
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    _train(tmp_path / "plain", "off", "lora", False, 64, steps=4)
+    late = _train(tmp_path / "late", "q4_0", "lora", False, 64, steps=4, qat_start=0.5)
+    plain, rounded = losses(tmp_path / "plain" / "run"), losses(tmp_path / "late" / "run")
+    assert rounded[:2] == plain[:2] and rounded[2] != plain[2] and rounded[3] != plain[3]
+    assert all(r.active for r in late.qat.roundings)
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(tiny_config(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r", training={"qat_start": 0.5}))
+    assert err.value.one_line() == ("config: training.qat_start 0.5 has no rounding to start: training.qat is off "
+                                    "(hint: set training.qat (e.g. q4_0) or remove training.qat_start)")
 
 
 def test_int4_run_refuses_a_gguf_export_naming_both(tmp_path, capsys):

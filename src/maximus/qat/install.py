@@ -52,6 +52,13 @@ class QatReport:
     target: str
     types: dict[str, str] = field(default_factory=dict)
     cache_bytes: int = 0
+    roundings: list = field(default_factory=list, repr=False)
+
+    def set_active(self, active: bool) -> None:
+        """Whether the forward sees the rounded weights (True from `install_qat`); False reads the
+        weights as they are, as in eval mode (`training.qat_start`: the plain first steps)."""
+        for rounding in self.roundings:
+            rounding.active = active
 
 
 class _Rounding:
@@ -61,6 +68,7 @@ class _Rounding:
     def __init__(self, rounding, owner=None):
         self.rounding = rounding
         self.owner = owner
+        self.active = True
         self.key = None
         self.value = None
 
@@ -93,7 +101,7 @@ class _Rounding:
 def _weight_property(self):
     weight = self._parameters["weight"]
     rounding = self.__dict__.get("_qat_rounding")
-    if rounding is None or not self.training or weight is None:
+    if rounding is None or not self.training or weight is None or not rounding.active:
         return weight
     value = rounding.rounded(weight)
     if rounding.owner is None and weight.requires_grad:
@@ -120,7 +128,7 @@ def _swap_4bit_forward(module: torch.nn.Module, rounding: _Rounding) -> None:
     cls = type(module)
 
     def forward(self, x, *args, **kwargs):
-        if not self.training:
+        if not self.training or not rounding.active:
             return cls.forward(self, x, *args, **kwargs)
         weight = self.weight
         value = rounding.rounded(weight, read_weight=lambda: bnb_f.dequantize_4bit(weight.data, weight.quant_state))
@@ -223,6 +231,7 @@ def install_qat(model, target: str) -> QatReport:
         rounding = shared.get(id(weight)) if owner is None else None
         if rounding is None:
             rounding = _Rounding(fn, owner)
+            report.roundings.append(rounding)
             if owner is None:
                 shared[id(weight)] = rounding
             report.cache_bytes += weight.numel() * (4 if hasattr(weight, "quant_state") else weight.element_size())

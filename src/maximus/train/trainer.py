@@ -206,7 +206,9 @@ class Trainer:
 
         report = install_qat(self.model, target)
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(report.types.values()).items()))
-        self.dist.say(f"quantization-aware training for {target}: {len(report.types)} matrices fake-quantized ({kinds})")
+        start = self.cfg.training.qat_first_step(self.total_steps)
+        self.dist.say(f"quantization-aware training for {target}: {len(report.types)} matrices fake-quantized ({kinds})"
+                      + (f", from step {start} of {self.total_steps} (training.qat_start)" if start > 1 else ""))
         return report
 
     def _load_data(self):
@@ -403,6 +405,8 @@ class Trainer:
         try:
             for step in range(run.start_step + 1, self.total_steps + 1):
                 run.step = step
+                if self.qat is not None:  # training.qat_start: the first steps train in float
+                    self.qat.set_active(step >= self.cfg.training.qat_first_step(self.total_steps))
                 row, finite = self._measured_step(step, run)
                 self._count_bad_step(row, finite, run)
                 self._log_step(row, run)
