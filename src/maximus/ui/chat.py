@@ -33,6 +33,7 @@ import torch
 
 from maximus.config import Config, format_bytes
 from maximus.errors import ConfigError, MaximusError
+from maximus.model_source import ModelSource, resolve_source
 
 __all__ = ["Busy", "ChatModels", "NoRoom", "Placement", "chat_settings", "weight_bytes", "MAX_NEW_TOKENS",
            "MAX_PROMPT_TOKENS"]
@@ -88,11 +89,12 @@ class Placement:
         return cls(device, dtype, summary.get("method") == "qlora")
 
 
-def weight_bytes(cfg: Config, placement: Placement) -> int:
-    """The estimate of one chat model's weights (`estimate_peak`'s ``weights``) at `placement`."""
+def weight_bytes(cfg: Config, placement: Placement, source: ModelSource | None = None) -> int:
+    """The estimate of one chat model's weights (`estimate_peak`'s ``weights``) at `placement`:
+    of `source`'s config when the base is resolved, else of `cfg.model` as the planner reads it."""
     from maximus.memory.estimate import estimate_peak
 
-    estimate = estimate_peak(cfg.model, method="qlora" if placement.quantized else "lora",
+    estimate = estimate_peak(source.config if source is not None else cfg.model, method="qlora" if placement.quantized else "lora",
                              dtype=DTYPE_NAMES[placement.dtype], device=placement.device.type, micro_batch=1,
                              seq_len=64)
     return int(estimate.breakdown["weights"])
@@ -157,12 +159,16 @@ class ChatModels:
                 self._run = run_dir
             if which not in self._models:
                 placement = Placement.of_run(run_dir)
+                # The base model's source, resolved once for the estimate and the load (a full
+                # fine-tune's tuned model loads from the run alone).
+                full = (run_dir / "model").is_dir()
+                source = None if which == "tuned" and full else resolve_source(cfg)
                 try:
-                    need = weight_bytes(cfg, placement)
+                    need = weight_bytes(cfg, placement, source)
                 except MaximusError:  # a model the estimator cannot read: the load itself will tell
                     need = 0
                 check_room(run_dir.name, which, need, free_bytes(placement.device), placement.device)
-                self._models[which] = _load(run_dir, cfg, which, placement)
+                self._models[which] = _load(run_dir, cfg, which, placement, source)
             return self._models[which]
 
     def loaded(self) -> tuple[Path | None, list[str]]:
@@ -196,7 +202,7 @@ class ChatModels:
         return _generate(loaded, ids, settings)
 
 
-def _load(run_dir: Path, cfg: Config, which: str, placement: Placement) -> LoadedModel:
+def _load(run_dir: Path, cfg: Config, which: str, placement: Placement, source: ModelSource | None) -> LoadedModel:
     import json
 
     from maximus.data import trains_on_chat
@@ -206,16 +212,15 @@ def _load(run_dir: Path, cfg: Config, which: str, placement: Placement) -> Loade
     device, dtype = placement.device, placement.dtype
     quantized = placement.quantized and not (run_dir / "model").is_dir()
     if which == "tuned":
-        model, tokenizer = load_tuned(run_dir, device=device, dtype=dtype, quantized=quantized, cfg=cfg)
+        model, tokenizer = load_tuned(run_dir, device=device, dtype=dtype, quantized=quantized, cfg=cfg, source=source)
         return LoadedModel(model, tokenizer, chat, "tuned", device)
     from transformers import AutoTokenizer
 
-    from maximus.model_source import resolve_source
     from maximus.models import load_base_model
 
     saved = run_dir / "model" if (run_dir / "model").is_dir() else run_dir / "adapter"
     tokenizer = AutoTokenizer.from_pretrained(str(saved))  # the run's tokenizer and chat template, as load_tuned's
-    base = load_base_model(cfg, device, dtype, method="qlora" if quantized else "lora", source=resolve_source(cfg))
+    base = load_base_model(cfg, device, dtype, method="qlora" if quantized else "lora", source=source)
     label = "base"
     if cfg.init_adapter:
         from peft import PeftModel
