@@ -129,6 +129,20 @@ def test_an_export_load_resolves_its_source_once(llama_dir, tmp_path):
     assert type(model).__name__ == "LlamaForCausalLM"
 
 
+def test_a_training_run_resolves_its_source_once(llama_dir, tmp_path):
+    """`Trainer.setup` checks, reads the tokenizer, the data, plans and loads: one resolution,
+    which the tokenizer, the data pipeline, the planner and the loader all take."""
+    from maximus.config import Config
+    from maximus.train.trainer import Trainer
+
+    data = write_prompt_completion(tmp_path / "data.jsonl", n=16)
+    trainer = Trainer(Config.from_dict(tiny_config(llama_dir, data, tmp_path / "run", training={"max_steps": 1})))
+    with source_questions() as asked:
+        trainer.setup()
+    assert asked == ONCE
+    assert trainer.source.config is not None and trainer.plan.method == "lora"
+
+
 @pytest.fixture(scope="module")
 def gguf_llama(tmp_path_factory):
     """A tiny Llama directory and the same model written by Maximus' GGUF export as f32 and q8_0."""

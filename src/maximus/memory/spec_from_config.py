@@ -44,12 +44,15 @@ __all__ = ["plan_run", "fixed_strategy", "QLORA_FSDP_NOTICE", "STRATEGY_CHOICES"
 HOST_OFFLOAD_SHARE = 0.9
 
 
-def run_spec(cfg: Any, *, device: Any, world_size: int = 1, lengths: RowLengths | None = None) -> RunSpec:
+def run_spec(cfg: Any, *, device: Any, world_size: int = 1, lengths: RowLengths | None = None,
+             model_config: Any = None) -> RunSpec:
     """The `RunSpec` of the run `cfg` (a `maximus.Config`) on `device` with `world_size` ranks and
-    the data's `lengths` (None: every row at ``seq_len``). The model's config.json is read once
-    (no weights); raises ModelError when it cannot be read as a decoder the estimator knows."""
+    the data's `lengths` (None: every row at ``seq_len``). `model_config`: the model's Transformers
+    config when the caller has resolved its source (`maximus.model_source.ModelSource.config`, the
+    trainer); else the model's config.json is read here once (no weights). Raises ModelError when
+    it cannot be read as a decoder the estimator knows."""
     kind = _device_type(device)
-    model_config = load_model_config(cfg.model)
+    model_config = load_model_config(cfg.model if model_config is None else model_config)
     return RunSpec(shape=model_shape(model_config), dtype=run_dtype(cfg, kind), device=kind, world_size=world_size,
                    lora=_lora(cfg), optimizer=_optimizer(cfg), techniques=_techniques(cfg, model_config, lengths),
                    kernels=kernel_choices(cfg, kind), search=search_space(cfg, kind, world_size), lengths=lengths)
@@ -189,7 +192,7 @@ QLORA_FSDP_NOTICE = ("notice: FSDP2 cannot shard bitsandbytes 4-bit weights; QLo
 
 
 def plan_run(cfg: Any, *, device: Any, world_size: int = 1, budget_bytes: int | None | str = "config",
-             lengths: RowLengths | None = None) -> Plan:
+             lengths: RowLengths | None = None, model_config: Any = None) -> Plan:
     """The plan of the run `cfg` on `device` (``cuda``, ``cpu``, a torch.device) with
     `world_size` data-parallel ranks.
 
@@ -204,6 +207,8 @@ def plan_run(cfg: Any, *, device: Any, world_size: int = 1, budget_bytes: int | 
     trainer reads the data before planning): the plan is for the largest micro-batch the loader
     really forms, and records the lengths it assumed (`Plan.rows_tokens_max`,
     `Plan.micro_batch_tokens_max`). None (`maximus plan --model`): every row at ``seq_len``.
+
+    `model_config`: the model's Transformers config, already read (`run_spec`); None reads `cfg.model`.
 
     Raises:
         BudgetError: nothing fits ``target_vram`` (names the smallest budget that would).
@@ -221,7 +226,7 @@ def plan_run(cfg: Any, *, device: Any, world_size: int = 1, budget_bytes: int | 
     if budget_bytes == "config":
         budget_bytes = _free_memory(device) if free_memory else resolve_budget(opt.target_vram, device)
     try:  # the run, resolved once (a VLM's tower must be one the estimator knows)
-        spec = run_spec(cfg, device=kind, world_size=world_size, lengths=lengths)
+        spec = run_spec(cfg, device=kind, world_size=world_size, lengths=lengths, model_config=model_config)
     except ModelError:
         if not free_memory:
             raise

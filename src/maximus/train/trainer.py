@@ -137,7 +137,8 @@ class Trainer:
         # Tokenized before planning: the plan is for the rows the data really has.
         self.lengths = run_lengths(cfg, self.data.train, steps=self.total_steps, world_size=self.dist.data_world_size)
         # The one config -> plan translation (also `maximus plan` and every torchrun rank's).
-        self.plan = plan_run(cfg, device=self.device, world_size=self.dist.data_world_size, lengths=self.lengths)
+        self.plan = plan_run(cfg, device=self.device, world_size=self.dist.data_world_size, lengths=self.lengths,
+                             model_config=self.source.config)
         self.method = self.plan.method
         check_in_backward(cfg, grad_accum=self.plan.grad_accum, world_size=self.dist.world_size)
         if cfg.training.optimizer_in_backward and cfg.training.max_grad_norm:
