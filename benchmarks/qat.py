@@ -5,15 +5,18 @@ package, the official names of 125 countries to learn, 40 others held out), for 
 fine-tuning, the same number of steps:
 
 - plain: `training.qat: off`, exported at q4_0 and at q4_k_m;
-- QAT: `training.qat: q4_0` and `training.qat: q4_k_m`, each exported at its own type.
+- QAT: `training.qat: q4_0` and `training.qat: q4_k_m`, each exported at its own type
+  (`--qat-start F`: with `training.qat_start: F`, kept apart in the results).
 
 Every GGUF file is scored in llama.cpp (llama-cpp-python) on the held-out rows: the loss of the
 answer tokens and exact match of greedy answers; the float models (the run's Transformers model,
-merged weights unquantized) on the same rows and examples. Step time is the median of the run's
-steps (metrics.jsonl), peak memory the run's measured peak (run.json). Prints a Markdown table
-(docs/benchmarks/qat.md) and writes `OUT/results.json`.
+merged weights unquantized) on the same rows and examples; peak memory is the run's measured peak
+(run.json). `--cost` measures, in one process and one thread, the CPU seconds of a plain and a QAT
+forward + backward (OUT/cost.json: the table's step column; the runs' wall-clock step times follow
+the machine's load). Prints a Markdown table (docs/benchmarks/qat.md) and writes `OUT/results.json`.
 
-    nice python benchmarks/qat.py --steps 30 --out runs/bench-qat
+    nice python benchmarks/qat.py --steps 20 --out runs/bench-qat
+    nice python benchmarks/qat.py --cost --out runs/bench-qat
 """
 from __future__ import annotations
 
@@ -110,13 +113,15 @@ def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_sta
     return results
 
 
-def table(results: dict) -> str:
+def table(results: dict, costs: dict) -> str:
+    """The Markdown table; the step column is `costs` (`step_cost`, CPU seconds of one thread, measured
+    in one process), since the runs' wall-clock step times follow the shared machine's load."""
     def cell(d):
         em = d.get("exact_match")
         return f"{d['loss']:.3f} / {'-' if em is None else f'{em:.0%}'}"
 
     lines = ["| setting | target | fp32 model (plain) | plain q4 export | QAT: fp32 model | QAT: q4 export | gap recovered "
-             "| QAT fp32 loss vs plain | step time plain -> QAT | peak memory plain -> QAT |",
+             "| QAT fp32 loss vs plain | step CPU s plain -> QAT | peak memory plain -> QAT |",
              "|---|---|---|---|---|---|---|---|---|---|"]
     for setting in SETTINGS:
         plain = results.get(f"{setting}-off")
@@ -131,43 +136,55 @@ def table(results: dict) -> str:
             gap = plain_q - base
             recovered = f"{(plain_q - qat_q) / gap:.0%}" if gap > 0 else "no gap"
             mib = 2 ** 20
+            cost = costs.get(f"{setting}-{target}")
+            step = "-" if cost is None else f"{cost['plain_cpu_s']:.1f} -> {cost['qat_cpu_s']:.1f}"
             label = target if start is None else f"{target}, QAT from {float(start):.0%} of the steps"
             lines.append(f"| {setting} | {label} | {cell(plain['fp32'])} | {cell(plain['deployed'][target])} | "
                          f"{cell(qat['fp32'])} | {cell(qat['deployed'][target])} | {recovered} | "
                          f"{qat['fp32']['loss'] / base - 1:+.1%} | "
-                         f"{plain['step_time_s']:.2f} s -> {qat['step_time_s']:.2f} s | "
+                         f"{step} | "
                          f"{plain['peak_bytes'] / mib:.0f} -> {qat['peak_bytes'] / mib:.0f} MiB |")
     return "\n".join(lines)
 
 
-def rounding_cost(target: str) -> dict:
-    """What QAT adds to a LoRA step of the real model, independent of the machine's load: the CPU
-    seconds (this process, one thread) of one re-rounding of every quantized matrix (what each
-    optimizer step pays: the adapters change every merged weight), and the bytes of the cache of
-    rounded weights (`QatReport.cache_bytes`)."""
+def step_cost(setting: str, target: str) -> dict:
+    """What QAT adds to a training step of the real model, independent of the machine's load (CPU
+    seconds of this process, one thread, the fastest of two): a plain forward + backward of one
+    batch (4 x 192 tokens), the same with `training.qat` installed and its cache emptied (as after
+    an optimizer step, which changes every merged weight: each matrix is re-rounded), and the bytes
+    of the cache of rounded weights (`QatReport.cache_bytes`)."""
     import torch
 
     from maximus.config import Config
     from maximus.models import load_model
-    from maximus.qat.install import _Rounding, install_qat
+    from maximus.qat.install import install_qat
 
     torch.set_num_threads(1)
-    cfg = Config.from_yaml(ROOT / "examples/real_chat.yaml", [f"model={model_path()}"])
-    model, _ = load_model(cfg, device=torch.device("cpu"), method="lora")
+    cfg = Config.from_yaml(ROOT / "examples/real_chat.yaml", [f"model={model_path()}", *SETTINGS[setting]])
+    model, _ = load_model(cfg, device=torch.device("cpu"), method=setting)
     model.train()
-    ids = torch.randint(0, model.config.vocab_size, (cfg.training.batch_size, cfg.training.seq_len))
-    started = time.process_time()
-    model(input_ids=ids, labels=ids).loss.backward()  # one plain step's forward and backward
-    step_cpu_s = time.process_time() - started
+    ids = torch.randint(0, model.config.vocab_size, (cfg.training.batch_size, cfg.training.seq_len),
+                        generator=torch.Generator().manual_seed(0))
+
+    def fastest_step(before=lambda: None) -> float:
+        times = []
+        for _ in range(2):
+            before()
+            model.zero_grad(set_to_none=True)
+            started = time.process_time()
+            model(input_ids=ids, labels=ids).loss.backward()
+            times.append(time.process_time() - started)
+        return min(times)
+
+    plain_cpu_s = fastest_step()
     report = install_qat(model, target)
-    roundings = {id(m.__dict__["_qat_rounding"]): m for m in model.modules() if "_qat_rounding" in m.__dict__}
-    started = time.process_time()
-    for module in roundings.values():
-        rounding: _Rounding = module.__dict__["_qat_rounding"]
-        rounding.key = None  # as after an optimizer step
-        rounding.rounded(module._parameters["weight"])
-    return {"rounding_cpu_s": time.process_time() - started, "cache_bytes": report.cache_bytes,
-            "matrices": len(report.types), "step_cpu_s": step_cpu_s}
+
+    def empty_cache():
+        for rounding in report.roundings:
+            rounding.key = rounding.value = None
+
+    return {"plain_cpu_s": plain_cpu_s, "qat_cpu_s": fastest_step(empty_cache), "cache_bytes": report.cache_bytes,
+            "matrices": len(report.types)}
 
 
 def main() -> None:
@@ -181,21 +198,26 @@ def main() -> None:
                         "results are kept apart from QAT from the first step)")
     parser.add_argument("--merge", type=Path, nargs="*", default=[], help="results.json of other --out folders to "
                         "print in the table")
-    parser.add_argument("--cost", action="store_true", help="only the rounding's CPU time and cache per target")
+    parser.add_argument("--cost", action="store_true", help="only the CPU seconds of a plain and a QAT step and the "
+                        "cache, per setting and target (OUT/cost.json, the table's step column)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    if args.cost:
-        for target in TARGETS:
-            cost = rounding_cost(target)
-            print(f"{target}: {cost['matrices']} matrices, one re-rounding {cost['rounding_cpu_s']:.2f} CPU s "
-                  f"(a plain LoRA forward + backward of 4 x 192 tokens: {cost['step_cpu_s']:.2f} CPU s), "
-                  f"cache {cost['cache_bytes'] / 2**20:.0f} MiB", flush=True)
-        return
     args.out.mkdir(parents=True, exist_ok=True)
+    cost_path = args.out / "cost.json"
+    if args.cost:
+        costs = json.loads(cost_path.read_text()) if cost_path.exists() else {}
+        for setting in args.settings:
+            for target in TARGETS:
+                cost = costs[f"{setting}-{target}"] = step_cost(setting, target)
+                cost_path.write_text(json.dumps(costs, indent=1))
+                print(f"{setting} {target}: {cost['matrices']} matrices; a forward + backward of 4 x 192 tokens "
+                      f"{cost['plain_cpu_s']:.2f} CPU s plain, {cost['qat_cpu_s']:.2f} CPU s with QAT (re-rounding); "
+                      f"cache {cost['cache_bytes'] / 2**20:.0f} MiB", flush=True)
+        return
     results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start)
     for other in args.merge:
         results = {**json.loads(other.read_text()), **results}
-    print(table(results))
+    print(table(results, json.loads(cost_path.read_text()) if cost_path.exists() else {}))
 
 
 if __name__ == "__main__":
