@@ -18,10 +18,12 @@ def data_report(cfg):
     tokenizer loaded and its data built as `maximus-train` builds them."""
     from maximus.data import build_run_datasets
     from maximus.data.check import check_run
+    from maximus.model_source import resolve_source
     from maximus.models import load_tokenizer
 
-    tokenizer = load_tokenizer(cfg)
-    return check_run(cfg, build_run_datasets(cfg, tokenizer), tokenizer)
+    source = None if cfg.tokenizer else resolve_source(cfg)  # the model's own tokenizer: its source, once
+    tokenizer = load_tokenizer(cfg, source)
+    return check_run(cfg, build_run_datasets(cfg, tokenizer, source=source), tokenizer)
 
 
 def data_main(argv: list[str]) -> int:

@@ -63,9 +63,13 @@ def read_lengths(cfg, *, world_size: int = 1) -> RowLengths:
 
     Raises DataError / ModelError as `maximus-train` would (no data, no tokenizer)."""
     from maximus.data import build_run_datasets
+    from maximus.model_source import resolve_source
     from maximus.models import load_tokenizer
 
-    rows = build_run_datasets(cfg, load_tokenizer(cfg)).train
+    # The model's own tokenizer needs its source (resolved once, for the data too); a separate
+    # `tokenizer:` lets a model that is not on this machine be planned from its known shape.
+    source = None if cfg.tokenizer else resolve_source(cfg)
+    rows = build_run_datasets(cfg, load_tokenizer(cfg, source), source=source).train
     return run_lengths(cfg, rows, steps=run_steps(cfg, len(rows)), world_size=world_size)
 
 
