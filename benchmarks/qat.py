@@ -187,6 +187,42 @@ def step_cost(setting: str, target: str) -> dict:
             "matrices": len(report.types)}
 
 
+def trained_equals_file(run: Path, target: str) -> dict:
+    """Whether each weight the QAT run `run` trained against (its fake-quantized weights) equals, as
+    float32, the dequantized tensor of its export `exports/gguf-<target>.gguf`: {"equal", "differ",
+    "types": {ggml type: count}}."""
+    import gguf
+    import numpy as np
+    import torch
+
+    from maximus.export import load_tuned
+    from maximus.export.gguf_arch import permute_for_llama_rope
+    from maximus.qat.install import fake_quantized_weight, install_qat
+
+    model, _ = load_tuned(run, dtype=torch.float32)
+    install_qat(model, target)
+    in_file = {t.name: t for t in gguf.GGUFReader(str(run / "exports" / f"gguf-{target}.gguf")).tensors}
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, lm.config.num_hidden_layers)
+    heads = {"q_proj": lm.config.num_attention_heads, "k_proj": lm.config.num_key_value_heads}
+    found = {"equal": 0, "differ": 0, "types": {}}
+    for path, module in lm.named_modules():
+        if path.endswith("base_layer") or (path == "lm_head" and lm.config.tie_word_embeddings):
+            continue  # a tied head is the embedding's tensor in the file
+        weight = fake_quantized_weight(module)
+        if weight is None:
+            continue
+        leaf = path.rsplit(".", 1)[-1]
+        if leaf in heads:  # llama.cpp's RoPE layout, as the export writes Q and K
+            weight = permute_for_llama_rope(weight, heads[leaf])
+        tensor = in_file[names.get_name(path + ".weight", try_suffixes=(".weight",))]
+        stored = np.asarray(gguf.quants.dequantize(tensor.data, tensor.tensor_type), np.float32)
+        found["equal" if np.array_equal(weight.numpy(), stored.reshape(weight.shape)) else "differ"] += 1
+        kind = tensor.tensor_type.name
+        found["types"][kind] = found["types"].get(kind, 0) + 1
+    return found
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -196,6 +232,8 @@ def main() -> None:
                         help="which runs (a parallel invocation may take some into its own --out)")
     parser.add_argument("--qat-start", type=float, default=0.0, help="training.qat_start of the QAT runs (their "
                         "results are kept apart from QAT from the first step)")
+    parser.add_argument("--check-files", action="store_true", help="only compare each QAT run's trained-against "
+                        "weights with its exported GGUF file, tensor by tensor")
     parser.add_argument("--merge", type=Path, nargs="*", default=[], help="results.json of other --out folders to "
                         "print in the table")
     parser.add_argument("--cost", action="store_true", help="only the CPU seconds of a plain and a QAT step and the "
@@ -213,6 +251,12 @@ def main() -> None:
                 print(f"{setting} {target}: {cost['matrices']} matrices; a forward + backward of 4 x 192 tokens "
                       f"{cost['plain_cpu_s']:.2f} CPU s plain, {cost['qat_cpu_s']:.2f} CPU s with QAT (re-rounding); "
                       f"cache {cost['cache_bytes'] / 2**20:.0f} MiB", flush=True)
+        return
+    if args.check_files:
+        for run in sorted(p for p in args.out.iterdir() if (p / "run.json").is_file()):
+            target = run.name.split("-")[1]
+            if target != "off":
+                print(f"{run.name}: {trained_equals_file(run, target)}", flush=True)
         return
     results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start)
     for other in args.merge:
