@@ -125,7 +125,7 @@ def main(launch: Path, out: Path) -> None:
         kept, trainer = two_steps(cfg)
         if trainer.dist.is_main:
             save_file(kept, str(out / f"{name}.safetensors"))
-            print(f"{name}: exchange {trainer.context.exchange}", flush=True)
+            print(f"{name}: exchange {trainer.context.exchange}, strategy {trainer.dist.strategy}", flush=True)
     trainer.dist.shutdown(clean=True)
 
 

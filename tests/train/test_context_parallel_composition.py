@@ -2,6 +2,8 @@
 CPU) in one launch (the ranks run `context_parallel_worker.py`), each config against one process
 on the same rows (loss and every LoRA gradient of two optimizer steps):
 
+- FSDP2 on a 2-D device mesh, shard x context: 2 x 2 ranks, each pair splits its rows and the
+  two pairs take different rows, parameters sharded over all 4 (LoRA, fp32): to 1e-5;
 - QLoRA (bitsandbytes 4-bit base) with full gradient checkpointing and sequence-tiled MLP
   recompute (tiles of 16 tokens), lean LoRA and lean norms, over 4 ranks: to 1e-5 in fp32;
 - the same QLoRA in bf16 (the only difference from the fp32 config) against one bf16 process. bf16's own rounding is measured in the same
@@ -47,6 +49,8 @@ def _configs(tmp: Path) -> dict[str, dict]:
                            training={"batch_size": 2, "micro_batch_size": 1, "max_steps": 2, "seq_len": 96,
                                      "context_parallel": degree, "max_grad_norm": None}, **sections)
 
+    fsdp = cfg("fsdp", 2)
+    fsdp["training"]["distributed"] = "fsdp"
     qlora = cfg("qlora", RANKS, method="qlora", optimization={"gradient_checkpointing": "full", "tile_tokens": 16})
     qlora_bf16 = copy.deepcopy(qlora)
     qlora_bf16.update(output_dir=str(tmp / "qlora_bf16-split"))
@@ -58,7 +62,7 @@ def _configs(tmp: Path) -> dict[str, dict]:
                      "loss_type": "grpo", "updates_per_generation": 2})
     grpo["training"]["micro_batch_size"] = 4
     grpo["dataset"] = {"path": str(write_prompts(tmp / "prompts.jsonl")), "format": "prompt"}
-    return {"qlora": qlora, "qlora_bf16": qlora_bf16, "dpo": dpo, "grpo": grpo}
+    return {"fsdp": fsdp, "qlora": qlora, "qlora_bf16": qlora_bf16, "dpo": dpo, "grpo": grpo}
 
 
 @pytest.fixture(scope="module")
@@ -94,10 +98,10 @@ def _assert_trained(result: dict[str, torch.Tensor]) -> None:
     assert any(result[k].abs().max() > 1e-3 for k in result if k.startswith("2/") and "lora_A" in k)
 
 
-@pytest.mark.parametrize("name", ["qlora", "dpo", "grpo"])
+@pytest.mark.parametrize("name", ["fsdp", "qlora", "dpo", "grpo"])
 def test_split_equals_one_process_in_fp32(launched, name):
     tmp, configs, proc = launched
-    assert f"{name}: exchange ulysses" in proc.stdout
+    assert f"{name}: exchange ulysses, strategy {'fsdp' if name == 'fsdp' else 'ddp'}" in proc.stdout
     split, one = _split(tmp, name), _one_process(tmp, configs, name)
     assert split.keys() == one.keys() and len(one) > 2
     _assert_trained(one)

@@ -138,9 +138,6 @@ def test_context_parallel_must_divide_the_world():
      "training.context_parallel 2 cannot split Kronecker Sketching attention (optimization.kronecker_sketching): "
      "its sketch summarises the whole row on one process (hint: turn off optimization.kronecker_sketching or "
      "set training.context_parallel: 1)"),
-    ("training", {"distributed": "fsdp"},
-     "training.context_parallel 2 runs under DDP, not training.distributed: fsdp "
-     "(hint: set training.distributed: ddp or auto)"),
     ("objective", "contrastive", "training.context_parallel 2 supports objectives sft, dpo and grpo, not contrastive "
                                  "(hint: set training.context_parallel: 1)"),
 ])

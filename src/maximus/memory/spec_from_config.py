@@ -331,7 +331,7 @@ def fixed_strategy(cfg: Any, method: str, world_size: int) -> tuple[str | None, 
         raise ConfigError("training.distributed: fsdp supports the torch AdamW optimizer without offload only",
                           "set training.optimizer: adamw and optimization.offload.optimizer: off, "
                           "or training.distributed: ddp")
-    if requested == "ddp" or method == "qlora" or not fsdp_ok or cfg.training.context_parallel > 1:
+    if requested == "ddp" or method == "qlora" or not fsdp_ok:
         return "ddp", [QLORA_FSDP_NOTICE.removeprefix("notice: ")] if requested == "fsdp" else []
     return ("fsdp", []) if requested == "fsdp" else (None, [])
 

@@ -1,8 +1,11 @@
 """Context parallelism in training (`training.context_parallel: N`): each row's tokens are split
 over N ranks of the torchrun world, and attention still sees the whole causal row.
 
-- `join` checks N against the world size and forms the groups of N consecutive ranks that share
-  rows (the other factor of the world splits the batch, `DistEnv.shard`);
+- `join` checks N against the world size and lays the world out as a 2-D device mesh, shard x
+  context: the groups of N consecutive ranks along ``context`` share rows, the other factor
+  (``shard``) splits the batch (`DistEnv.shard`). DDP averages gradients over the whole world,
+  and FSDP2 shards parameters, gradients and optimizer state over it too (both mesh dimensions
+  flattened, which is the world in rank order), so each rank holds 1/world of them;
 - `install` switches the model's attention to ``"maximus_context_parallel"``: Ulysses
   (`maximus.attention.ulysses`) when the query heads divide by N, else ring attention
   (`maximus.attention.ring`, with a notice). Outside a training micro-batch (evaluation,
@@ -15,8 +18,8 @@ over N ranks of the torchrun world, and attention still sees the whole causal ro
 
 Everything but attention (embeddings, MLP, norms, LoRA, the loss) runs on the local tokens. The
 loss stays a sum over the local targets divided by the step's target count summed over all
-ranks; DDP averages gradients over the world and the trainer scales by the world size, so the
-update is the one-process update on the same rows.
+ranks; DDP (or FSDP2's reduce-scatter) averages gradients over the world and the trainer scales
+by the world size, so the update is the one-process update on the same rows.
 """
 from __future__ import annotations
 
@@ -105,15 +108,13 @@ class ContextParallel:
             raise ConfigError(f"training.context_parallel ({degree}) does not divide the number of processes "
                               f"({env.world_size})",
                               f"launch with torchrun --nproc_per_node a multiple of {degree}, or change context_parallel")
+        from torch.distributed.device_mesh import init_device_mesh
+
         env.context_parallel = degree
-        group = None
-        if degree != env.world_size:
-            for first in range(0, env.world_size, degree):
-                ranks = list(range(first, first + degree))
-                made = dist.new_group(ranks)  # every rank creates every group (torch.distributed's rule)
-                if env.rank in ranks:
-                    group = made
-        return cls(ContextSplit(degree, env.rank % degree, group))
+        # Rank r sits at (r // degree, r % degree): groups of `degree` consecutive ranks share rows.
+        mesh = init_device_mesh(env.device.type if env.device is not None else "cpu",
+                                (env.world_size // degree, degree), mesh_dim_names=("shard", "context"))
+        return cls(ContextSplit(degree, mesh.get_local_rank("context"), mesh.get_group("context")))
 
     def install(self, model, say) -> None:
         """Route `model`'s attention through the split; `say` prints the one-line notice when the
