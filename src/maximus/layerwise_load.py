@@ -2,13 +2,14 @@
 
 With ``optimization.offload.params`` a QLoRA model may be larger than the device: Transformers'
 `from_pretrained` would quantize every layer onto the device first. `load_layerwise_qlora`
-instead builds the model's skeleton without weights, loads the embedding, the final norm and the
-head onto the device, then for each decoder layer in turn reads its weights from the
+instead builds the model's skeleton without weights, loads the final norm and the head onto the
+device and an untied input embedding into host memory (where streaming keeps it,
+`maximus.memory.host_embedding`), then for each decoder layer in turn reads its weights from the
 safetensors files, quantizes each linear layer to NF4 on the device (bitsandbytes, double
 quantization, 64-value blocks: what `from_pretrained` makes, byte for byte), puts the layer's
 4-bit storages into the weight store (`maximus.memory.weight_store`) and releases them from the
 device before the next layer is read. The device never holds more than one layer's weights
-beyond the embedding, norm and head, and the host never holds the model whole.
+beyond the norm and head (and a tied embedding), and the host never holds the model whole.
 
 A disk store that already holds this model and quantization (`fingerprint`) is used as it is:
 no layer is read or quantized again; each 4-bit weight is rebuilt empty (its quantization
@@ -184,20 +185,24 @@ def _fill(model: nn.Module, *, device: torch.device, dtype: torch.dtype, store, 
     from maximus.memory.weight_streaming import storage_bytes, streamed_storages
     from maximus.structure import find_decoder_layers
 
-    def value(name: str, like: torch.Tensor) -> torch.Tensor:
+    def value(name: str, like: torch.Tensor, where: torch.device = device) -> torch.Tensor:
         if read is not None:
-            return read(name).to(device=device, dtype=dtype)
+            return read(name).to(device=where, dtype=dtype)
         if name.endswith("norm.weight"):
-            return torch.ones(like.shape, dtype=dtype, device=device)
-        return (torch.randn(like.shape, generator=generator, device=device) * 0.02).to(dtype)
+            return torch.ones(like.shape, dtype=dtype, device=where)
+        return (torch.randn(like.shape, generator=generator, device=device) * 0.02).to(device=where, dtype=dtype)
 
     _, layers = find_decoder_layers(model)
     prefix = next(name for name, module in model.named_modules() if module is layers) + "."
     tied = {name for name, _ in model.named_parameters(remove_duplicate=False)} - {
         name for name, _ in model.named_parameters()}
+    # An untied input embedding goes straight to host memory, where streaming keeps it
+    # (`maximus.memory.host_embedding`): a 70B's 2 GiB table never visits the device.
+    embedding = model.get_input_embeddings()
+    host_table = None if tied else next((n for n, p in model.named_parameters() if p is embedding.weight), None)
     for name, p in list(model.named_parameters()):
         if not name.startswith(prefix):
-            _set_parameter(model, name, value(name, p))
+            _set_parameter(model, name, value(name, p, torch.device("cpu") if name == host_table else device))
     if tied:
         model.tie_weights()
     for module in model.modules():

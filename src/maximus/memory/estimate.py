@@ -39,7 +39,8 @@ from maximus.memory.optimizer_state import (head_block_bytes, in_backward_gradie
 from maximus.memory.plan import RECOMPUTE_WORDS
 from maximus.memory.run_spec import Candidate, KroneckerLayout, RunSpec, candidate_of, keyword_spec
 from maximus.memory.shape import ModelShape, model_shape
-from maximus.memory.streamed_weights import STAGING_LAYERS, STREAMED_IN_FLIGHT, streamed_layer_bytes
+from maximus.memory.streamed_weights import (STAGING_LAYERS, STREAMED_IN_FLIGHT, host_embedding_bytes,
+                                             streamed_layer_bytes)
 
 Method = Literal["full", "lora", "qlora"]
 Attention = Literal["sdpa", "kronecker"]
@@ -359,6 +360,18 @@ def _streamed_weight_bytes(shape: ModelShape, method: str, b: int, device_type: 
     return max(0, shape.num_layers - STREAMED_IN_FLIGHT) * streamed_layer_bytes(shape, method, b)
 
 
+def _host_table_bytes(step: Step) -> int:
+    """Bytes of the input embedding's table that streaming keeps in host memory instead of on the
+    device (`maximus.memory.host_embedding`: a batch's rows are copied in, a transient at the start
+    of the forward, no peak); 0 on a CPU (one memory), unsharded runs only."""
+    if not step.tech.streams_params or step.device == "cpu" or step.shard > 1:
+        return 0
+    from maximus.memory.adapter_terms import EMBEDDING_NAMES
+
+    trained = any(str(name).rsplit(".", 1)[-1] in EMBEDDING_NAMES for name in step.lora.modules_to_save or ())
+    return host_embedding_bytes(step.shape, step.method, step.b, trained=trained)
+
+
 # ------------------------------------------------------------------------------------------------
 # One step, described once
 
@@ -531,7 +544,7 @@ def _weight_bytes(step: Step, notes: list[str]) -> tuple[int, int, int]:
         weights_dev += (2 * (shape.layer_linear_params + shape.layer_other_params)
                         + (shape.embedding_params + shape.head_params if not whole else 0)) * wb
     streamed = _streamed_weight_bytes(shape, step.method, b, step.device, notes) if step.tech.streams_params else 0
-    return weights_dev - streamed + qat_copy_bytes(step), streamed, whole
+    return weights_dev - streamed - _host_table_bytes(step) + qat_copy_bytes(step), streamed, whole
 
 
 def qat_copy_bytes(step: Step) -> int:
@@ -987,7 +1000,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         offload_params: frozen decoder weights (4-bit ones too) stream to the device one layer ahead
             (`optimization.offload.params`): True or ``on`` from pinned host memory, ``disk`` from a
             memory-mapped file (host memory then holds two pinned staging layers on CUDA); ``auto``
-            and ``off`` stream nothing here (the planner decides ``auto``).
+            and ``off`` stream nothing here (the planner decides ``auto``). An untied, untrained
+            input embedding's table then lives in host memory too (`maximus.memory.host_embedding`).
         tile_tokens: the MLP of each fully recomputed layer runs over tiles of this many tokens
             in backward (`optimization.tile_tokens`); None: untiled.
         lean_norm: the RMSNorms are Maximus' lean ones (`optimization.lean_norm`, or the Triton
@@ -1043,17 +1057,21 @@ def estimate_step(spec: RunSpec, cand: Candidate) -> Estimate:
 
 def _streaming_terms(step: Step, streamed: int, compute_tps: float) -> dict[str, Any]:
     """What streamed frozen weights (`optimization.offload.params`) cost off the device: the host
-    bytes (every layer; with ``disk`` two pinned staging layers) and the file's bytes, the bytes
-    copied per micro-step, and the tokens/s of a step that takes the slower of its compute and
-    its copies (they overlap, one layer ahead) at `DEFAULT_H2D_BYTES_PER_S`."""
+    bytes (every layer, or with ``disk`` two pinned staging layers; and the embedding's table) and
+    the file's bytes, the bytes copied per micro-step (the layers, and at most one embedding row a
+    token), and the tokens/s of a step that takes the slower of its compute and its copies (they
+    overlap, one layer ahead) at `DEFAULT_H2D_BYTES_PER_S`."""
     L = step.shape.num_layers
     streamed_layers = streamed // max(1, L - STREAMED_IN_FLIGHT) * L  # every layer lives off the device
     per_layer = streamed_layers // L
     host, disk = ((STAGING_LAYERS * per_layer, streamed_layers) if step.tech.params_store == "disk"
                   else (streamed_layers, 0))
+    host += _host_table_bytes(step)  # the embedding's table, in host memory in both modes
     # Forward fetches every layer but the first (resident since the last backward); backward every
     # layer but the last again (for the recompute and the input gradients).
     per_step = 2 * max(0, L - 1) * per_layer
+    if _host_table_bytes(step):  # the batch's distinct rows of the embedding (at most one a token)
+        per_step += min(step.T, step.shape.vocab_size) * step.shape.hidden_size * step.b
     tps = compute_tps
     if per_step:
         transfer_s = (per_step + per_layer) / DEFAULT_H2D_BYTES_PER_S  # the first layer's copy is not hidden

@@ -3,7 +3,9 @@
 `optimization.offload.params` keeps every decoder layer's frozen weights off the device: in host
 memory (``on``, pinned where CUDA exists) or in a file under the cache (``disk``). These figures
 are the planner's (host and disk bytes) and the trainer's check before anything loads
-(`check_stream_capacity`: one line naming what is needed and what the machine has).
+(`check_stream_capacity`: one line naming what is needed and what the machine has). With them
+the input embedding's table stays in host memory (`embedding_stays_on_host` decides, for the
+estimator and `maximus.memory.host_embedding` alike; `host_embedding_bytes` is its size).
 """
 from __future__ import annotations
 
@@ -13,7 +15,7 @@ from pathlib import Path
 from maximus.errors import ConfigError
 
 __all__ = ["NF4_BYTES_PER_WEIGHT", "STAGING_LAYERS", "STREAMED_IN_FLIGHT", "check_stream_capacity",
-           "streamed_layer_bytes"]
+           "embedding_stays_on_host", "host_embedding_bytes", "streamed_layer_bytes"]
 
 #: Layers whose weights are on the device at once: the running one, the prefetched one, and in
 #: backward the one just finished (`FrozenWeightStreamer`).
@@ -39,6 +41,22 @@ def streamed_layer_bytes(shape, method: str, dtype_bytes: int) -> int:
     if method == "lora":
         return shape.layer_linear_params * dtype_bytes + other
     return 0
+
+
+def embedding_stays_on_host(*, streams_params: bool, method: str, tied: bool, trained: bool) -> bool:
+    """Whether the input embedding's table lives in host memory and only a batch's rows reach the
+    device (`maximus.memory.host_embedding`): with streamed frozen weights, an adapter method, a
+    table the output head does not share (tied, the head reads all of it) and that nothing trains
+    (`lora.modules_to_save`: its gradient and optimizer state are the whole table's)."""
+    return streams_params and method != "full" and not tied and not trained
+
+
+def host_embedding_bytes(shape, method: str, dtype_bytes: int, *, trained: bool = False) -> int:
+    """Bytes of the input embedding's table kept in host memory with streamed weights: vocabulary x
+    hidden at the compute dtype, or 0 where it stays on the device (`embedding_stays_on_host`)."""
+    if not embedding_stays_on_host(streams_params=True, method=method, tied=shape.tied_embeddings, trained=trained):
+        return 0
+    return shape.embedding_params * dtype_bytes
 
 
 def _gib(n: int) -> str:

@@ -11,7 +11,9 @@ or a memory-mapped file) and only the layers in flight on the device:
   recompute and the input-gradient matmuls), layer i-1's are prefetched and layer i+1's released.
 
 So at most three layers' weights are on the device: the running one, the prefetched one and, in
-backward, the one just finished. What streams is every frozen tensor's *storage*: plain weights
+backward, the one just finished. The input embedding's table stays in host memory too and only a
+batch's rows reach the device (`maximus.memory.host_embedding`, unless the head shares the table
+or it is trained). What streams is every frozen tensor's *storage*: plain weights
 and norms, and for a bitsandbytes 4-bit weight its packed data and every tensor of its
 quantization state (absmax, the code, the offset, the double quantization's absmax and code).
 Trainable tensors (adapters) stay resident, and so does a storage that more than one layer shares
@@ -144,6 +146,10 @@ class FrozenWeightStreamer:
             self._handles.append(layer.register_forward_hook(lambda m, a, out, i=i: self._after_forward(i, out)))
         for i in range(len(self.layers)):
             self._release(i)
+        # The embedding table too: only the rows of each batch's token ids reach the device.
+        from maximus.memory.host_embedding import install_host_embedding
+
+        self.host_embedding = install_host_embedding(model, device)
 
     @staticmethod
     def _own_storages(tensors: list[torch.Tensor]) -> None:
@@ -229,6 +235,8 @@ class FrozenWeightStreamer:
             h.remove()
         for i in range(len(self.layers)):
             self._wait(i)
+        if self.host_embedding is not None:
+            self.host_embedding.remove()
         self.store.close()
         self.small_store.close()
 
