@@ -161,12 +161,12 @@ def test_top_p_near_zero_samples_the_greedy_completion_and_generation_stops_at_e
                                                                                     "max_completion_tokens": 12})))
     trainer.setup()
     objective = trainer.objective
-    batches = objective.step_batches(trainer, 1)
+    batches = objective.step_batches(trainer.run_view, 1)
     assert [b["input_ids"].shape[0] for b in batches] == [2, 2, 2, 2]  # micro_batch_size counts completions
     gen = objective.generation
     prompts = trainer.rows_for_step(1)
     with objective._generating(trainer.model), torch.no_grad():
-        greedy = objective._greedy(trainer, prompts)
+        greedy = objective._greedy(trainer.run_view, prompts)
     eos = trainer.tokenizer.eos_token_id
     for p, prompt in enumerate(prompts):
         n = len(prompt["prompt_ids"])
@@ -202,12 +202,12 @@ def test_the_loss_pass_scores_sampled_tokens_with_the_distribution_they_were_sam
     prompts = trainer.rows_for_step(1)
     assert len({len(p["prompt_ids"]) for p in prompts}) > 1  # left padding in the sampler
     with objective._generating(model), torch.no_grad():
-        out = objective.sample(trainer, [p["prompt_ids"] for p in prompts], 0, record_logps=True)
+        out = objective.sample(trainer.run_view, [p["prompt_ids"] for p in prompts], 0, record_logps=True)
     completions = out.completions
     sampled = [lp for group in out.logps for lp in group]
     assert out.forwards <= 1 + 11  # one prefill for all prompts x group, then one forward per token
     assert len({len(c) for group in completions for c in group}) > 1  # padded micro-batches below
-    gen = objective.build_generation(trainer, 0, prompts, completions)
+    gen = objective.build_generation(trainer.run_view, 0, prompts, completions)
     assert model.training
     ours = []
     for start in range(0, len(gen.rows), objective.micro_batch_size):
@@ -228,7 +228,7 @@ def test_the_eos_that_ends_a_completion_carries_loss(tiny, tmp_path):
     objective, eos = trainer.objective, trainer.tokenizer.eos_token_id
     prompts = trainer.rows_for_step(1)
     completions = [[[5, 6, eos], [7, eos], [8, 9, 10, 11, 12, 13], [eos]]] * len(prompts)
-    gen = objective.build_generation(trainer, 0, prompts, completions)
+    gen = objective.build_generation(trainer.run_view, 0, prompts, completions)
     batch = objective._collate(gen, range(G))
     n = len(prompts[0]["prompt_ids"])
     labels = batch["labels"][:, n:]
@@ -347,11 +347,11 @@ def test_a_soft_capped_model_samples_and_scores_at_a_temperature(tiny, tmp_path)
     trainer = Trainer(maximus.Config.from_dict(cfg))
     trainer.setup()
     objective, model = trainer.objective, trainer.model
-    objective.prepare(trainer)
+    objective.prepare(trainer.run_view)
     prompts = trainer.rows_for_step(1)
     with objective._generating(model), torch.no_grad():
-        out = objective.sample(trainer, [p["prompt_ids"] for p in prompts], 0, record_logps=True)
-    gen = objective.build_generation(trainer, 0, prompts, out.completions)
+        out = objective.sample(trainer.run_view, [p["prompt_ids"] for p in prompts], 0, record_logps=True)
+    gen = objective.build_generation(trainer.run_view, 0, prompts, out.completions)
     batch = objective._collate(gen, range(len(gen.rows)))
     with torch.no_grad():
         logps, mask = completion_logps(model, batch, temperature=T, mode=objective.mode)
@@ -369,7 +369,7 @@ def test_eval_generations_of_chat_prompts_go_through_the_chat_template(tiny, tmp
     cfg["dataset"]["path"] = str(tiny["chat"])
     trainer = Trainer(maximus.Config.from_dict(cfg))
     trainer.setup()
-    result = trainer.objective.evaluate(trainer)
+    result = trainer.objective.evaluate(trainer.run_view)
     kwargs = dict(device=trainer.device, max_new_tokens=6)
     templated = generate_text(trainer.model, trainer.tokenizer, cfg["eval"]["prompts"], chat=True, **kwargs)
     raw = generate_text(trainer.model, trainer.tokenizer, cfg["eval"]["prompts"], chat=False, **kwargs)
@@ -388,7 +388,7 @@ def test_steps_per_generation_splits_one_generation_batch_over_several_steps(tin
     assert rows[0]["clip_ratio"] == 0.0  # the first share is on-policy: ratio 1
     gen, objective = trainer.objective.generation, trainer.objective
     assert gen.old_logps is not None and len(gen.rows) == 2 * G
-    shares = [objective.step_batches(trainer, step) for step in (3, 4)]
+    shares = [objective.step_batches(trainer.run_view, step) for step in (3, 4)]
     assert [sum(b["input_ids"].shape[0] for b in batches) for batches in shares] == [G, G]
     assert torch.equal(shares[0][0]["advantages"], gen.advantages[:G])
     assert torch.equal(shares[1][0]["advantages"], gen.advantages[G:])
@@ -417,9 +417,9 @@ def test_the_kept_old_log_probs_drawn_by_the_sampler_equal_the_separate_pass(tin
             if "lora_B" in name:
                 p.normal_(0.0, 0.05)
         model.get_output_embeddings().weight[trainer.tokenizer.eos_token_id] *= 25.0
-    gen = objective._generate(trainer, 0)
+    gen = objective._generate(trainer.run_view, 0)
     assert len({len(r["input_ids"]) for r in gen.rows}) > 1
-    passed = objective._logps_of_rows(trainer, gen)
+    passed = objective._logps_of_rows(trainer.run_view, gen)
     for row, drawn, scored in zip(gen.rows, gen.old_logps, passed, strict=True):
         assert drawn.shape == scored.shape == (len(row["input_ids"]),)
         labelled = torch.tensor([label != -100 for label in row["labels"][1:]] + [False])
@@ -451,7 +451,7 @@ def test_sampling_with_lora_merged_into_float32_weights_equals_the_unmerged_samp
     for merge in (True, False):
         objective.plan.generation["merge_lora"] = merge
         with objective._generating(model), torch.no_grad():
-            runs.append(objective.sample(trainer, prompts, 0, record_logps=True))
+            runs.append(objective.sample(trainer.run_view, prompts, 0, record_logps=True))
     merged, plain = runs
     assert merged.completions == plain.completions
     for a, b in zip(merged.logps, plain.logps, strict=True):
@@ -500,9 +500,9 @@ def test_async_generation_samples_the_next_batch_with_the_weights_before_the_upd
             if p.requires_grad:
                 p.copy_(before[k])
         prompts = trainer.rows_for_step(2)
-        sampled = objective.sample(trainer, [p["prompt_ids"] for p in prompts], 1, record_logps=True)
+        sampled = objective.sample(trainer.run_view, [p["prompt_ids"] for p in prompts], 1, record_logps=True)
         expected = sampled.completions
-        old = objective.build_generation(trainer, 1, prompts, expected, sampled_logps=sampled.logps).old_logps
+        old = objective.build_generation(trainer.run_view, 1, prompts, expected, sampled_logps=sampled.logps).old_logps
         for k, p in model.named_parameters():
             if p.requires_grad:
                 p.copy_(after[k])

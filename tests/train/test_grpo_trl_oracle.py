@@ -55,6 +55,7 @@ def test_loss_and_gradients_equal_trl_grpo_trainer(model_dir, tmp_path, loss_typ
 
     import maximus
     from maximus.train.objectives.grpo import GRPOObjective
+    from maximus.train.views import RunView
 
     torch.manual_seed(0)
     tok = AutoTokenizer.from_pretrained(model_dir)
@@ -88,8 +89,8 @@ def test_loss_and_gradients_equal_trl_grpo_trainer(model_dir, tmp_path, loss_typ
     prompt_rows = [{"prompt_ids": ids[m.bool()].tolist(), "prompt": p, "columns": {"answer": a}, "where": f"p{i}"}
                    for i, ((p, a), ids, m) in enumerate(zip(PROMPTS, inputs["prompt_ids"][::GROUP],
                                                              inputs["prompt_mask"][::GROUP]))]
-    run = type("Run", (), {"model": trainer.model, "tokenizer": tok, "device": torch.device("cpu"),
-                           "dtype": torch.float32, "rows_for_step": None})()
+    run = RunView(model=trainer.model, tokenizer=tok, data=None, device=torch.device("cpu"), dtype=torch.float32,
+                  method="lora", run_dir=tmp_path, total_steps=1, dist=None, tasks=None, rows_for_step=None)
     per_prompt = [completions[i * GROUP:(i + 1) * GROUP] for i in range(len(PROMPTS))]
     gen = objective.build_generation(run, 0, prompt_rows, per_prompt)
     torch.testing.assert_close(gen.advantages, inputs["advantages"].float(), rtol=1e-5, atol=1e-6)

@@ -2,7 +2,8 @@
 (the step is redone with the same rows, so neither the effective batch nor the data order
 changes) or when its measured peak passed the budget (the next steps use the smaller plan).
 
-Every change is recorded in the trainer's `replans` (run.json) and in the live plan.json.
+Every change is recorded in `LivePlan.replans` (run.json) and in the live plan.json. The helpers
+read and write the run through a `maximus.train.views.ReplanView`, never the trainer.
 """
 from __future__ import annotations
 
@@ -10,44 +11,44 @@ import torch
 
 from maximus.errors import TrainingError
 from maximus.memory.run_plan import plan_below_measured, replan
-from maximus.train.outputs import write_live_plan
+from maximus.train.views import ReplanView
 
 
-def guarded_step(trainer, step: int, say, work=None):
-    """`trainer.train_step(step)` (or `work()`, a part of the step: GRPO's sampling), redone
+def guarded_step(run: ReplanView, step: int, say, work=None):
+    """`run.train_step(step)` (or `work()`, a part of the step: GRPO's sampling), redone
     after an out-of-memory error with a smaller plan."""
     while True:
         try:
-            return work() if work is not None else trainer.train_step(step)
+            return work() if work is not None else run.train_step(step)
         except torch.OutOfMemoryError:
-            trainer.optimizer.zero_grad(set_to_none=True)
-            if trainer.device.type == "cuda":
+            run.optimizer.zero_grad(set_to_none=True)
+            if run.device.type == "cuda":
                 torch.cuda.empty_cache()
-            smaller = smaller_plan(trainer.plan, trainer.lengths)
+            smaller = smaller_plan(run.live.current, run.lengths)
             if smaller is None:
                 raise TrainingError(f"out of memory at step {step} with micro-batch 1 and full recomputation",
                                     "lower training.seq_len, use method: qlora, or set a smaller target_vram "
                                     "so the planner offloads more") from None
-            change = adopt(trainer, smaller, step=step, reason="out of memory")
+            change = adopt(run, smaller, step=step, reason="out of memory")
             say(f"warning: out of memory at step {step}; re-planned ({change}) and redoing the step")
 
 
-def check_budget(trainer, step: int, say) -> None:
+def check_budget(run: ReplanView, step: int, say) -> None:
     """After a step: when its measured peak (CUDA: max_memory_allocated; CPU: the meter's
     storage tracker) passed the budget, re-plan downward for the next steps. The planner's
     search runs again with its estimate scaled by measured / predicted (whatever the estimator
     missed is taken to grow with it); failing that, the micro-batch halves, then every layer
     recomputes."""
-    meter = trainer.meter
+    meter = run.meter
     if not meter.over_budget_bytes():
         return
     budget, measured = int(meter.budget_bytes), meter.peak_bytes()
-    smaller = (plan_below_measured(trainer.plan, trainer.lengths, measured, budget)
-               or smaller_plan(trainer.plan, trainer.lengths))
+    plan = run.live.current
+    smaller = plan_below_measured(plan, run.lengths, measured, budget) or smaller_plan(plan, run.lengths)
     reason = f"measured peak {measured:,} bytes over the budget of {budget:,}"
     change = "nothing left to shrink"
     if smaller is not None:
-        change = adopt(trainer, smaller, step=step, reason=reason, measured_peak_bytes=measured)
+        change = adopt(run, smaller, step=step, reason=reason, measured_peak_bytes=measured)
     say(f"warning: step {step} peaked at {measured:,} bytes, over the budget of {budget:,}; "
         f"re-planned for the next steps: {change}")
 
@@ -64,22 +65,23 @@ def smaller_plan(plan, lengths):
     return None
 
 
-def adopt(trainer, new, *, step: int, reason: str, **measured) -> str:
-    """Switch the trainer to plan `new` between steps (recompute modes on the model, the
-    objective's plan), record it in `trainer.replans` and return what changed."""
-    old = trainer.plan
+def adopt(run: ReplanView, new, *, step: int, reason: str, **measured) -> str:
+    """Switch the run to plan `new` between steps (recompute modes on the model; the plan in
+    force, which the trainer and its objective read), record it in `replans`, rewrite plan.json
+    and return what changed."""
+    live = run.live
+    old = live.current
     if new.recompute != old.recompute or new.offload_activations != old.offload_activations:
         from maximus.memory.checkpointing import apply_checkpointing
 
-        trainer.checkpointing = apply_checkpointing(trainer.model, list(new.recompute), micro_batch=new.micro_batch_size,
-                                                    seq_len=trainer.cfg.training.seq_len,
-                                                    offload_activations=new.offload_activations,
-                                                    tile_tokens=new.tile_tokens)
-    trainer.plan = trainer.objective.plan = new
+        live.checkpointing = apply_checkpointing(run.model, list(new.recompute), micro_batch=new.micro_batch_size,
+                                                 seq_len=run.max_row_tokens, offload_activations=new.offload_activations,
+                                                 tile_tokens=new.tile_tokens)
+    live.current = new
     change = plan_change(old, new)
-    trainer.replans.append({"step": step, "reason": reason, "change": change,
-                            "predicted_peak_bytes": new.peak_bytes, **measured})
-    write_live_plan(trainer)
+    live.replans.append({"step": step, "reason": reason, "change": change,
+                         "predicted_peak_bytes": new.peak_bytes, **measured})
+    run.publish()
     return change
 
 

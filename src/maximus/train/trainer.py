@@ -22,7 +22,8 @@
 
 `_train` is a short loop over named steps (`_measured_step`, `_count_bad_step`, `_log_step`,
 `_evaluate_during`, `_checkpoint_or_stop`); re-planning lives in `maximus.train.replanning`, what
-a run writes and prints in `maximus.train.outputs`.
+a run writes and prints in `maximus.train.outputs`. Helpers get a narrow view of the run
+(`maximus.train.views`), never the trainer; the plan in force has one owner, `LivePlan`.
 
 Raises (all `MaximusError`, printed as one line by the CLI): ConfigError, DataError, ModelError,
 BudgetError, CheckpointError, TrainingError (too many non-finite steps), Preempted (signal).
@@ -69,6 +70,7 @@ from maximus.train.progress import MetricsLog, ProgressDisplay
 from maximus.train.replanning import check_budget, guarded_step
 from maximus.train.run_directory import check_output_dir, mark_run_directory
 from maximus.train.metric_loggers import open_sinks
+from maximus.train.views import LivePlan, OutputsView, ReplanView, RunView
 
 __all__ = ["PREEMPTED_EXIT_CODE", "Preempted", "Trainer", "TrainingError"]
 
@@ -102,8 +104,30 @@ class Trainer:
         self.stream = stream
         self.run_dir = Path(cfg.output_dir)
         self._stop_signal: int | None = None
-        self.replans: list[dict] = []
+        self.live = LivePlan()  # the plan in force: read by the objective, replaced by re-planning
+        self._gathered = None  # under FSDP2: the whole weights the last checkpoint gathered (the final save's)
         self._summary: dict = {}
+
+    # ------------------------------------------------------------------------------ the plan in force
+    @property
+    def plan(self):
+        return self.live.current
+
+    @plan.setter
+    def plan(self, plan) -> None:
+        self.live.current = plan
+
+    @property
+    def replans(self) -> list[dict]:
+        return self.live.replans
+
+    @property
+    def checkpointing(self):
+        return self.live.checkpointing
+
+    @checkpointing.setter
+    def checkpointing(self, report) -> None:
+        self.live.checkpointing = report
 
     # ------------------------------------------------------------------------------ setup
     def setup(self) -> None:
@@ -177,13 +201,32 @@ class Trainer:
         self.scheduler = torch.optim.lr_scheduler.LambdaLR(self.optimizer, self._lr_lambda)
         from maximus.memory.meter import MemoryMeter
 
-        self.objective = build_objective(cfg, self.plan, self.tokenizer.pad_token_id)
+        self.objective = build_objective(cfg, self.live, self.tokenizer.pad_token_id)
         if hasattr(self.objective, "context_parallel"):  # DPO splits its chosen and rejected rows itself
             self.objective.context_parallel = self.context
         # What the loop calls each micro-batch; under torchrun, wrapped for DDP / FSDP2.
         self.step_module = self.dist.wrap(ObjectiveModule(self.model, self.objective), self.optimizer)
         self.meter = MemoryMeter(self.device, budget_bytes=self.plan.budget_bytes)
         self.meter_policy = MeterPolicy(meter_mode(cfg.training.memory_meter, self.device.type), self.total_steps)
+        self._build_views()
+
+    def _build_views(self) -> None:
+        """What the objective and re-planning read of the run (`maximus.train.views`)."""
+        self.run_view = RunView(model=self.model, tokenizer=self.tokenizer, data=self.data, device=self.device,
+                                dtype=self.dtype, method=self.method, run_dir=self.run_dir, total_steps=self.total_steps,
+                                dist=self.dist, tasks=self.tasks, rows_for_step=self.rows_for_step,
+                                meter=self.meter)
+        self.replan_view = ReplanView(live=self.live, lengths=self.lengths, model=self.model, optimizer=self.optimizer,
+                                      device=self.device, meter=self.meter, max_row_tokens=self.cfg.training.seq_len,
+                                      train_step=self.train_step, publish=lambda: write_live_plan(self.outputs_view()))
+
+    def outputs_view(self) -> OutputsView:
+        """What the run's outputs read, as it stands now (the streamer, the last gathered weights)."""
+        return OutputsView(cfg=self.cfg, cfg_as_written=self.cfg_as_written, run_dir=self.run_dir, dist=self.dist,
+                           live=self.live, model=self.model, tokenizer=self.tokenizer, method=self.method,
+                           device=self.device, dtype=self.dtype, total_steps=self.total_steps, data=self.data,
+                           data_report=self.data_report, kernels=self.kernels, meter=self.meter,
+                           optimizer=self.optimizer, streamer=self.streamer, gathered=self._gathered)
 
     def _weight_store(self):
         """Where the plan's streamed layers live (`optimization.offload.params`, or the planner's
@@ -296,7 +339,7 @@ class Trainer:
         in_backward = getattr(self.optimizer, "steps_in_backward", False)  # training.optimizer_in_backward
         if in_backward:
             self.optimizer.begin_step()
-        batches = obj.step_batches(self, step)  # GRPO samples its own
+        batches = obj.step_batches(self.run_view, step)  # GRPO samples its own
         if batches is None:
             rows = self.rows_for_step(step)
             if self.plan.micro_batch_tokens:  # by a token budget, longest rows first (same loss: sums / units)
@@ -323,7 +366,7 @@ class Trainer:
             loss_total, sums = torch.tensor(float("nan"), dtype=torch.float64), {}  # no weight changed
         else:
             loss_total, sums = self._backward(batches, scale)
-        obj.after_backward(self, step)  # GRPO: an asynchronous generation finishes before the weights change
+        obj.after_backward(self.run_view, step)  # GRPO: an asynchronous generation finishes before the weights change
         if "after_backward" in self.hooks:
             self.hooks["after_backward"](self, step)
         loss_total = self.dist.all_reduce_sum(loss_total)
@@ -366,7 +409,7 @@ class Trainer:
     def evaluate(self) -> dict:
         if not self.cfg.eval.enabled or not (self.data.eval or self.cfg.eval.prompts):
             return {}
-        return self.objective.evaluate(self)
+        return self.objective.evaluate(self.run_view)
 
     # ------------------------------------------------------------------------------ the run
     def train(self) -> dict:
@@ -389,7 +432,7 @@ class Trainer:
             if self.dist.is_main:
                 mark_run_directory(self.run_dir)
             with self.dist.session():
-                self.objective.prepare(self)  # may write into output_dir (DPO reference cache): after the lock
+                self.objective.prepare(self.run_view)  # may write into output_dir (DPO reference cache): after the lock
                 summary = self._train(started)
             finished = True
             return summary
@@ -422,8 +465,8 @@ class Trainer:
             run.sinks.eval("after", run.step, eval_after)
             run.sinks.close()
         if self.dist.is_main:
-            self._summary = write_outputs(self, run.state, eval_after, run.peak, run.skipped, started)
-            print_summary(self, self._summary, run.state.get("eval_before", {}), eval_after)
+            self._summary = write_outputs(self.outputs_view(), run.state, eval_after, run.peak, run.skipped, started)
+            print_summary(self.outputs_view(), self._summary, run.state.get("eval_before", {}), eval_after)
         return self._summary
 
     # ------------------------------------------------------------------------------ the loop's steps
@@ -442,9 +485,10 @@ class Trainer:
             self.scheduler.load_state_dict(state["scheduler"])
             out.message(f"resuming from {ckpt.path} (step {start_step}/{self.total_steps})")
         out.start = start_step
-        print_header(self, out)
-        write_live_plan(self)
-        write_data_report(self)
+        outputs = self.outputs_view()
+        print_header(outputs, out)
+        write_live_plan(outputs)
+        write_data_report(outputs)
         # Rank 0 alone owns metrics.jsonl (another rank re-creating it would cut rank 0's file) and the sinks.
         sinks = (open_sinks(cfg.logging, run_dir, resume_step=start_step, budget_bytes=self.plan.budget_bytes,
                             config=cfg.model_dump(mode="json")) if self.dist.is_main else None)
@@ -484,9 +528,9 @@ class Trainer:
             if self.meter_policy.mode == "sampled" and not self._samples_own_rows:  # what an unmetered step re-allocated
                 self.meter.adopt(self.model, self.optimizer)
             with self.meter.track(self.model, self.optimizer):
-                result = guarded_step(self, step, run.out.message)
+                result = guarded_step(self.replan_view, step, run.out.message)
         else:
-            result = guarded_step(self, step, run.out.message)
+            result = guarded_step(self.replan_view, step, run.out.message)
         elapsed = time.perf_counter() - t0
         # float(): torchao's optimizers hold lr as a tensor
         row = {"step": step, "loss": result["loss"], "lr": float(self.scheduler.get_last_lr()[0]),
@@ -495,7 +539,7 @@ class Trainer:
         if metered:
             step_peak = self.meter.peak_bytes()
             run.peak = max(run.peak, step_peak)
-            check_budget(self, step, run.out.message)
+            check_budget(self.replan_view, step, run.out.message)
             row.update(memory_bytes=self.meter.current_bytes(), peak_memory_bytes=step_peak)
         row.update(result["metrics"])
         return row, result["finite"]
@@ -517,7 +561,8 @@ class Trainer:
         if self.meter_policy.mode == "sampled":  # what an unmetered step re-allocated
             self.meter.adopt(self.model, self.optimizer)
         with self.meter.track(self.model, self.optimizer):
-            lengths = guarded_step(self, step, run.out.message, work=lambda: self.objective.sample_step(self, step))
+            lengths = guarded_step(self.replan_view, step, run.out.message,
+                                   work=lambda: self.objective.sample_step(self.run_view, step))
         run.peak = max(run.peak, self.meter.peak_bytes())
         return lengths
 
@@ -578,7 +623,7 @@ class Trainer:
         model, optimizer = self.dist.checkpoint_view(self.model, self.optimizer)
         if not self.dist.is_main:
             return
-        self._gathered = model if model is not self.model else None  # for _save_final_weights
+        self._gathered = model if model is not self.model else None  # for the final weights (OutputsView.gathered)
         save_checkpoint(root, step, model, optimizer, {**state, "scheduler": self.scheduler.state_dict()},
                         keep=self.cfg.training.keep_checkpoints)
 

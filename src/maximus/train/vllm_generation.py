@@ -51,12 +51,12 @@ class AdapterVersions:
 class VllmSampler:
     """One vLLM engine for the run; `sample` syncs the adapter, then draws every group at once."""
 
-    def __init__(self, cfg, trainer):
+    def __init__(self, cfg, plan_dtype: str):
         from vllm import LLM
 
         self.cfg = cfg
         self.adapters = AdapterVersions(Path(cfg.output_dir) / "vllm_adapter")
-        dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(str(trainer.plan.dtype), "auto")
+        dtype = {"bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}.get(str(plan_dtype), "auto")
         self.llm = LLM(model=cfg.model, tokenizer=cfg.model, dtype=dtype, enable_lora=True,
                        max_lora_rank=max(8, cfg.lora.r), gpu_memory_utilization=VLLM_MEMORY_FRACTION,
                        seed=cfg.training.seed, max_model_len=cfg.training.seq_len + cfg.grpo.max_completion_tokens,

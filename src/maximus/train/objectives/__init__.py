@@ -6,6 +6,7 @@ module imports only `base`, and this registry imports them all (so nothing impor
 from __future__ import annotations
 
 from maximus.memory.plan import Plan
+from maximus.train.views import LivePlan
 from maximus.train.objectives.base import Objective, ObjectiveModule, SFTObjective
 from maximus.train.objectives.contrastive import ContrastiveObjective
 from maximus.train.objectives.grpo import GRPOObjective
@@ -17,6 +18,7 @@ OBJECTIVES = {"sft": SFTObjective, "dpo": PreferenceObjective, "contrastive": Co
 __all__ = ["OBJECTIVES", "Objective", "ObjectiveModule", "build_objective"]
 
 
-def build_objective(cfg, plan: Plan, pad_token_id: int) -> Objective:
-    """The objective the config asks for (`objective: sft | dpo | contrastive | grpo`)."""
+def build_objective(cfg, plan: Plan | LivePlan, pad_token_id: int) -> Objective:
+    """The objective the config asks for (`objective: sft | dpo | contrastive | grpo`), reading
+    `plan` (the trainer passes its `LivePlan`: the plan in force, one owner)."""
     return OBJECTIVES[cfg.objective](cfg, plan, pad_token_id)

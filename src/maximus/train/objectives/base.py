@@ -12,32 +12,40 @@ from maximus.data import trains_on_chat
 from maximus.evaluate import evaluate_sft
 from maximus.forward import IGNORE_INDEX, batch_target, sft_loss_sum
 from maximus.memory.plan import Plan
+from maximus.train.views import LivePlan, RunView
 
 
 class Objective:
     """What every objective keeps (the config, the memory plan, the pad id); see `SFTObjective`
-    for the protocol."""
+    for the protocol. `plan`: the trainer's `LivePlan` (the plan in force, which re-planning
+    replaces between steps: read here, never copied), or a fixed `Plan` for an objective used
+    on its own. The run is read through a `maximus.train.views.RunView`."""
 
     name = "objective"
 
-    def __init__(self, cfg, plan: Plan, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan | LivePlan, pad_token_id: int):
         self.cfg = cfg
-        self.plan = plan
+        self.live = plan if isinstance(plan, LivePlan) else LivePlan(plan)
         self.pad_token_id = pad_token_id
 
-    def step_batches(self, trainer, step: int) -> list[dict] | None:
+    @property
+    def plan(self) -> Plan:
+        """The plan in force (read per step: a re-plan may change the micro-batch or the loss chunk)."""
+        return self.live.current
+
+    def step_batches(self, run: RunView, step: int) -> list[dict] | None:
         """The micro-batches of optimizer step `step`, for an objective that makes its own (GRPO
         samples them); None = the trainer collates `rows_for_step(step)`."""
         return None
 
-    def sample_step(self, trainer, step: int) -> list[int] | None:
+    def sample_step(self, run: RunView, step: int) -> list[int] | None:
         """For an objective that makes its own micro-batches (GRPO samples them): form step
         `step`'s rows now, before the trainer decides whether the rest of the step runs under the
         memory meter, and return their token counts (what `maximus.train.metering` decides on).
         `step_batches` then batches the same rows. None (the default): the trainer's rows."""
         return None
 
-    def after_backward(self, trainer, step: int) -> None:
+    def after_backward(self, run: RunView, step: int) -> None:
         """Called once the step's backward is done, before the optimizer step (GRPO waits for its
         asynchronous generation here); nothing by default."""
 
@@ -66,20 +74,20 @@ class SFTObjective(Objective):
       the step's loss is sum(loss_sum) / sum(count) over all micro-batches (and ranks);
     - `tokens(batch)`: input tokens processed, for tokens/s;
     - `loss_sum(model, batch) -> (Tensor, {metric: summed value})`;
-    - `prepare(trainer)`: once before training (e.g. cache reference log-probs);
-    - `evaluate(trainer) -> dict`: held-out metrics, always with the exact loss.
+    - `prepare(run)`: once before training (e.g. cache reference log-probs);
+    - `evaluate(run) -> dict`: held-out metrics, always with the exact loss.
     """
 
     name = "sft"
 
-    def __init__(self, cfg, plan: Plan, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan | LivePlan, pad_token_id: int):
         super().__init__(cfg, plan, pad_token_id)
         g = cfg.optimization.ghost_logit
         user_chunk = cfg.optimization.loss_chunk_size
         self.ghost = {"num_candidates": g.candidates, "prefix_dims": g.prefix_dims,
                       "chunk_size": user_chunk if isinstance(user_chunk, int) else None}
 
-    def prepare(self, trainer) -> None:
+    def prepare(self, run: RunView) -> None:
         pass
 
     def count(self, batch: dict) -> int:
@@ -94,10 +102,9 @@ class SFTObjective(Objective):
                                ghost=self.ghost, matryoshka=self.cfg.optimization.matryoshka, metrics=metrics)
         return loss, metrics
 
-    def evaluate(self, trainer) -> dict:
-        return evaluate_sft(trainer.model, trainer.tokenizer, trainer.data.eval, cfg=self.cfg,
-                            tasks=getattr(trainer, "tasks", None), device=trainer.device, dtype=trainer.dtype,
-                            batch_size=self.plan.micro_batch_size, chat=trains_on_chat(trainer.data.stats))
+    def evaluate(self, run: RunView) -> dict:
+        return evaluate_sft(run.model, run.tokenizer, run.data.eval, cfg=self.cfg, tasks=run.tasks, device=run.device,
+                            dtype=run.dtype, batch_size=self.plan.micro_batch_size, chat=trains_on_chat(run.data.stats))
 
 
 class ObjectiveModule(torch.nn.Module):

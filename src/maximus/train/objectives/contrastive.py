@@ -29,6 +29,7 @@ from __future__ import annotations
 import torch
 
 from maximus.memory.plan import Plan
+from maximus.train.views import LivePlan, RunView
 
 from maximus.losses.matryoshka import active_dims, matryoshka_info_nce, normalized_prefix
 from maximus.forward import hidden_states
@@ -71,7 +72,7 @@ class ContrastiveObjective(Objective):
 
     name = "contrastive"
 
-    def __init__(self, cfg, plan: Plan, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan | LivePlan, pad_token_id: int):
         super().__init__(cfg, plan, pad_token_id)
         opt = cfg.optimization
         self.refuse_ghost_logit("the contrastive loss has no vocabulary softmax")
@@ -89,7 +90,7 @@ class ContrastiveObjective(Objective):
     def tokens(self, batch: dict) -> int:
         return int(sum(row_lengths(batch[f"{side}_position_ids"]).sum() for side in SIDES))
 
-    def prepare(self, trainer) -> None:
+    def prepare(self, run: RunView) -> None:
         pass
 
     def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
@@ -107,14 +108,14 @@ class ContrastiveObjective(Objective):
         return used or ([DEFAULT_EVAL_DIM] if DEFAULT_EVAL_DIM < hidden_size else [])
 
     @torch.no_grad()
-    def evaluate(self, trainer) -> dict:
+    def evaluate(self, run: RunView) -> dict:
         """Held-out pairs: `loss` (mean per pair, in micro-batches as in training), `accuracy`
         (in-batch top-1), and `recall@k` / `recall@k/{d}d` over the whole held-out set (each
         query against every held-out positive) at the full width and at each prefix size."""
         from maximus.data import collate
         from maximus.forward import autocast_for
 
-        model, rows = trainer.model, trainer.data.eval
+        model, rows = run.model, run.data.eval
         size = self.plan.micro_batch_size
         max_batches = self.cfg.eval.max_batches
         loss, correct, queries, positives = 0.0, 0.0, [], []
@@ -124,8 +125,8 @@ class ContrastiveObjective(Objective):
             for i, start in enumerate(range(0, len(rows), size)):
                 if max_batches is not None and i >= max_batches:
                     break
-                batch = {k: v.to(trainer.device) for k, v in collate(rows[start:start + size], self.pad_token_id).items()}
-                with autocast_for(trainer.device, trainer.dtype):
+                batch = {k: v.to(run.device) for k, v in collate(rows[start:start + size], self.pad_token_id).items()}
+                with autocast_for(run.device, run.dtype):
                     q, p = pooled_pairs(model, batch, self.pooling)
                 loss += float(matryoshka_info_nce(q, p, self.dims, self.weight, self.temperature).double())
                 correct += float((normalized_prefix(q) @ normalized_prefix(p).T).argmax(dim=1).eq(

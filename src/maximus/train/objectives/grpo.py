@@ -54,6 +54,7 @@ from maximus.losses.token_outputs import label_log_probs
 from maximus.memory.generation import sampler_records_logps
 from maximus.memory.spec_from_config import grpo_settings
 from maximus.memory.plan import Plan
+from maximus.train.views import LivePlan, RunView
 from maximus.forward import IGNORE_INDEX, autocast_for, batch_target, hidden_states, output_head, through_head
 from maximus.structure import peft_model_of
 from maximus.train.objectives.base import Objective
@@ -116,7 +117,7 @@ class GRPOObjective(Objective):
 
     name = "grpo"
 
-    def __init__(self, cfg, plan: Plan, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan | LivePlan, pad_token_id: int):
         super().__init__(cfg, plan, pad_token_id)
         self.refuse_ghost_logit("GRPO's log-probs are exact and chunked already")
         if cfg.optimization.matryoshka is not None:
@@ -151,12 +152,12 @@ class GRPOObjective(Objective):
         cp = self.context_parallel
         return cp if cp is not None and cp.split.enabled else None
 
-    def prepare(self, trainer) -> None:
-        dist_env = trainer.dist
+    def prepare(self, run: RunView) -> None:
+        dist_env = run.dist
         check_world(dist_env.world_size if dist_env.enabled else 1, dist_env.context_parallel, dist_env.strategy)
-        if self.g.beta > 0 and peft_model_of(trainer.model) is None:
+        if self.g.beta > 0 and peft_model_of(run.model) is None:
             raise ConfigError(f"grpo.beta > 0 compares with the model with its adapter switched off, but method is "
-                              f"{trainer.method}", "use method: lora or qlora, or set grpo.beta: 0 (no reference)")
+                              f"{run.method}", "use method: lora or qlora, or set grpo.beta: 0 (no reference)")
 
     def count(self, batch: dict) -> int:
         if self.g.loss_type == "dapo":
@@ -180,41 +181,41 @@ class GRPOObjective(Objective):
         later shares, or an asynchronous generation): then the sampling policy's log-probs are kept."""
         return self.steps_per_generation_batch > 1 or self.g.async_generation
 
-    def step_batches(self, trainer, step: int) -> list[dict]:
+    def step_batches(self, run: RunView, step: int) -> list[dict]:
         """The micro-batches of optimizer step `step`: one generation batch serves
         `steps_per_generation_batch` consecutive steps (sampled before the first of them); each
         step trains on its share (TRL's order: every share once, then again per update)."""
         per_batch = self.steps_per_generation_batch
         within = (step - 1) % per_batch
-        gen, rows = self._generation_for(trainer, step)
+        gen, rows = self._generation_for(run, step)
         self._sums = {k: 0.0 for k in _TOKEN_SUMS}
         self._sampled_now = within == 0
-        if self.g.async_generation and within == per_batch - 1 and step < trainer.total_steps:
-            self._start_pending(trainer, gen.index + 1)  # sampled with the weights before this step's update
+        if self.g.async_generation and within == per_batch - 1 and step < run.total_steps:
+            self._start_pending(run, gen.index + 1)  # sampled with the weights before this step's update
         micro = self.micro_batch_size
         return [self._share(self._collate(gen, rows[i:i + micro])) for i in range(0, len(rows), micro)]
 
-    def sample_step(self, trainer, step: int) -> list[int]:
+    def sample_step(self, run: RunView, step: int) -> list[int]:
         """Sample step `step`'s generation batch (if it is the first step it serves) and return
         the token counts of the step's rows (prompt + completion): the trainer decides from them
         whether the step's loss pass runs under the memory meter."""
-        gen, rows = self._generation_for(trainer, step)
+        gen, rows = self._generation_for(run, step)
         return [len(gen.rows[i]["input_ids"]) for i in rows]
 
-    def _generation_for(self, trainer, step: int) -> tuple[Generation, range]:
+    def _generation_for(self, run: RunView, step: int) -> tuple[Generation, range]:
         """(the generation batch serving step `step`, sampled now unless it already is; the
         indices of the step's share of its rows)."""
         index, within = divmod(step - 1, self.steps_per_generation_batch)
         if self.generation is None or self.generation.index != index:
-            pending = self._take_pending(trainer, index)
+            pending = self._take_pending(run, index)
             self.generation = None  # free the last one before sampling the next
-            self.generation = pending if pending is not None else self._generate(trainer, index)
+            self.generation = pending if pending is not None else self._generate(run, index)
         gen = self.generation
         share = len(gen.rows) // self.g.steps_per_generation
         first = (within % self.g.steps_per_generation) * share
         return gen, range(first, first + share)
 
-    def after_backward(self, trainer, step: int) -> None:
+    def after_backward(self, run: RunView, step: int) -> None:
         """Before the optimizer changes the weights: wait for an asynchronous generation."""
         if self._pending is not None:
             self._pending.join()
@@ -250,20 +251,20 @@ class GRPOObjective(Objective):
         return out
 
     @torch.no_grad()
-    def evaluate(self, trainer) -> dict:
+    def evaluate(self, run: RunView) -> dict:
         """Greedy completions of the held-out prompts: mean reward, per-function means, lengths."""
-        rows = trainer.data.eval
+        rows = run.data.eval
         if self.cfg.eval.max_batches is not None:
             rows = rows[:self.cfg.eval.max_batches * self.micro_batch_size]
         if not rows:
             return {}
         totals, per_function, lengths = [], [], []
-        with self._generating(trainer.model):
+        with self._generating(run.model):
             for start in range(0, len(rows), self.micro_batch_size):
                 chunk = rows[start:start + self.micro_batch_size]
-                completions = self._greedy(trainer, chunk)
+                completions = self._greedy(run, chunk)
                 for j, (row, ids) in enumerate(zip(chunk, completions)):
-                    scores = self._score(trainer, row, [ids], where=f"held-out prompt {start + j} ({row['where']})")
+                    scores = self._score(run, row, [ids], where=f"held-out prompt {start + j} ({row['where']})")
                     totals.append(scores.total)
                     per_function.append(scores.per_function)
                     lengths.append(len(ids))
@@ -275,9 +276,9 @@ class GRPOObjective(Objective):
             from maximus.evaluate import generate_text
 
             # Chat prompts (message lists) went through the chat template: so do the eval prompts.
-            chat = any(isinstance(row["prompt"], list) for row in trainer.data.train)
-            result["generations"] = generate_text(trainer.model, trainer.tokenizer, self.cfg.eval.prompts,
-                                                  device=trainer.device, max_new_tokens=self.cfg.eval.max_new_tokens,
+            chat = any(isinstance(row["prompt"], list) for row in run.data.train)
+            result["generations"] = generate_text(run.model, run.tokenizer, self.cfg.eval.prompts,
+                                                  device=run.device, max_new_tokens=self.cfg.eval.max_new_tokens,
                                                   chat=chat)
         return result
 
@@ -292,47 +293,47 @@ class GRPOObjective(Objective):
         finally:
             model.train(was_training)
 
-    def _generate(self, trainer, index: int, *, in_thread: bool = False) -> Generation:
+    def _generate(self, run: RunView, index: int, *, in_thread: bool = False) -> Generation:
         """Generation batch `index`: the rows of step `index + 1`'s position in the data order,
         sampled in one batched call (`maximus.train.sampling`), scored, with the log-probs the
         steps need. `in_thread` (asynchronous generation): the model stays in training mode (the
         main thread is training it) and the reference pass, which switches the adapter off, is
         left to `_take_pending`."""
-        prompts = trainer.rows_for_step(index + 1)
+        prompts = run.rows_for_step(index + 1)
         started = time.perf_counter()
-        mode = nullcontext() if in_thread else self._generating(trainer.model)
+        mode = nullcontext() if in_thread else self._generating(run.model)
         record = sampler_records_logps(grpo_settings(self.cfg), self.plan.dtype)  # the kept old log-probs, drawn with the tokens
-        with mode, torch.no_grad(), autocast_for(trainer.device, trainer.dtype):
-            sampled = self.sample(trainer, [p["prompt_ids"] for p in prompts], index, record_logps=record)
+        with mode, torch.no_grad(), autocast_for(run.device, run.dtype):
+            sampled = self.sample(run, [p["prompt_ids"] for p in prompts], index, record_logps=record)
         if self.split is not None:  # the same seed samples the same completions; this makes it certain
             sampled = self.split.broadcast_from_first(sampled)
         generation_s = time.perf_counter() - started
-        gen = self.build_generation(trainer, index, prompts, sampled.completions, reference=not in_thread,
+        gen = self.build_generation(run, index, prompts, sampled.completions, reference=not in_thread,
                                     sampled_logps=sampled.logps if record else None)
         gen.metrics.update(generation_s=generation_s, generation_tokens_per_s=sampled.tokens / max(generation_s, 1e-9),
                            generation_prefill_s=sampled.prefill_s, generation_decode_s=sampled.decode_s)
         return gen
 
-    def sample(self, trainer, prompt_ids: list[list[int]], index: int, **extra):
+    def sample(self, run: RunView, prompt_ids: list[list[int]], index: int, **extra):
         """`group_size` sampled completions of each prompt, all in one batched call, seeded by
         (seed, generation index) (`extra`: e.g. `record_logps=True`)."""
         from maximus.train.sampling import sample_groups
 
-        g, tok, device = self.g, trainer.tokenizer, trainer.device
+        g, tok, device = self.g, run.tokenizer, run.device
         seed = hash((self.cfg.training.seed, index)) % 2**63
         if g.generation == "vllm":
             if self._vllm is None:
                 from maximus.train.vllm_generation import VllmSampler
 
-                self._vllm = VllmSampler(self.cfg, trainer)
-            return self._vllm.sample(trainer.model, prompt_ids, seed=seed % 2**31, eos_token_id=tok.eos_token_id)
+                self._vllm = VllmSampler(self.cfg, self.plan.dtype)
+            return self._vllm.sample(run.model, prompt_ids, seed=seed % 2**31, eos_token_id=tok.eos_token_id)
         from maximus.kernels.lean_lora import merged_for_sampling
 
         generator = torch.Generator(device=device).manual_seed(seed)
-        extra.setdefault("meter", getattr(trainer, "meter", None))  # the decode loop runs untracked (sampling.py)
-        merged = merged_for_sampling(trainer.model) if (self.plan.generation or {}).get("merge_lora") else nullcontext()
+        extra.setdefault("meter", run.meter)  # the decode loop runs untracked (sampling.py)
+        merged = merged_for_sampling(run.model) if (self.plan.generation or {}).get("merge_lora") else nullcontext()
         with merged:
-            return sample_groups(trainer.model, prompt_ids, group_size=g.group_size,
+            return sample_groups(run.model, prompt_ids, group_size=g.group_size,
                                  max_new_tokens=g.max_completion_tokens, eos_token_id=tok.eos_token_id,
                                  pad_token_id=self.pad_token_id, temperature=g.temperature, top_p=g.top_p,
                                  generator=generator, prompts_at_once=self.prompts_at_once, **extra)
@@ -342,17 +343,17 @@ class GRPOObjective(Objective):
         """Prompts (x group) per decode loop: the plan's (`maximus.memory.generation`); None = all."""
         return (self.plan.generation or {}).get("prompts_at_once")
 
-    def build_generation(self, trainer, index: int, prompts: list[dict], completions: list[list[list[int]]], *,
+    def build_generation(self, run: RunView, index: int, prompts: list[dict], completions: list[list[list[int]]], *,
                          reference: bool = True, sampled_logps: list[list[torch.Tensor]] | None = None) -> Generation:
         """Score the sampled `completions[p][i]` (token ids, cut after EOS) of each prompt row,
         and take the reference (`reference`) and sampling-policy log-probs the steps need (module
         doc): the sampler's `sampled_logps[p][i]` when given, else a no-grad pass over the rows."""
-        g, eos = self.g, trainer.tokenizer.eos_token_id
+        g, eos = self.g, run.tokenizer.eos_token_id
         rows, totals, per_function, truncated, dropped = [], [], [], 0, 0
         step = index * self.steps_per_generation_batch + 1
         for p, (prompt, ids) in enumerate(zip(prompts, completions)):
             truncated += sum(eos not in c for c in ids)
-            scores = self._score(trainer, prompt, ids, where=f"prompt {p} of step {step} ({prompt['where']})")
+            scores = self._score(run, prompt, ids, where=f"prompt {p} of step {step} ({prompt['where']})")
             totals.append(scores.total)
             per_function.append(scores.per_function)
             dropped += scores.dropped
@@ -370,23 +371,23 @@ class GRPOObjective(Objective):
             metrics[f"reward/{function.name}"] = _nanmean(per_function[:, k])
         gen = Generation(index, rows, advantages, None, None, metrics)
         if reference:
-            self._reference_logps(trainer, gen)
+            self._reference_logps(run, gen)
         if self.keeps_old_logps:
-            gen.old_logps = (self._logps_of_rows(trainer, gen) if sampled_logps is None
+            gen.old_logps = (self._logps_of_rows(run, gen) if sampled_logps is None
                              else _aligned_logps(prompts, sampled_logps))
         return gen
 
-    def _reference_logps(self, trainer, gen: Generation) -> None:
+    def _reference_logps(self, run: RunView, gen: Generation) -> None:
         if self.g.beta > 0:
-            with peft_model_of(trainer.model).disable_adapter():
-                gen.ref_logps = self._logps_of_rows(trainer, gen)
+            with peft_model_of(run.model).disable_adapter():
+                gen.ref_logps = self._logps_of_rows(run, gen)
 
     # ------------------------------------------------------------------------------ asynchronous generation
-    def _start_pending(self, trainer, index: int) -> None:
+    def _start_pending(self, run: RunView, index: int) -> None:
         if self._pending is None or self._pending.index != index:
-            self._pending = _PendingGeneration(index, lambda: self._generate(trainer, index, in_thread=True))
+            self._pending = _PendingGeneration(index, lambda: self._generate(run, index, in_thread=True))
 
-    def _take_pending(self, trainer, index: int) -> Generation | None:
+    def _take_pending(self, run: RunView, index: int) -> Generation | None:
         """The asynchronous generation `index` (waited for, its reference pass done now), or None."""
         pending, self._pending = self._pending, None
         if pending is None:
@@ -394,21 +395,21 @@ class GRPOObjective(Objective):
         gen = pending.take()
         if pending.index != index:
             return None
-        self._reference_logps(trainer, gen)
+        self._reference_logps(run, gen)
         return gen
 
-    def _greedy(self, trainer, rows: list[dict]) -> list[list[int]]:
+    def _greedy(self, run: RunView, rows: list[dict]) -> list[list[int]]:
         """One greedy completion per prompt row, all rows in one batched call."""
         from maximus.train.sampling import sample_groups
 
-        tok = trainer.tokenizer
-        out = sample_groups(trainer.model, [r["prompt_ids"] for r in rows], group_size=1,
+        tok = run.tokenizer
+        out = sample_groups(run.model, [r["prompt_ids"] for r in rows], group_size=1,
                             max_new_tokens=self.g.max_completion_tokens, eos_token_id=tok.eos_token_id,
                             pad_token_id=self.pad_token_id, greedy=True)
         return [group[0] for group in out.completions]
 
-    def _score(self, trainer, row: dict, completion_ids: list[list[int]], *, where: str):
-        tok = trainer.tokenizer
+    def _score(self, run: RunView, row: dict, completion_ids: list[list[int]], *, where: str):
+        tok = run.tokenizer
         texts = [tok.decode([t for t in c if t != tok.eos_token_id], skip_special_tokens=True) for c in completion_ids]
         chat = isinstance(row["prompt"], list)
         completions = [[{"role": "assistant", "content": t}] for t in texts] if chat else texts
@@ -417,7 +418,7 @@ class GRPOObjective(Objective):
         return score_group(self.rewards, self.g.reward_weights, [row["prompt"]] * n, completions,
                            completion_ids, columns, where=where)
 
-    def _logps_of_rows(self, trainer, gen: Generation) -> list[torch.Tensor]:
+    def _logps_of_rows(self, run: RunView, gen: Generation) -> list[torch.Tensor]:
         """Per-row token log-probs (no_grad) of the model as it is now, micro-batch by micro-batch."""
 
         out = []
@@ -425,9 +426,9 @@ class GRPOObjective(Objective):
         with torch.no_grad():
             for i in range(0, len(gen.rows), micro):
                 batch = self._collate(gen, range(i, min(i + micro, len(gen.rows))), with_logps=False)
-                batch = {k: v.to(trainer.device) for k, v in batch.items()}
-                with autocast_for(trainer.device, trainer.dtype):
-                    logps, _ = completion_logps(trainer.model, batch, temperature=self.g.temperature,
+                batch = {k: v.to(run.device) for k, v in batch.items()}
+                with autocast_for(run.device, run.dtype):
+                    logps, _ = completion_logps(run.model, batch, temperature=self.g.temperature,
                                                 chunk_size=self.plan.loss_chunk_size, mode=self.mode)
                 out.extend(logps[j, :int(n)].float().cpu() for j, n in enumerate(batch["lengths"]))
         return out

@@ -40,6 +40,7 @@ import torch
 
 from maximus.errors import ConfigError
 from maximus.memory.plan import Plan
+from maximus.train.views import LivePlan, RunView
 from maximus.losses.preference import dpo_loss, needs_reference
 from maximus.losses.token_outputs import label_log_probs
 from maximus.forward import IGNORE_INDEX, hidden_states, output_head, shift_labels, through_head
@@ -98,7 +99,7 @@ class PreferenceObjective(Objective):
 
     name = "dpo"
 
-    def __init__(self, cfg, plan: Plan, pad_token_id: int):
+    def __init__(self, cfg, plan: Plan | LivePlan, pad_token_id: int):
         super().__init__(cfg, plan, pad_token_id)
         opt = cfg.optimization
         self.refuse_ghost_logit("DPO's exact log-probs already hold no full logits")
@@ -134,25 +135,25 @@ class PreferenceObjective(Objective):
     def tokens(self, batch: dict) -> int:
         return int(sum(row_lengths(batch[f"{side}_position_ids"]).sum() for side in SIDES))
 
-    def prepare(self, trainer) -> None:
-        if self.reference == "adapter_off" and peft_model_of(trainer.model) is None:
-            raise ConfigError(f"dpo.reference: adapter_off needs an adapter to switch off, but method is {trainer.method}",
+    def prepare(self, run: RunView) -> None:
+        if self.reference == "adapter_off" and peft_model_of(run.model) is None:
+            raise ConfigError(f"dpo.reference: adapter_off needs an adapter to switch off, but method is {run.method}",
                               "set dpo.reference: precomputed (reference log-probs computed once and cached)")
         if self.reference == "precomputed":
-            self._prepare_cache(trainer)
+            self._prepare_cache(run)
 
     def loss_sum(self, model, batch: dict) -> tuple[torch.Tensor, dict]:
         losses, chosen_rewards, rejected_rewards, _ = self._pair_losses(model, batch, split=True)
         return losses.sum(), _reward_sums(chosen_rewards, rejected_rewards)
 
     @torch.no_grad()
-    def evaluate(self, trainer) -> dict:
+    def evaluate(self, run: RunView) -> dict:
         """Held-out pairs: mean loss, reward accuracy (chosen reward > rejected), mean rewards and
         margin, and the perplexity of the chosen answers under the model (per token)."""
         from maximus.data import collate
         from maximus.forward import autocast_for
 
-        model, rows = trainer.model, trainer.data.eval
+        model, rows = run.model, run.data.eval
         size = self.plan.micro_batch_size
         max_batches = self.cfg.eval.max_batches
         totals = {"loss": 0.0, "rewards/chosen": 0.0, "rewards/rejected": 0.0, "rewards/margin": 0.0,
@@ -164,8 +165,8 @@ class PreferenceObjective(Objective):
             for i, start in enumerate(range(0, len(rows), size)):
                 if max_batches is not None and i >= max_batches:
                     break
-                batch = {k: v.to(trainer.device) for k, v in collate(rows[start:start + size], self.pad_token_id).items()}
-                with autocast_for(trainer.device, trainer.dtype):
+                batch = {k: v.to(run.device) for k, v in collate(rows[start:start + size], self.pad_token_id).items()}
+                with autocast_for(run.device, run.dtype):
                     losses, rc, rr, (logps, counts) = self._pair_losses(model, batch)
                 n = losses.shape[0]
                 totals["loss"] += float(losses.double().sum())
@@ -183,7 +184,7 @@ class PreferenceObjective(Objective):
         if self.cfg.eval.prompts:
             from maximus.evaluate import generate_text
 
-            result["generations"] = generate_text(model, trainer.tokenizer, self.cfg.eval.prompts, device=trainer.device,
+            result["generations"] = generate_text(model, run.tokenizer, self.cfg.eval.prompts, device=run.device,
                                                   max_new_tokens=self.cfg.eval.max_new_tokens)
         return result
 
@@ -229,41 +230,41 @@ class PreferenceObjective(Objective):
                               device=batch["chosen_input_ids"].device)
         return values[:, 0], values[:, 1]
 
-    def _cache_meta(self, trainer) -> dict:
+    def _cache_meta(self, run: RunView) -> dict:
         cfg = self.cfg
         return {"version": _CACHE_VERSION, "model": str(cfg.model), "init_adapter": str(cfg.init_adapter),
-                "method": str(trainer.method), "dtype": str(trainer.dtype), "mode": self.mode}
+                "method": str(run.method), "dtype": str(run.dtype), "mode": self.mode}
 
-    def _prepare_cache(self, trainer) -> None:
+    def _prepare_cache(self, run: RunView) -> None:
         from maximus.data import collate
         from maximus.forward import autocast_for
 
-        rows = list(trainer.data.train) + list(trainer.data.eval)
+        rows = list(run.data.train) + list(run.data.eval)
         size = self.plan.micro_batch_size
         batches = [collate(rows[i:i + size], self.pad_token_id) for i in range(0, len(rows), size)]
         keys = [k for b in batches for k in pair_keys(b)]
-        self.cache_path = Path(trainer.run_dir) / CACHE_FILE
-        meta = self._cache_meta(trainer)
+        self.cache_path = Path(run.run_dir) / CACHE_FILE
+        meta = self._cache_meta(run)
         stored = _read_cache(self.cache_path, meta)
         if stored is not None and all(k in stored for k in keys):
             self.cache, self.cache_reused = stored, True
             return
-        model = trainer.model
+        model = run.model
         was_training = model.training
         model.eval()
         values = []
         try:
             with torch.no_grad():
                 for batch in batches:
-                    batch = {k: v.to(trainer.device) for k, v in batch.items()}
-                    with autocast_for(trainer.device, trainer.dtype):
+                    batch = {k: v.to(run.device) for k, v in batch.items()}
+                    with autocast_for(run.device, run.dtype):
                         logps, _ = sequence_logps(model, *_concat_sides(batch), chunk_size=self.chunk_size, mode=self.mode)
                     n = self.count(batch)
                     values.extend(zip(logps[:n].double().tolist(), logps[n:].double().tolist()))
         finally:
             model.train(was_training)
         self.cache = dict(zip(keys, values))
-        if getattr(getattr(trainer, "dist", None), "is_main", True):
+        if run.dist.is_main:
             _write_cache(self.cache_path, self.cache, meta)
 
 
