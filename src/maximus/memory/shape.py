@@ -55,6 +55,10 @@ KNOWN_SHAPES: dict[str, dict[str, Any]] = {
     "Qwen/Qwen2.5-72B": dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
                              num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
                              tie_word_embeddings=False, max_position_embeddings=131072),
+    # The instruct model's published config.json differs from the base's in its context only.
+    "Qwen/Qwen2.5-72B-Instruct": dict(model_type="qwen2", vocab_size=152064, hidden_size=8192, intermediate_size=29568,
+                                      num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
+                                      tie_word_embeddings=False, max_position_embeddings=32768),
     "mistralai/Mistral-Large-Instruct-2407": dict(model_type="mistral", vocab_size=32768, hidden_size=12288,
                                                   intermediate_size=28672, num_hidden_layers=88,
                                                   num_attention_heads=96, num_key_value_heads=8, head_dim=128,
@@ -78,7 +82,6 @@ for _alias, _name in {
     # The config in the project's source article names this model; the 12B Mistral is Nemo.
     "mistralai/Mistral-12B-v0.1": "mistralai/Mistral-Nemo-Base-2407",
     "Qwen/Qwen2.5-7B-Instruct": "Qwen/Qwen2.5-7B",
-    "Qwen/Qwen2.5-72B-Instruct": "Qwen/Qwen2.5-72B",
     "mistralai/Mistral-Large-Instruct-2411": "mistralai/Mistral-Large-Instruct-2407",
     "Qwen/Qwen2.5-0.5B-Instruct": "Qwen/Qwen2.5-0.5B",
     "Qwen/Qwen2.5-1.5B-Instruct": "Qwen/Qwen2.5-1.5B",
