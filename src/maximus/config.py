@@ -9,7 +9,7 @@ from __future__ import annotations
 import difflib
 import re
 from pathlib import Path
-from typing import Any, Literal, Union
+from typing import Annotated, Any, Literal, Union
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -315,7 +315,7 @@ class TrainingConfig(_Section):
     dtype: Literal["auto", "bf16", "fp16", "fp32"] = Field("auto", description="Compute dtype: `auto` = bf16 where the device supports it, else fp32.")
     max_bad_steps: int = Field(5, ge=1, description="Stop after this many consecutive steps with a non-finite loss or gradient (each is skipped).")
     distributed: Literal["auto", "ddp", "fsdp"] = Field("auto", description="Under torchrun: FSDP2 when the model does not fit one device, else DDP.")
-    context_parallel: int = Field(1, ge=1, description="Under torchrun: split each row's tokens over this many processes (context parallelism), so a row longer than one device holds can train; it must divide the world size, the remaining factor splits the batch (a 2-D device mesh, shard x context; DDP, or FSDP2 sharding over the whole world). Attention sees the whole causal row through Ulysses (an all-to-all, when the query heads divide by it) or else ring attention; positions and packed documents are the whole row's; the loss is normalised by the whole step's token count, so the update equals one process's. Objectives sft, dpo (chosen and rejected rows split alike) and grpo (its training pass; generation runs whole rows on every rank, and context_parallel must then equal the world size, under DDP); 1 = off. See docs/distributed.md.")
+    context_parallel: Union[Annotated[int, Field(ge=1)], Literal["auto"]] = Field(1, description="Under torchrun: split each row's tokens over this many processes (context parallelism), so a row longer than one device holds can train; it must divide the world size, the remaining factor splits the batch (a 2-D device mesh, shard x context; DDP, or FSDP2 sharding over the whole world). Attention sees the whole causal row through Ulysses (an all-to-all, when the query heads divide by it) or else ring attention; positions and packed documents are the whole row's; the loss is normalised by the whole step's token count, so the update equals one process's. Objectives sft, dpo (chosen and rejected rows split alike) and grpo (its training pass; generation runs whole rows on every rank, and context_parallel must then equal the world size, under DDP); 1 = off. `auto`: the planner picks the smallest divisor of the number of processes (whose split cuts training.seq_len into equal chunks) at which the longest row fits optimization.target_vram after the one-device levers (recompute, offload, MLP tiles, micro-batch 1), and plans the rest of the run around it; the plan records the degree (run.json `plan.context_parallel`) and the trainer joins at it; one process, no budget, or a run the split cannot train (Kronecker Sketching, objectives other than sft/dpo/grpo, grpo.async_generation) plans degree 1. The default stays 1 so a torchrun launch splits the batch unless asked. See docs/distributed.md.")
     log_every: int = Field(1, ge=1, description="Print/log every N optimizer steps (metrics.jsonl always gets every step).")
     qat: Literal["off", "q8_0", "q4_0", "q4_k_m", "int4"] = Field("off", description="Quantization-aware training for the file you deploy: in training mode every forward sees the weights rounded as the export will round them (a straight-through gradient; with LoRA / QLoRA the quantized merged weight base + adapter). `q8_0`, `q4_0`, `q4_k_m`: the GGUF types of `maximus export --format gguf | ollama --quant` (which then defaults to this), rounded exactly as the gguf package and llama.cpp's quantiser round each tensor (llama.cpp's own Q4_K_M mixture and fallbacks); `int4`: torchao's symmetric int4 in groups of 32 on the decoder's linears (no GGUF export holds it). Held-out evaluation scores the float model; `maximus eval --gguf FILE` scores the export in llama.cpp. Costs one fake-quantized copy of the quantized weights and their rounding each step (docs/benchmarks/qat.md). Not with DoRA, mixture-of-experts models or Kronecker sketching.")
     qat_start: float = Field(0.0, ge=0, lt=1, description="With training.qat: the fraction of the optimizer steps trained without the rounding before it starts (0 = from the first step; 0.5 = the second half of the steps see the rounded weights): the model first learns the task in float, then adapts to the rounding. The planner counts the rounded copies for the whole run. See docs/benchmarks/qat.md.")
@@ -519,7 +519,7 @@ class Config(_Section):
     def _context_parallel_fits(self):
         """What context parallelism cannot split yet is refused here, before anything loads."""
         t = self.training
-        if t.context_parallel == 1:
+        if t.context_parallel in (1, "auto"):  # auto splits only runs that can be split (memory.spec_from_config)
             return self
         if self.optimization.kronecker is not None:
             raise ConfigError(f"training.context_parallel {t.context_parallel} cannot split Kronecker Sketching attention "

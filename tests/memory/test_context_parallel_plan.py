@@ -17,12 +17,17 @@ def test_exchange_buffers_count_the_kept_qkv_and_four_output_copies():
 
 
 def test_longest_row_over_cards_is_predicted_past_four_million_on_eight_80gb_cards():
-    budget = resolve_budget("80GB")
+    from maximus.config import GPU_CARDS
+
+    budget = GPU_CARDS["H100"][0]  # an 80 GB card as the card table has it (79 GiB)
     one = longest_context_over_ranks(EIGHT_B, budget, 1, method="qlora", lora_r=32)
     assert one == max_seq_len_for_budget(EIGHT_B, budget, method="qlora", lora_r=32) >= 500_000
     two, eight = (longest_context_over_ranks(EIGHT_B, budget, n, method="qlora", lora_r=32) for n in (2, 8))
     assert two % 4 == 0 and eight % 16 == 0
     assert one < two < eight and eight >= 4_000_000
+    # 80e9 bytes exactly: the margin covers the exchange buffers too, and the row falls just short
+    assert 3_900_000 < longest_context_over_ranks(EIGHT_B, resolve_budget("80GB"), 8, method="qlora",
+                                                  lora_r=32) < 4_000_000
     # the buffers cost: 8 cards hold less than 8 times one card's row
     assert eight < 8 * one
 
@@ -52,3 +57,59 @@ def test_a_rank_of_four_is_predicted_under_a_third_of_one_process_activations_at
     buffers = exchange_bytes_per_token(shape, 4, 4) * 1024  # fp32 copies of 1,024 local tokens
     assert four == estimate_peak(shape, seq_len=1024, **kw).breakdown["activations"] + buffers
     assert four < 0.35 * one
+
+
+def _llama_8b_spec(world_size: int, seq_len: int, degree):
+    from maximus.memory.run_spec import RunSpec
+    from maximus.memory.shape import model_shape
+
+    return RunSpec(shape=model_shape(EIGHT_B), world_size=world_size).searching(
+        method="qlora", batch_size=world_size, seq_len=seq_len, context_parallel=degree)
+
+
+def test_auto_picks_the_fewest_processes_whose_share_fits_and_agrees_with_the_longest_row():
+    from maximus.config import GPU_CARDS
+    from maximus.memory.planner import plan_for_budget
+
+    budget = GPU_CARDS["H100"][0]
+    longest = longest_over_cards(EIGHT_B, budget, 8, method="qlora", lora_r=16)
+    seq_len = longest[2] // 16 * 16 + 16  # just past two cards' longest row: four are the fewest
+    plan = plan_for_budget(_llama_8b_spec(8, seq_len, "auto"), budget)
+    assert plan.context_parallel == fewest_cards(longest, seq_len) == 4
+    assert plan.world_size == 2 and plan.effective_batch == 8 and plan.peak_bytes <= budget * 0.9
+    assert f"context parallel 4" in plan.summary()
+    assert plan.to_dict()["context_parallel"] == 4
+    short = plan_for_budget(_llama_8b_spec(8, 4096, "auto"), budget)
+    assert short.context_parallel == 1 and short.world_size == 8  # one card holds it: the batch splits
+
+
+def test_a_split_estimate_is_one_ranks_share_plus_the_exchange_buffers():
+    from maximus.memory.estimate import estimate_step
+    from maximus.memory.run_spec import Candidate
+
+    spec = _llama_8b_spec(1, 65536, 1)
+    cand = Candidate(method="qlora", seq_len=65536, checkpointing="full")
+    split = estimate_step(spec, __import__("dataclasses").replace(cand, context_parallel=4))
+    local = estimate_step(spec, __import__("dataclasses").replace(cand, seq_len=16384))
+    buffers = exchange_bytes_per_token(spec.shape, 4) * 16384
+    assert split.peak_bytes == local.peak_bytes + buffers
+    assert split.breakdown["activations"] == local.breakdown["activations"] + buffers
+
+
+def test_bad_splits_are_one_line_naming_the_key_and_value():
+    import pytest
+
+    from maximus.errors import BudgetError, ConfigError
+    from maximus.memory.planner import plan_for_budget
+
+    with pytest.raises(ConfigError) as bad_row:
+        plan_for_budget(_llama_8b_spec(1, 1000, 16), resolve_budget("80GB"))
+    assert bad_row.value.one_line() == ("training.seq_len 1000 cannot be split evenly over training.context_parallel "
+                                        "16 ranks (it must be a multiple of 32 tokens) (hint: use a training.seq_len "
+                                        "divisible by 32)")
+    with pytest.raises(BudgetError) as none_fits:
+        plan_for_budget(_llama_8b_spec(2, 1 << 22, "auto"), resolve_budget("24GB"))
+    assert none_fits.value.one_line() == (
+        "training.context_parallel auto: no split of rows of 4,194,304 tokens over 1 / 2 of the 2 processes fits "
+        "22.35 GiB per process (hint: launch more processes (torchrun --nproc_per_node), raise "
+        "optimization.target_vram, or lower training.seq_len)")

@@ -5,8 +5,9 @@ counts per token (saved layer inputs, tiles, the loss chunks, offloaded activati
 ``T / N``-token row, and the weights and optimizer state are whole on every rank (DDP). On top,
 Ulysses' exchange holds, while one layer's attention runs, copies of that layer's queries, keys
 and values (sent, received, reordered to the row's order) and of its output (computed, reordered,
-sent, received): `exchange_bytes_per_token` per local token. So the longest row over ``N`` ranks
-is ``N`` times the longest local share whose one-card plan fits the budget less those buffers.
+sent, received): `exchange_bytes_per_token` per local token. The estimator counts both
+(`maximus.memory.estimate.context_split_estimate`), and the planner picks the degree from it
+(``context_parallel: auto``).
 Under autograd the queries, keys and values reordered for the whole row are kept for SDPA's
 backward (one copy); the output's way back holds at once the output, its reordered copy, the
 send and the receive buffer (four copies of the output).
@@ -19,48 +20,30 @@ from __future__ import annotations
 
 from typing import Any
 
-#: Copies of a layer's queries, keys and values, and of its attention output, the all-to-all holds at once.
-QKV_COPIES = 1
-OUTPUT_COPIES = 4
+from maximus.memory.context_exchange import OUTPUT_COPIES, QKV_COPIES, exchange_bytes_per_token  # noqa: F401
 
 
-def exchange_bytes_per_token(model_config: Any, degree: int, dtype_bytes: int = 2) -> int:
-    """Bytes per local token of Ulysses' exchange buffers for one layer (0 at degree 1). Key/value
-    heads that do not divide by `degree` travel repeated up to the query heads."""
-    from maximus.memory.shape import model_shape
-
-    if degree == 1:
-        return 0
-    shape = model_shape(model_config)
-    kv_heads = shape.num_kv_heads if shape.num_kv_heads % degree == 0 else shape.num_heads
-    per_head = shape.head_dim * dtype_bytes
-    return per_head * (QKV_COPIES * (shape.num_heads + 2 * kv_heads) + OUTPUT_COPIES * shape.num_heads)
-
-
-def longest_context_over_ranks(model_config: Any, budget_bytes: int, degree: int, *, dtype_bytes: int = 2,
-                               micro_batch: int = 1, **plan_kw: Any) -> int:
+def longest_context_over_ranks(model_config: Any, budget_bytes: int, degree: int, *, micro_batch: int = 1,
+                               **plan_kw: Any) -> int:
     """The longest row (tokens, a multiple of ``2 * degree``) that `degree` ranks of `budget_bytes`
-    each train together: `degree` x the longest local share ``s`` whose one-card plan fits
-    `budget_bytes` less ``s`` x `exchange_bytes_per_token`. `model_config`: a `RunSpec`, or
-    anything `model_shape` reads with `plan_for_budget` keywords in `plan_kw` (every memory knob
-    allowed; the method defaults to qlora, as for `max_seq_len_for_budget`)."""
+    each train together: the longest for which `plan_for_budget` finds a plan at
+    ``context_parallel = degree`` (each rank's estimate: its ``1 / degree`` of the row plus the
+    exchange buffers, `maximus.memory.estimate.context_split_estimate`), so it agrees with the
+    degree ``context_parallel: auto`` picks. `model_config`: a `RunSpec`, or anything
+    `model_shape` reads with `plan_for_budget` keywords in `plan_kw` (every memory knob allowed;
+    the method defaults to qlora, as for `max_seq_len_for_budget`)."""
     from maximus.memory.planner import fits_at, max_seq_len_for_budget, spec_of
 
-    spec = spec_of(model_config, plan_kw, method="qlora")
+    spec = spec_of(model_config, plan_kw, method="qlora").searching(context_parallel=1)
     alone = max_seq_len_for_budget(spec, budget_bytes, micro_batch=micro_batch)
-    per_token = exchange_bytes_per_token(spec.shape, degree, dtype_bytes) * micro_batch
-    if not per_token:
+    if degree == 1:
         return alone
-
-    def fits(local: int) -> bool:
-        room = budget_bytes - per_token * local
-        return room > 0 and fits_at(spec, room, micro_batch)(local)
-
-    lo, hi = 0, alone + 1  # invariant: fits(lo) (or lo = 0), not fits(hi)
+    fits, step = fits_at(spec.searching(context_parallel=degree), budget_bytes, micro_batch), 2 * degree
+    lo, hi = 0, (alone + 1) * degree // step + 1  # in steps of 2 x degree tokens: fits(lo) (or 0), not fits(hi)
     while hi - lo > 1:
         mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    return lo * degree // (2 * degree) * (2 * degree)
+        lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
+    return lo * step
 
 
 def longest_over_cards(model_config: Any, budget_bytes: int, gpus: int, **longest_kw: Any) -> dict[int, int]:

@@ -26,7 +26,7 @@ loss and workspace, summing exactly to `peak_bytes`.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal, Sequence
 
 from maximus.errors import ConfigError
@@ -1028,7 +1028,10 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
 
 def estimate_step(spec: RunSpec, cand: Candidate) -> Estimate:
     """The `Estimate` of the candidate plan `cand` in the run `spec`: static part + the largest of
-    its phases (`estimate_peak` documents what it counts)."""
+    its phases (`estimate_peak` documents what it counts). Under context parallelism
+    (``cand.context_parallel`` > 1) it is one rank's: `context_split_estimate`."""
+    if cand.context_parallel > 1:
+        return context_split_estimate(spec, cand)
     step = step_of(spec, cand)
     static = _static_terms(step)
     layers = _layer_terms(step, static.extras)
@@ -1053,6 +1056,24 @@ def estimate_step(spec: RunSpec, cand: Candidate) -> Estimate:
                     host_bytes=int(layers.host_acts + static.host_opt + streaming["host"]),
                     disk_bytes=streaming["disk"], streamed_bytes_per_step=streaming["per_step"],
                     compute_tokens_per_s=tps)
+
+
+def context_split_estimate(spec: RunSpec, cand: Candidate) -> Estimate:
+    """One rank's estimate when ``cand.context_parallel`` ranks share each row: every per-token
+    term is that of a ``seq_len / degree``-token row (the weights and optimizer state whole, as
+    under DDP), plus the attention exchange's buffers for those tokens
+    (`memory.context_parallel.exchange_bytes_per_token`), counted as activations."""
+    from maximus.memory.context_exchange import exchange_bytes_per_token
+
+    degree = cand.context_parallel
+    local_tokens = -(-cand.seq_len // degree)
+    local = estimate_step(spec, replace(cand, seq_len=local_tokens, context_parallel=1))
+    exchange = exchange_bytes_per_token(spec.shape, degree, spec.dtype_bytes) * cand.micro_batch * local_tokens
+    breakdown = {**local.breakdown, "activations": local.breakdown["activations"] + exchange}
+    note = (f"context parallelism: each of {degree} ranks holds {local_tokens:,} tokens of each row, plus "
+            f"{exchange:,} bytes of the attention exchange's buffers")
+    return replace(local, peak_bytes=local.peak_bytes + exchange, breakdown=breakdown, notes=local.notes + [note],
+                   settings={**local.settings, "context_parallel": degree})
 
 
 def _streaming_terms(step: Step, streamed: int, compute_tps: float) -> dict[str, Any]:

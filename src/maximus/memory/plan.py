@@ -52,7 +52,8 @@ def plan_summary(p: dict[str, Any]) -> str:
                                       ("params" + ("(disk)" if p.get("params_store") == "disk" else ""),
                                        "offload_params")) if p.get(k))
     return (f"{p.get('method')} mb {p.get('micro_batch_size')} x acc {p.get('grad_accum')}, ckpt {label}"
-            + (f", offload {offload}" if offload else "") + (f", tiles {p['tile_tokens']}" if p.get("tile_tokens") else ""))
+            + (f", offload {offload}" if offload else "") + (f", tiles {p['tile_tokens']}" if p.get("tile_tokens") else "")
+            + (f", context parallel {p['context_parallel']}" if (p.get("context_parallel") or 1) > 1 else ""))
 
 
 def streaming_summary(bytes_per_step: int, compute_tokens_per_s: float, tokens_per_s: float) -> str:
@@ -148,6 +149,11 @@ class Plan:
     #: ``grad_accum`` the most micro-batches one step has. None: ``micro_batch_size`` rows each.
     micro_batch_tokens: int | None = None
     rows_per_step: int | None = None
+    #: Processes that share each row (``training.context_parallel``, or the planner's choice
+    #: under ``auto``): each holds ``seq_len / context_parallel`` tokens of a row, and the peak
+    #: is one such process's. ``world_size`` counts the ranks that split the batch; the trainer
+    #: joins its context-parallel group at this degree.
+    context_parallel: int = 1
     #: The run the plan was estimated for (`maximus.memory.run_spec.RunSpec`: the model's shape,
     #: the run's fixed settings, its search space and the data's lengths), so a re-plan needs
     #: neither the config nor the model again; None for a plan made without an estimate. Not
@@ -243,6 +249,9 @@ class Plan:
                       + f" = {self.effective_batch} sequences of " + (f"{self.seq_len} tokens" if self.rows_tokens_max is None
                       else f"up to {self.rows_tokens_max} tokens (the data's longest row)")),
             ("distributed", self.strategy),
+            *([("context parallel", f"{self.context_parallel} processes share each row "
+                                    f"({self.seq_len // self.context_parallel:,} tokens each)")]
+              if self.context_parallel > 1 else []),
             ("checkpointing", self.checkpointing_label + (f", MLP in tiles of {self.tile_tokens} tokens"
                                                            if self.tile_tokens else "")),
             ("offload", offload or "none"),

@@ -154,7 +154,8 @@ class _Space:
         """The candidate the estimator reads for a search candidate (whose micro-batch is a key)."""
         mb = cand.micro_batch
         return replace(cand, micro_batch=self.rows_for(mb), seq_len=self.seq_for(mb), grad_accum=self.accum_for(mb),
-                       sharded=self.spec.search.sharded, masked_attention=self.masked_for(mb))
+                       sharded=self.spec.search.sharded, masked_attention=self.masked_for(mb),
+                       context_parallel=split_degree(self.spec))
 
     def estimate(self, option: Option) -> Estimate:
         spec, cand = option
@@ -240,6 +241,9 @@ def plan_for_budget(spec: Any, budget_bytes: int | None, *, free_memory: bool = 
     """
     spec = spec_of(spec, settings)
     _check_tile_tokens(spec.search.tile_tokens)
+    if spec.search.context_parallel == "auto":
+        return _plan_context_parallel(spec, budget_bytes, free_memory=free_memory)
+    check_row_splits(spec.search.seq_len, split_degree(spec))
     space, found = _search_streaming(spec, budget_bytes)
     host_budget = spec.search.host_budget_bytes
     if found.smallest is None:  # every plan needs more host memory than there is
@@ -260,6 +264,60 @@ def plan_for_budget(spec: Any, budget_bytes: int | None, *, free_memory: bool = 
     if free_memory:
         plan = replace(plan, notes=plan.notes + (f"no target_vram: fitted to the {format_bytes(budget_bytes)} of free memory",))
     return plan
+
+
+def split_degree(spec: RunSpec) -> int:
+    """The ranks that share each row in `spec` (its fixed ``context_parallel``; 1 under ``auto``,
+    which `plan_for_budget` resolves first)."""
+    degree = spec.search.context_parallel
+    return degree if isinstance(degree, int) else 1
+
+
+def check_row_splits(seq_len: int, degree: int) -> None:
+    """ConfigError when rows of `seq_len` tokens cannot be cut into the ``2 * degree`` equal
+    chunks of the zigzag split (`attention.context_split`)."""
+    if degree > 1 and seq_len % (2 * degree):
+        raise ConfigError(f"training.seq_len {seq_len} cannot be split evenly over training.context_parallel "
+                          f"{degree} ranks (it must be a multiple of {2 * degree} tokens)",
+                          f"use a training.seq_len divisible by {2 * degree}")
+
+
+def context_degrees(spec: RunSpec) -> list[int]:
+    """The degrees ``context_parallel: auto`` may pick, smallest first: divisors of the spec's
+    processes (`RunSpec.world_size`) whose zigzag split cuts the rows evenly."""
+    seq_len = spec.search.seq_len
+    degrees = [d for d in _divisors(spec.world_size) if d == 1 or seq_len % (2 * d) == 0]
+    if spec.techniques.objective == "grpo":  # its rollouts run whole on every process: all of them split, or one
+        return degrees[-1:]
+    return degrees
+
+
+def _plan_context_parallel(spec: RunSpec, budget_bytes: int | None, *, free_memory: bool) -> Plan:
+    """``context_parallel: auto``: the plan of the smallest degree (`context_degrees`) for which
+    some plan fits `budget_bytes`, the rest of the run (micro-batch, recompute, offloads, tiles)
+    planned around it; the remaining processes split the batch. Without a budget, degree 1."""
+    processes, seq_len = spec.world_size, spec.search.seq_len
+    degrees = context_degrees(spec) if budget_bytes is not None else [1]
+
+    def split(degree: int) -> RunSpec:
+        return replace(spec, world_size=processes // degree, search=replace(spec.search, context_parallel=degree))
+
+    for degree in degrees:
+        try:
+            plan = plan_for_budget(split(degree), budget_bytes, name_longest=False)
+        except BudgetError:
+            continue
+        if degree == 1:
+            return plan
+        return replace(plan, notes=plan.notes + (f"context_parallel auto: {degree} of the {processes} processes share "
+                                                 f"each row (the fewest whose share fits)",))
+    if free_memory:
+        return plan_for_budget(split(degrees[-1]), budget_bytes, free_memory=True)
+    raise BudgetError(f"training.context_parallel auto: no split of rows of {seq_len:,} tokens over "
+                      f"{' / '.join(map(str, degrees))} of the {processes} processes fits "
+                      f"{format_bytes(budget_bytes)} per process",
+                      "launch more processes (torchrun --nproc_per_node), raise optimization.target_vram, or "
+                      "lower training.seq_len")
 
 
 def _search_streaming(spec: RunSpec, budget_bytes: int | None) -> tuple[_Space, _Found]:
@@ -518,7 +576,8 @@ def _to_plan(spec: RunSpec, cand: Candidate, e: Estimate, budget: int | None, pe
                 budget_bytes=budget, margin_bytes=margin_bytes, peak_phase=e.phase, seq_len=seq_len,
                 world_size=world_size, dtype=spec.dtype, lora_r=spec.lora.r if cand.method != "full" else None,
                 device=spec.device, strategy=strategy, tokens_per_s_guess=e.tokens_per_s_guess, notes=tuple(notes),
-                tile_tokens=tile, host_bytes=e.host_bytes, **_streaming_fields(e))
+                tile_tokens=tile, host_bytes=e.host_bytes, context_parallel=cand.context_parallel,
+                **_streaming_fields(e))
 
 
 def _streaming_fields(e: Estimate) -> dict[str, Any]:

@@ -229,6 +229,11 @@ class SearchSpace:
     host_budget_bytes: int | None = None
     #: Whether the ranks shard the model (FSDP2); None: the estimator's default (yes when several).
     sharded: bool | None = None
+    #: Ranks that share each row (``training.context_parallel``): a degree, whose ranks the
+    #: spec's ``world_size`` does not count (it counts the ranks that split the batch), or
+    #: ``auto``: the planner picks the smallest divisor of ``world_size`` (then every process)
+    #: whose split of the longest row fits the budget (`memory.planner.plan_for_budget`).
+    context_parallel: int | str = 1
 
 
 @dataclass(frozen=True)
@@ -287,6 +292,9 @@ class Candidate:
     grad_accum: int = 1
     #: FSDP2 shards the model over the ranks; None: yes when there are several (QLoRA never).
     sharded: bool | None = None
+    #: Ranks that share each row (context parallelism): the estimate is one rank's, holding
+    #: ``seq_len / context_parallel`` tokens of each row plus the attention exchange's buffers.
+    context_parallel: int = 1
     #: SDPA gets a document mask (many short packed documents: `MicroBatch.masked`).
     masked_attention: bool = False
 
@@ -306,7 +314,8 @@ _SEARCH = {"method": "method", "batch_size": "batch_size", "seq_len": "seq_len",
            "micro_batch_tokens": "micro_batch_tokens", "gradient_checkpointing": "gradient_checkpointing",
            "offload_activations": "offload_activations", "offload_optimizer": "offload_optimizer",
            "loss_chunk_size": "loss_chunk_size", "tile_tokens": "tile_tokens", "margin": "margin",
-           "host_budget_bytes": "host_budget_bytes", "sharded": "sharded"}
+           "host_budget_bytes": "host_budget_bytes", "sharded": "sharded",
+           "context_parallel": "context_parallel"}
 _KERNELS = ("lean_lora", "lean_norm", "grouped_experts")
 _SPEC = ("dtype", "device", "world_size", "lengths", "kronecker", "allow")
 #: `estimate_peak` keywords that only the candidate reads (`candidate_of`).

@@ -165,7 +165,18 @@ def search_space(cfg: Any, device_type: str, world_size: int) -> SearchSpace:
                        micro_batch_tokens=t.micro_batch_tokens, gradient_checkpointing=opt.gradient_checkpointing,
                        offload_activations=opt.offload.activations, offload_optimizer=offload_opt,
                        loss_chunk_size=opt.loss_chunk_size, tile_tokens=opt.tile_tokens,
-                       host_budget_bytes=host_for_offload(device_type))
+                       host_budget_bytes=host_for_offload(device_type), context_parallel=context_parallel_setting(cfg))
+
+
+def context_parallel_setting(cfg: Any) -> int | str:
+    """``training.context_parallel`` as the planner searches it: the configured degree, or
+    ``auto`` for a run the split can train (else 1: the config refuses those at a fixed degree)."""
+    t = cfg.training
+    if t.context_parallel != "auto":
+        return t.context_parallel
+    splittable = (cfg.optimization.kronecker is None and cfg.objective in ("sft", "dpo", "grpo")
+                  and not (cfg.objective == "grpo" and cfg.grpo.async_generation))
+    return "auto" if splittable else 1
 
 
 def host_for_offload(device_type: str) -> int | None:

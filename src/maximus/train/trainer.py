@@ -134,7 +134,9 @@ class Trainer:
         cfg = self.cfg
         self.dist = dist_env.init()
         # training.context_parallel: the ranks that share each row (a collective; checked first).
-        self.context = ContextParallel.join(self.dist, cfg.training.context_parallel)
+        # auto: the plan's degree, joined once the model's config is read (below).
+        auto_split = cfg.training.context_parallel == "auto"
+        self.context = ContextParallel.join(self.dist, 1 if auto_split else cfg.training.context_parallel)
         self.device = resolve_device(cfg.device) if not self.dist.enabled else self.dist.device
         self.dtype = resolve_dtype(cfg.training.dtype, self.device)
         # CPU: as many threads as cores are free for this process (see maximus.kernels.cpu_threads).
@@ -143,6 +145,8 @@ class Trainer:
         check_output_dir(self.run_dir)  # a folder someone else filled is refused before anything loads
         # The model's source, resolved once (files, config, family, vision): everything below takes it.
         self.source = resolve_source(cfg)
+        if auto_split:
+            self.cfg = cfg = self._join_planned_split()
         require_packages(cfg)  # the optimizer's package, before anything heavy loads
         if self.context.split.enabled:  # an attention the split would change: one line, before the data
             longest_row = cfg.training.seq_len + (cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else 0)
@@ -227,6 +231,17 @@ class Trainer:
                            device=self.device, dtype=self.dtype, total_steps=self.total_steps, data=self.data,
                            data_report=self.data_report, kernels=self.kernels, meter=self.meter,
                            optimizer=self.optimizer, streamer=self.streamer, gathered=self._gathered)
+
+    def _join_planned_split(self) -> Config:
+        """``training.context_parallel: auto``: the degree the planner picks for rows of
+        ``seq_len`` tokens over every process (`memory.planner.plan_for_budget`), joined; the
+        config with that degree, so the run's plan (after the data) is planned at it."""
+        cfg = self.cfg
+        degree = plan_run(cfg, device=self.device, world_size=self.dist.world_size,
+                          model_config=self.source.config).context_parallel
+        self.dist.say(f"training.context_parallel auto: {degree} of {self.dist.world_size} process(es) share each row")
+        self.context = ContextParallel.join(self.dist, degree)
+        return cfg.model_copy(update={"training": cfg.training.model_copy(update={"context_parallel": degree})})
 
     def _weight_store(self):
         """Where the plan's streamed layers live (`optimization.offload.params`, or the planner's
