@@ -183,7 +183,9 @@ def test_parameter_offload_on_cpu_saves_nothing_and_says_so(tiny, tmp_path, plai
 def test_parameter_offload_on_cuda_frees_what_the_streamer_streams():
     """On CUDA the streamed bytes leave the device but for three layers in flight; the bytes the
     real `FrozenWeightStreamer` holds off the device are the oracle: plain bf16 weights (LoRA), and
-    NF4 weights with their double-quantized state (QLoRA, built layer by layer into the store)."""
+    NF4 weights with their double-quantized state (QLoRA, built layer by layer into the store).
+    The untied, frozen input embedding's table leaves with them (`HostEmbedding`): the real
+    module's bytes."""
     from peft import LoraConfig as PeftLora, get_peft_model
 
     from maximus.layerwise_load import random_layerwise_qlora
@@ -196,22 +198,27 @@ def test_parameter_offload_on_cuda_frees_what_the_streamer_streams():
     streamer = FrozenWeightStreamer(model)
     streamed = streamer.layer_bytes
     streamer.remove()
+    table = model.get_input_embeddings().weight.nbytes
     kw = dict(method="lora", lora_r=4, seq_len=64, device="cuda")
     on, off = estimate_peak(config, offload_params=True, **kw), estimate_peak(config, **kw)
-    assert off.breakdown["weights"] - on.breakdown["weights"] == sum(streamed) - 3 * max(streamed)
-    assert on.notes == [] and on.host_bytes - off.host_bytes == sum(streamed)
+    assert off.breakdown["weights"] - on.breakdown["weights"] == sum(streamed) - 3 * max(streamed) + table
+    assert on.notes == [] and on.host_bytes - off.host_bytes == sum(streamed) + table
     store = HostWeightStore(pin=False)
     quantized = random_layerwise_qlora(config, device=torch.device("cpu"), dtype=torch.bfloat16, attention="sdpa",
                                        store=store)
     streamed = FrozenWeightStreamer(quantized, store).layer_bytes
+    table = quantized.get_input_embeddings().weight.nbytes
     kw["method"] = "qlora"
     on, off = estimate_peak(config, offload_params=True, **kw), estimate_peak(config, **kw)
     # NF4's absmax blocks round up where a matrix is not a whole number of them: a few bytes a layer.
-    assert off.breakdown["weights"] - on.breakdown["weights"] == pytest.approx(sum(streamed) - 3 * max(streamed), rel=1e-3)
-    assert on.notes == [] and on.streamed_bytes_per_step == pytest.approx(2 * 5 * max(streamed), rel=1e-3)
+    assert off.breakdown["weights"] - on.breakdown["weights"] == pytest.approx(sum(streamed) - 3 * max(streamed) + table,
+                                                                               rel=1e-3)
+    rows = 64 * config.hidden_size * 2  # the micro-batch's embedding rows: at most one per token, bf16
+    assert on.notes == [] and on.streamed_bytes_per_step == pytest.approx(2 * 5 * max(streamed) + rows, rel=1e-3)
     disk = estimate_peak(config, offload_params="disk", **kw)
-    assert disk.peak_bytes == on.peak_bytes and disk.disk_bytes == on.host_bytes - off.host_bytes
-    assert disk.host_bytes - off.host_bytes == 2 * disk.disk_bytes // 6  # two pinned staging layers
+    # the layers go to the file; the embedding's table stays in host memory
+    assert disk.peak_bytes == on.peak_bytes and disk.disk_bytes == on.host_bytes - off.host_bytes - table
+    assert disk.host_bytes - off.host_bytes == 2 * disk.disk_bytes // 6 + table  # two pinned staging layers
 
 
 def test_what_is_bounded_rather_than_modelled_is_a_note():

@@ -1060,13 +1060,14 @@ def estimate_step(spec: RunSpec, cand: Candidate) -> Estimate:
 
 def context_split_estimate(spec: RunSpec, cand: Candidate) -> Estimate:
     """One rank's estimate when ``cand.context_parallel`` ranks share each row: every per-token
-    term is that of a ``seq_len / degree``-token row (the weights and optimizer state whole, as
-    under DDP), plus the attention exchange's buffers for those tokens
-    (`memory.context_parallel.exchange_bytes_per_token`), counted as activations."""
+    term is that of a ``seq_len / degree``-token row, rounded up to the padding the trainer adds
+    (`train.context_parallel`), the weights and optimizer state whole, as under DDP, plus the
+    attention exchange's buffers for those tokens (`memory.context_exchange.exchange_bytes_per_token`),
+    counted as activations."""
     from maximus.memory.context_exchange import exchange_bytes_per_token
 
     degree = cand.context_parallel
-    local_tokens = -(-cand.seq_len // degree)
+    local_tokens = 2 * -(-cand.seq_len // (2 * degree))  # rows padded to the zigzag split's 2 x degree chunks
     local = estimate_step(spec, replace(cand, seq_len=local_tokens, context_parallel=1))
     exchange = exchange_bytes_per_token(spec.shape, degree, spec.dtype_bytes) * cand.micro_batch * local_tokens
     breakdown = {**local.breakdown, "activations": local.breakdown["activations"] + exchange}

@@ -243,7 +243,8 @@ def plan_for_budget(spec: Any, budget_bytes: int | None, *, free_memory: bool = 
     _check_tile_tokens(spec.search.tile_tokens)
     if spec.search.context_parallel == "auto":
         return _plan_context_parallel(spec, budget_bytes, free_memory=free_memory)
-    check_row_splits(spec.search.seq_len, split_degree(spec))
+    if spec.techniques.objective != "grpo":  # the trainer pads rollout rows to the split's multiple
+        check_row_splits(spec.search.seq_len, split_degree(spec))
     space, found = _search_streaming(spec, budget_bytes)
     host_budget = spec.search.host_budget_bytes
     if found.smallest is None:  # every plan needs more host memory than there is
@@ -284,12 +285,13 @@ def check_row_splits(seq_len: int, degree: int) -> None:
 
 def context_degrees(spec: RunSpec) -> list[int]:
     """The degrees ``context_parallel: auto`` may pick, smallest first: divisors of the spec's
-    processes (`RunSpec.world_size`) whose zigzag split cuts the rows evenly."""
+    processes (`RunSpec.world_size`) whose zigzag split cuts the rows evenly. GRPO's rollout rows
+    (prompt + completion, of any length) are padded to the split's multiple by the trainer, and
+    its rollouts run whole on every process: all of them split, or one."""
     seq_len = spec.search.seq_len
-    degrees = [d for d in _divisors(spec.world_size) if d == 1 or seq_len % (2 * d) == 0]
-    if spec.techniques.objective == "grpo":  # its rollouts run whole on every process: all of them split, or one
-        return degrees[-1:]
-    return degrees
+    if spec.techniques.objective == "grpo":
+        return _divisors(spec.world_size)[-1:]
+    return [d for d in _divisors(spec.world_size) if d == 1 or seq_len % (2 * d) == 0]
 
 
 def _plan_context_parallel(spec: RunSpec, budget_bytes: int | None, *, free_memory: bool) -> Plan:
