@@ -64,13 +64,15 @@ def text_of(content) -> str:
 
 
 def assistant_spans(tokenizer, messages: Messages, full: str, train_from_message: int = 0) -> list[tuple[int, int]]:
-    """Character spans [start, end) in `full` of the assistant messages with index >= train_from_message."""
+    """Character spans [start, end) in `full` (the template's text of all of `messages`) of the
+    assistant messages with index >= train_from_message. The text that ends the last message is
+    `full` itself, so a one-turn conversation costs one render more than `full`, not two."""
     spans: list[tuple[int, int]] = []
     cursor = 0
     for i, message in enumerate(messages):
         if message["role"] != "assistant" or i < train_from_message:
             continue
-        end_text = render(tokenizer, messages[: i + 1])
+        end_text = full if i + 1 == len(messages) else render(tokenizer, messages[: i + 1])
         start_text = render(tokenizer, messages[:i], add_generation_prompt=True) if i > 0 else None
         if (start_text is not None and end_text.startswith(start_text) and full.startswith(end_text)
                 and len(start_text) >= cursor):
