@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from maximus.errors import ConfigError
-from maximus.losses.preference import dpo_loss, needs_reference
+from maximus.losses.preference import PreferenceLoss, dpo_loss, needs_reference
 
 # Three pairs: summed log-probs (nats) of the answers, and their token counts.
 PC = [-12.0, -30.5, -7.25]
@@ -54,8 +54,9 @@ def expected(loss_type, beta, eps=0.0, gamma=0.5, alpha=1.0):
 
 
 def call(loss_type, beta, reduction="none", **kw):
-    return dpo_loss(t(PC), t(PR), t(RC), t(RR), beta=beta, loss_type=loss_type, reduction=reduction,
-                    chosen_lengths=torch.tensor(LC), rejected_lengths=torch.tensor(LR), **kw)
+    chosen_nll = kw.pop("chosen_nll", None)
+    return dpo_loss(t(PC), t(PR), t(RC), t(RR), PreferenceLoss(loss_type=loss_type, beta=beta, **kw), reduction,
+                    chosen_lengths=torch.tensor(LC), rejected_lengths=torch.tensor(LR), chosen_nll=chosen_nll)
 
 
 @pytest.mark.parametrize("loss_type,beta,kw,ref_kw", [
@@ -83,19 +84,19 @@ def test_every_loss_matches_its_published_formula(loss_type, beta, kw, ref_kw):
 def test_fixed_values_by_hand():
     # One pair with margin z = 2, beta = 0.5: -log sigmoid(1) = log(1 + e^-1) = 0.31326168751822286
     one = torch.tensor([0.0], dtype=torch.float64)
-    loss, c, r = dpo_loss(one + 1, one - 1, one, one, beta=0.5)
+    loss, c, r = dpo_loss(one + 1, one - 1, one, one, PreferenceLoss(beta=0.5))
     assert float(loss) == pytest.approx(0.31326168751822286, rel=1e-15)
     assert (float(c), float(r)) == (0.5, -0.5)
     # Policy equal to reference: log 2 for sigmoid, exactly 1 for hinge, 1/(4 beta^2) for IPO.
     z = torch.zeros(2, dtype=torch.float64)
     assert float(dpo_loss(z, z, z, z)[0]) == pytest.approx(math.log(2), rel=1e-15)
-    assert float(dpo_loss(z, z, z, z, loss_type="hinge")[0]) == 1.0
-    assert float(dpo_loss(z, z, z, z, beta=0.1, loss_type="ipo")[0]) == pytest.approx(25.0, rel=1e-15)
+    assert float(dpo_loss(z, z, z, z, PreferenceLoss(loss_type="hinge"))[0]) == 1.0
+    assert float(dpo_loss(z, z, z, z, PreferenceLoss(loss_type="ipo", beta=0.1))[0]) == pytest.approx(25.0, rel=1e-15)
 
 
 def test_lengths_none_means_logps_are_already_averages():
     avg_c, avg_r = t([a / n for a, n in zip(PC, LC)]), t([a / n for a, n in zip(PR, LR)])
-    got = dpo_loss(avg_c, avg_r, None, None, beta=2.0, loss_type="simpo", reduction="none")[0]
+    got = dpo_loss(avg_c, avg_r, None, None, PreferenceLoss(loss_type="simpo", beta=2.0), reduction="none")[0]
     assert got.tolist() == pytest.approx(expected("simpo", 2.0)[0], rel=1e-12)
 
 
@@ -111,7 +112,7 @@ def test_gradient_of_sigmoid_dpo_matches_the_closed_form():
     # d loss / d pc = -beta * sigmoid(-beta z) (the DPO gradient weight), reference gets none.
     pc = t(PC).requires_grad_()
     rc = t(RC).requires_grad_()
-    loss, _, _ = dpo_loss(pc, t(PR), rc, t(RR), beta=0.1, reduction="sum")
+    loss, _, _ = dpo_loss(pc, t(PR), rc, t(RR), PreferenceLoss(beta=0.1), reduction="sum")
     loss.backward()
     z = [(a - c) - (b - d) for a, b, c, d in zip(PC, PR, RC, RR)]
     assert pc.grad.tolist() == pytest.approx([-0.1 / (1 + math.exp(0.1 * zi)) for zi in z], rel=1e-12)
@@ -126,17 +127,17 @@ def test_float32_inputs_give_float32_outputs():
 def test_errors_are_one_line_with_a_hint():
     z = torch.zeros(1)
     with pytest.raises(ConfigError) as e:
-        dpo_loss(z, z, z, z, loss_type="kto")
+        dpo_loss(z, z, z, z, PreferenceLoss(loss_type="kto"))
     assert str(e.value) == "unknown preference loss 'kto' (hint: use one of sigmoid, ipo, hinge, simpo, orpo)"
     with pytest.raises(ConfigError) as e:
-        dpo_loss(z, z, None, None, loss_type="sigmoid")
+        dpo_loss(z, z, None, None, PreferenceLoss(loss_type="sigmoid"))
     assert str(e.value) == ("preference loss 'sigmoid' needs reference log-probs (hint: pass ref_chosen_logps and "
                             "ref_rejected_logps, or use loss_type 'simpo' or 'orpo')")
     with pytest.raises(ConfigError) as e:
         dpo_loss(z, z, z, z, reduction="avg")
     assert str(e.value) == "unknown reduction 'avg' (hint: use 'mean', 'sum' or 'none')"
     with pytest.raises(ConfigError) as e:
-        dpo_loss(z, z, z, z, label_smoothing=0.5)
+        dpo_loss(z, z, z, z, PreferenceLoss(label_smoothing=0.5))
     assert str(e.value) == ("label_smoothing must be in [0, 0.5), got 0.5 "
                             "(hint: it is the assumed fraction of flipped labels, e.g. 0.1)")
     assert [needs_reference(k) for k in ("sigmoid", "ipo", "hinge", "simpo", "orpo")] == [True, True, True, False, False]

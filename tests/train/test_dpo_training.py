@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import maximus
 from maximus.data import build_datasets, collate
 from maximus.errors import ConfigError
-from maximus.losses.preference import dpo_loss
+from maximus.losses.preference import PreferenceLoss, dpo_loss
 from maximus.memory import plan_run
 from maximus.train.objectives.preference import CACHE_FILE, PreferenceObjective, pair_keys
 from maximus.structure import row_lengths
@@ -133,7 +133,7 @@ def test_loss_sum_matches_transformers_logits_and_peft_disable_adapter(tiny, los
 
     c, r = side("chosen"), side("rejected")
     want, wc, wr = dpo_loss(c["policy"].double(), r["policy"].double(), c["ref"].double(), r["ref"].double(),
-                            beta=0.5, loss_type=loss_type, reduction="none",
+                            PreferenceLoss(loss_type=loss_type, beta=0.5), reduction="none",
                             chosen_lengths=c["n"], rejected_lengths=r["n"])
     # float32 sums of ~60 nats cancel in policy - reference: agree to ~1e-6 x 60 per pair.
     assert float(loss_sum) == pytest.approx(float(want.sum()), rel=1e-5, abs=5e-5)

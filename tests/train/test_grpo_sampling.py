@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from maximus.losses.token_outputs import label_log_probs
-from maximus.train.sampling import next_tokens, sample_groups
+from maximus.train.sampling import Draw, next_tokens, sample_groups
 from tiny import build_tiny_model_dir, one_thread  # noqa: F401  (one_thread: a fixture)
 
 pytestmark = pytest.mark.usefixtures("one_thread")
@@ -35,10 +35,9 @@ def test_batched_greedy_equals_generate_prompt_by_prompt(lm):
     whether the prompts share one decode loop or go one at a time (`prompts_at_once`)."""
     model, tok, prompts = lm
     eos, pad = tok.eos_token_id, tok.pad_token_id
-    out = sample_groups(model, prompts, group_size=3, max_new_tokens=10, eos_token_id=eos, pad_token_id=pad,
-                        greedy=True)
-    one = sample_groups(model, prompts, group_size=3, max_new_tokens=10, eos_token_id=eos, pad_token_id=pad,
-                        greedy=True, prompts_at_once=1)
+    greedy = Draw(max_new_tokens=10, eos_token_id=eos, pad_token_id=pad, greedy=True)
+    out = sample_groups(model, prompts, greedy, group_size=3)
+    one = sample_groups(model, prompts, greedy, group_size=3, prompts_at_once=1)
     assert out.completions == one.completions and one.forwards > out.forwards
     lengths = set()
     for p, group in zip(prompts, out.completions):
@@ -55,8 +54,8 @@ def test_sampled_tokens_carry_the_log_probs_of_the_distribution_they_were_drawn_
     eos, pad, T = tok.eos_token_id, tok.pad_token_id, 0.7
 
     def draw(seed):
-        return sample_groups(model, prompts, group_size=4, max_new_tokens=8, eos_token_id=eos, pad_token_id=pad,
-                             temperature=T, generator=torch.Generator().manual_seed(seed), record_logps=True)
+        draw = Draw(max_new_tokens=8, eos_token_id=eos, pad_token_id=pad, temperature=T, record_logps=True)
+        return sample_groups(model, prompts, draw, group_size=4, generator=torch.Generator().manual_seed(seed))
 
     out = draw(3)
     assert out.completions == draw(3).completions != draw(4).completions  # seeded
@@ -139,9 +138,10 @@ def test_the_untracked_decode_loop_reports_the_peak_the_tracker_sees(lm, top_p):
         with meter.track(model):
             before = meter.current_bytes()
             meter.reset_peak()
-            out = sample_groups(model, prompts, group_size=4, max_new_tokens=12, eos_token_id=tok.eos_token_id,
-                                pad_token_id=tok.pad_token_id, temperature=0.7, top_p=top_p,
-                                generator=torch.Generator().manual_seed(5), meter=meter if paused else None)
+            draw = Draw(max_new_tokens=12, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id,
+                        temperature=0.7, top_p=top_p)
+            out = sample_groups(model, prompts, draw, group_size=4, generator=torch.Generator().manual_seed(5),
+                                meter=meter if paused else None)
         runs.append((out.completions, meter.peak_bytes() - before))
     (tracked, tracked_peak), (untracked, untracked_peak) = runs
     assert untracked == tracked
@@ -169,8 +169,8 @@ def test_the_sampler_holds_the_logit_copies_the_planner_charges(top_p, record_lo
     with meter.track(model):
         before = meter.current_bytes()
         meter.reset_peak()
-        sample_groups(model, prompts, group_size=group, max_new_tokens=new, eos_token_id=vocab + 1, pad_token_id=0,
-                      top_p=top_p, generator=torch.Generator().manual_seed(0), record_logps=record_logps)
+        draw = Draw(max_new_tokens=new, eos_token_id=vocab + 1, pad_token_id=0, top_p=top_p, record_logps=record_logps)
+        sample_groups(model, prompts, draw, group_size=group, generator=torch.Generator().manual_seed(0))
         peak = meter.peak_bytes() - before
     rows = len(prompts) * group
     copies = (peak - kv_cache_bytes(config, sequences=rows, tokens=12 + new, dtype_bytes=4)) / (rows * vocab * 4)

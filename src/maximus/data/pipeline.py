@@ -14,7 +14,7 @@ Order of operations (all deterministic given `seed`):
 from __future__ import annotations
 
 import random
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Callable
 
 from jinja2 import TemplateError
 
@@ -70,14 +70,7 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
 
     Raises DataError for missing or malformed data, and for a dataset empty after filtering.
     """
-    if objective not in OBJECTIVES:
-        raise DataError(f"unknown objective '{objective}'", f"use one of {', '.join(OBJECTIVES)}")
-    if seq_len < 2:
-        raise DataError(f"seq_len must be at least 2 tokens, got {seq_len}", "set training.seq_len")
-    if not 0 <= eval_split < 1:
-        raise DataError(f"eval_split must be in [0, 1), got {eval_split}", "set eval.split")
-    if dedupe not in DEDUPE_MODES:
-        raise DataError(f"unknown dedupe mode '{dedupe}'", f"set data.dedupe to one of {', '.join(DEDUPE_MODES)}")
+    _check_arguments(objective, seq_len, eval_split, dedupe)
     specs = list(specs) if isinstance(specs, (list, tuple)) else [specs]
     encoder = Encoder(tokenizer, train_on_inputs)
     stats = {"records": 0, "skipped": 0, "empty": 0, "documents": 0, "truncated": 0,
@@ -110,22 +103,9 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
         info.split = EVAL if k < n_eval else TRAIN
     stats.update(documents=len(documents), train_documents=len(train_docs), eval_documents=len(eval_docs))
 
-    if objective == "dpo":
-        train, train_stats = _pair_rows(train_docs, seq_len)
-        evaluation, eval_stats = _pair_rows(eval_docs, seq_len)
-    elif objective == "contrastive":
-        train, train_stats = _contrastive_rows(train_docs, seq_len)
-        evaluation, eval_stats = _contrastive_rows(eval_docs, seq_len)
-    elif objective == "grpo":
-        train, train_stats = _prompt_rows(train_docs, seq_len)
-        evaluation, eval_stats = _prompt_rows(eval_docs, seq_len)
-    else:
-        if packing:
-            train, train_stats = pack_documents(train_docs, seq_len, seed)
-            evaluation, eval_stats = pack_documents(eval_docs, seq_len, seed)
-        else:
-            train, train_stats = truncate_documents(train_docs, seq_len)
-            evaluation, eval_stats = truncate_documents(eval_docs, seq_len)
+    to_rows = _row_builder(objective, seq_len, packing, seed)
+    train, train_stats = to_rows(train_docs)
+    evaluation, eval_stats = to_rows(eval_docs)
     stats.update(rows=train_stats.rows, eval_rows=eval_stats.rows, tokens=train_stats.tokens,
                  eval_tokens=eval_stats.tokens, loss_tokens=train_stats.loss_tokens,
                  eval_loss_tokens=eval_stats.loss_tokens, split=train_stats.split + eval_stats.split,
@@ -139,6 +119,31 @@ def build_datasets(specs, tokenizer, *, seq_len: int, packing: bool = True, trai
                         "check train_on_inputs, the format (is there a completion or assistant turn?) and seq_len")
     return DataSplits(train, evaluation, stats, train_where=_where(train_docs), eval_where=_where(eval_docs),
                       records=records, preview=[d for d in train_docs if isinstance(d, Document)][:PREVIEW_DOCUMENTS])
+
+
+def _check_arguments(objective: str, seq_len: int, eval_split: float, dedupe: str) -> None:
+    """Raise DataError for an unknown objective or dedupe mode, seq_len < 2 or eval_split outside [0, 1)."""
+    if objective not in OBJECTIVES:
+        raise DataError(f"unknown objective '{objective}'", f"use one of {', '.join(OBJECTIVES)}")
+    if seq_len < 2:
+        raise DataError(f"seq_len must be at least 2 tokens, got {seq_len}", "set training.seq_len")
+    if not 0 <= eval_split < 1:
+        raise DataError(f"eval_split must be in [0, 1), got {eval_split}", "set eval.split")
+    if dedupe not in DEDUPE_MODES:
+        raise DataError(f"unknown dedupe mode '{dedupe}'", f"set data.dedupe to one of {', '.join(DEDUPE_MODES)}")
+
+
+def _row_builder(objective: str, seq_len: int, packing: bool, seed: int) -> Callable[[list], tuple[list[dict], RowStats]]:
+    """The function turning one split's documents into `(rows, RowStats)` for `objective`."""
+    if objective == "dpo":
+        return lambda docs: _pair_rows(docs, seq_len)
+    if objective == "contrastive":
+        return lambda docs: _contrastive_rows(docs, seq_len)
+    if objective == "grpo":
+        return lambda docs: _prompt_rows(docs, seq_len)
+    if packing:
+        return lambda docs: pack_documents(docs, seq_len, seed)
+    return lambda docs: truncate_documents(docs, seq_len)
 
 
 def _drop_duplicates(documents: list, infos: list[RecordInfo], near: bool) -> tuple[list, list[RecordInfo]]:

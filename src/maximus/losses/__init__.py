@@ -8,13 +8,14 @@
 * :func:`matryoshka_loss_sum`: nested-prefix auxiliary loss (``optimization.matryoshka``);
   :func:`cross_entropy_with_matryoshka`: main loss + auxiliary loss in one shared chunked pass
   (what training uses); :func:`matryoshka_info_nce`: the nested contrastive loss (``objective: contrastive``).
-* :func:`dpo_loss`: DPO / IPO / hinge / SimPO / ORPO on sequence log-probs (``objective: dpo``).
+* :func:`dpo_loss`: DPO / IPO / hinge / SimPO / ORPO on sequence log-probs (``objective: dpo``), its
+  settings in :class:`PreferenceLoss`.
 * :func:`grpo_loss_sum` / :func:`grpo_loss` / :func:`group_advantages`: GRPO, Dr. GRPO and DAPO on
   per-token log-probs (``objective: grpo``).
 """
 from maximus.losses.ghost_logit import ghost_logit_loss
 from maximus.losses.matryoshka import cross_entropy_with_matryoshka, matryoshka_info_nce, matryoshka_loss_sum
-from maximus.losses.preference import dpo_loss
+from maximus.losses.preference import PreferenceLoss, dpo_loss
 from maximus.losses.grpo import group_advantages, grpo_loss, grpo_loss_sum
 from maximus.losses.linear_cross_entropy import (
     chunk_size_for_budget,
@@ -28,6 +29,7 @@ __all__ = [
     "cross_entropy_with_matryoshka",
     "matryoshka_info_nce",
     "dpo_loss",
+    "PreferenceLoss",
     "group_advantages",
     "grpo_loss",
     "grpo_loss_sum",

@@ -224,6 +224,9 @@ class _GhostLogitLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, bias, labels, ignore_index, chunk_size, num_candidates,
                 prefix_dims, z_loss, softcap, reduction):
+        """One function of sections (vocabulary statistics, then per chunk: candidate scan, exact
+        logits, gradients) rather than several: each chunk's gradients are formed while its logits
+        exist, so splitting the pass would keep them alive between functions (class doc)."""
         num_tokens, _ = hidden.shape
         vocab = weight.shape[0]
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]

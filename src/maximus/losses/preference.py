@@ -26,6 +26,7 @@ reference's.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -44,13 +45,32 @@ def needs_reference(loss_type: str) -> bool:
     return loss_type not in REFERENCE_FREE
 
 
+@dataclass(frozen=True)
+class PreferenceLoss:
+    """Which preference loss, and its settings (the config's ``dpo`` section; see the module doc).
+
+    Fields:
+        loss_type: ``sigmoid`` | ``ipo`` | ``hinge`` | ``simpo`` | ``orpo``.
+        beta: inverse temperature (DPO's KL strength; SimPO's reward scale).
+        label_smoothing: assumed probability that a pair's label is flipped (``sigmoid`` only).
+        simpo_gamma: SimPO's target-margin ratio gamma / beta.
+        orpo_alpha: ORPO's weight of the odds-ratio term (the paper's lambda).
+
+    Checked when the loss is computed (`dpo_loss`), not here.
+    """
+
+    loss_type: LossType = "sigmoid"
+    beta: float = 0.1
+    label_smoothing: float = 0.0
+    simpo_gamma: float = 0.5
+    orpo_alpha: float = 1.0
+
+
 def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Tensor,
              ref_chosen_logps: torch.Tensor | None, ref_rejected_logps: torch.Tensor | None,
-             beta: float = 0.1, loss_type: LossType = "sigmoid", label_smoothing: float = 0.0,
-             reduction: str = "mean", *, chosen_lengths: torch.Tensor | None = None,
-             rejected_lengths: torch.Tensor | None = None, simpo_gamma: float = 0.5,
-             chosen_nll: torch.Tensor | None = None, orpo_alpha: float = 1.0
-             ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+             loss: PreferenceLoss = PreferenceLoss(), reduction: str = "mean", *,
+             chosen_lengths: torch.Tensor | None = None, rejected_lengths: torch.Tensor | None = None,
+             chosen_nll: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Preference loss of a batch of pairs, and the implicit rewards.
 
     Args:
@@ -58,16 +78,12 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
             pair's chosen / rejected answer under the model being trained (differentiable).
         ref_chosen_logps, ref_rejected_logps: ``[B]`` the same under the reference model (no
             gradient needed); ignored (may be None) for ``simpo`` and ``orpo``.
-        beta: inverse temperature (DPO's KL strength; SimPO's reward scale).
-        loss_type: ``sigmoid`` | ``ipo`` | ``hinge`` | ``simpo`` | ``orpo`` (see module doc).
-        label_smoothing: assumed probability that a pair's label is flipped (``sigmoid`` only).
+        loss: which loss and its settings (`PreferenceLoss`; default: DPO's sigmoid, beta 0.1).
         reduction: ``mean`` | ``sum`` over pairs, or ``none`` for the ``[B]`` per-pair losses.
         chosen_lengths, rejected_lengths: ``[B]`` answer token counts. ``ipo``, ``simpo`` and
             ``orpo`` divide the summed log-probs by them; when None the log-probs given are
             taken to be per-token averages already.
-        simpo_gamma: SimPO's target-margin ratio gamma / beta.
         chosen_nll: ``[B]`` ORPO's supervised term; default ``-average chosen log-prob``.
-        orpo_alpha: ORPO's weight of the odds-ratio term (the paper's lambda).
 
     Returns:
         ``(loss, chosen_rewards, rejected_rewards)``: loss is a scalar (``mean``/``sum``) or
@@ -77,6 +93,7 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
         ConfigError: unknown ``loss_type`` / ``reduction``, missing reference log-probs for a
             loss that needs them, or ``label_smoothing`` outside [0, 0.5).
     """
+    loss_type, beta, label_smoothing = loss.loss_type, loss.beta, loss.label_smoothing
     if loss_type not in LOSS_TYPES:
         raise ConfigError(f"unknown preference loss {loss_type!r}", hint=f"use one of {', '.join(LOSS_TYPES)}")
     if reduction not in ("mean", "sum", "none"):
@@ -92,12 +109,12 @@ def dpo_loss(policy_chosen_logps: torch.Tensor, policy_rejected_logps: torch.Ten
     if loss_type in REFERENCE_FREE:
         chosen_rewards, rejected_rewards = beta * pc.detach(), beta * pr.detach()
         if loss_type == "simpo":
-            losses = -F.logsigmoid(beta * (pc - pr) - beta * simpo_gamma)
+            losses = -F.logsigmoid(beta * (pc - pr) - beta * loss.simpo_gamma)
         else:  # orpo
             # log(1 - exp(x)) for x < 0, written stably as log(-expm1(x)).
             log_odds = (pc - pr) - (torch.log(-torch.expm1(pc)) - torch.log(-torch.expm1(pr)))
             nll = -pc if chosen_nll is None else chosen_nll.to(dtype)
-            losses = nll - orpo_alpha * F.logsigmoid(log_odds)
+            losses = nll - loss.orpo_alpha * F.logsigmoid(log_odds)
     else:
         if ref_chosen_logps is None or ref_rejected_logps is None:
             raise ConfigError(f"preference loss {loss_type!r} needs reference log-probs",

@@ -53,6 +53,27 @@ class Sampled:
         return sum(len(c) for group in self.completions for c in group)
 
 
+@dataclass(frozen=True)
+class Draw:
+    """How each completion is drawn: at most `max_new_tokens` tokens, ended by `eos_token_id`
+    (kept), prompts left-padded with `pad_token_id`; `temperature` and `top_p` shape the
+    distribution (`next_tokens`), `greedy` takes its argmax instead; `record_logps` keeps each
+    drawn token's log-prob (`Sampled.logps`)."""
+
+    max_new_tokens: int
+    eos_token_id: int
+    pad_token_id: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    greedy: bool = False
+    record_logps: bool = False
+
+    def next_tokens(self, logits: torch.Tensor, generator: torch.Generator | None):
+        """`next_tokens` of `logits` (overwritten) under these settings."""
+        return next_tokens(logits, temperature=self.temperature, top_p=self.top_p, greedy=self.greedy,
+                           generator=generator, want_logps=self.record_logps)
+
+
 def left_pad(prompts: list[list[int]], pad_token_id: int, device) -> tuple[torch.Tensor, torch.Tensor]:
     """(input_ids, attention_mask) [P, width] of `prompts` left-padded to the longest."""
     width = max(len(p) for p in prompts)
@@ -119,20 +140,19 @@ def _sync(device) -> None:
 
 
 @torch.no_grad()
-def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_tokens: int, eos_token_id: int,
-                  pad_token_id: int, temperature: float = 1.0, top_p: float = 1.0, greedy: bool = False,
-                  generator: torch.Generator | None = None, record_logps: bool = False,
-                  prompts_at_once: int | None = None, meter=None) -> Sampled:
-    """`group_size` completions of each prompt (token id lists), batched as the module doc says."""
+def sample_groups(model, prompts: list[list[int]], draw: Draw, *, group_size: int,
+                  generator: torch.Generator | None = None, prompts_at_once: int | None = None, meter=None) -> Sampled:
+    """`group_size` completions of each prompt (token id lists) drawn as `draw` says, batched as
+    the module doc says."""
     from transformers import DynamicCache
 
     device = next(model.parameters()).device
     cache_kw = _cache_keyword(model)
-    out = Sampled(completions=[], logps=[] if record_logps else None)
+    out = Sampled(completions=[], logps=[] if draw.record_logps else None)
     step = max(1, prompts_at_once or len(prompts))
     for start in range(0, len(prompts), step):
         chunk = prompts[start:start + step]
-        ids, mask = left_pad(chunk, pad_token_id, device)
+        ids, mask = left_pad(chunk, draw.pad_token_id, device)
         positions = (mask.cumsum(dim=1) - 1).clamp_(min=0)
         _sync(device)
         t0 = time.perf_counter()
@@ -149,37 +169,37 @@ def sample_groups(model, prompts: list[list[int]], *, group_size: int, max_new_t
         out.prefill_s += t1 - t0
         out.forwards += 1
         rows, width = len(chunk) * group_size, mask.shape[1]
-        tokens: list[list[int]] = [[] for _ in range(rows)]
-        logps: list[list[float]] = [[] for _ in range(rows)]
         # The mask of every position the loop can reach, filled once: each step passes a prefix
         # of it (a view), instead of growing a copy by one column per token.
-        full_mask = torch.cat([mask, mask.new_ones(rows, max_new_tokens)], dim=1)
-        sampling = dict(temperature=temperature, top_p=top_p, greedy=greedy, generator=generator, want_logps=record_logps)
-        first = next_tokens(logits, **sampling)
+        full_mask = torch.cat([mask, mask.new_ones(rows, draw.max_new_tokens)], dim=1)
+        first = draw.next_tokens(logits, generator)
         del logits  # each [rows, V] is freed once its token is drawn: one exists at a time (SAMPLER_LOGIT_COPIES)
         paused = meter.paused() if meter is not None else nullcontext()
         with paused:
-            _decode(model, cache, cache_kw, first, full_mask, positions[:, -1], tokens, logps, width=width,
-                    max_new_tokens=max_new_tokens, eos_token_id=eos_token_id, sampling=sampling, out=out, meter=meter)
+            tokens, logps = _decode(model, cache, cache_kw, first, full_mask, positions[:, -1], width=width, draw=draw,
+                                    generator=generator, out=out, meter=meter)
         del cache
         _sync(device)
         out.decode_s += time.perf_counter() - t1
         for p in range(len(chunk)):
             group = tokens[p * group_size:(p + 1) * group_size]
             out.completions.append(group)
-            if record_logps:
+            if draw.record_logps:
                 out.logps.append([torch.tensor(logps[r], dtype=torch.float32)
                                   for r in range(p * group_size, (p + 1) * group_size)])
     return out
 
 
-def _decode(model, cache, cache_kw, first, full_mask, last, tokens, logps, *, width, max_new_tokens, eos_token_id,
-            sampling: dict, out: Sampled, meter) -> None:
+def _decode(model, cache, cache_kw, first, full_mask, last, *, width: int, draw: Draw,
+            generator: torch.Generator | None, out: Sampled, meter) -> tuple[list[list[int]], list[list[float]]]:
     """The decode loop of `sample_groups` over one chunk's rows, from the `first` (tokens,
-    log-probs) drawn from the prefill: appends to `tokens` / `logps`. A step's logits are dropped
-    as soon as its tokens are drawn, so the next forward runs beside none of them."""
+    log-probs) drawn from the prefill: each row's tokens and (when recorded) their log-probs. A
+    step's logits are dropped as soon as its tokens are drawn, so the next forward runs beside none
+    of them."""
     new, new_logps = first
-    record_logps = sampling["want_logps"]
+    max_new_tokens, eos_token_id, record_logps = draw.max_new_tokens, draw.eos_token_id, draw.record_logps
+    tokens: list[list[int]] = [[] for _ in range(len(new))]
+    logps: list[list[float]] = [[] for _ in range(len(new))]
     alive = torch.arange(len(tokens), device=new.device)
     for t in range(max_new_tokens):
         rows = alive.tolist()
@@ -202,6 +222,7 @@ def _decode(model, cache, cache_kw, first, full_mask, last, tokens, logps, *, wi
                        use_cache=True, **{cache_kw: cache}).logits[:, -1].float()
         out.forwards += 1
         if meter is not None:  # the cache is this loop's now (the tracked one was freed by the first update)
-            meter.hold(decode_bytes(cache, logits, full_mask, top_p=sampling["top_p"], want_logps=record_logps))
-        new, new_logps = next_tokens(logits, **sampling)
+            meter.hold(decode_bytes(cache, logits, full_mask, top_p=draw.top_p, want_logps=record_logps))
+        new, new_logps = draw.next_tokens(logits, generator)
         del logits
+    return tokens, logps

@@ -148,13 +148,7 @@ class Trainer:
         if auto_split:
             self.cfg = cfg = self._join_planned_split()
         require_packages(cfg)  # the optimizer's package, before anything heavy loads
-        if self.context.split.enabled:  # an attention the split would change: one line, before the data
-            longest_row = cfg.training.seq_len + (cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else 0)
-            check_model_config(self.source.config, cfg.training.context_parallel, longest_row)
-        if cfg.training.qat != "off":  # a target the model's export cannot hold: one line, before the data
-            from maximus.qat.check import check_qat
-
-            check_qat(cfg, self.source.config)
+        self._check_model_config()  # what the model's config cannot do: one line, before the data
         # Cheap checks first (model source, tokenizer, data), then the model; all before output_dir is touched.
         self.tokenizer = load_tokenizer(cfg, self.source)
         self.data = self._load_data()
@@ -180,13 +174,8 @@ class Trainer:
         if untested:
             self.dist.say(untested)
         self.model.train()  # from_pretrained returns eval mode: no dropout, and checkpointed layers would not recompute
-        self.streamer = None
-        if self.plan.offload_params:
-            from maximus.memory.weight_streaming import FrozenWeightStreamer
-
-            # Frozen base weights live on the host (or in a file) and reach the device one layer ahead
-            # of use; first, since a model loaded layer by layer has none of them on the device.
-            self.streamer = FrozenWeightStreamer(self.model, self.weight_store)
+        # First, since a model loaded layer by layer has none of its frozen weights on the device.
+        self.streamer = self._weight_streamer()
         self.qat = None
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
@@ -243,6 +232,18 @@ class Trainer:
         self.context = ContextParallel.join(self.dist, degree)
         return cfg.model_copy(update={"training": cfg.training.model_copy(update={"context_parallel": degree})})
 
+    def _check_model_config(self) -> None:
+        """One line, before the data loads, for a model whose attention the context split would
+        change (training.context_parallel) or whose export cannot hold the QAT target (training.qat)."""
+        cfg = self.cfg
+        if self.context.split.enabled:
+            longest_row = cfg.training.seq_len + (cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else 0)
+            check_model_config(self.source.config, cfg.training.context_parallel, longest_row)
+        if cfg.training.qat != "off":
+            from maximus.qat.check import check_qat
+
+            check_qat(cfg, self.source.config)
+
     def _weight_store(self):
         """Where the plan's streamed layers live (`optimization.offload.params`, or the planner's
         choice under `auto`: host memory or a file), checked against this machine's free memory or
@@ -253,6 +254,16 @@ class Trainer:
         from maximus.layerwise_load import weight_store_for_run
 
         return weight_store_for_run(self.source, mode, device=self.device, dtype=self.dtype, method=self.method)
+
+    def _weight_streamer(self):
+        """With the plan's `offload_params`: frozen base weights live on the host (or in a file) and
+        reach the device one layer ahead of use (`maximus.memory.weight_streaming`); else None."""
+        if not self.plan.offload_params:
+            return None
+        from maximus.memory.weight_streaming import FrozenWeightStreamer
+
+        return FrozenWeightStreamer(self.model, self.weight_store)
+
     def _install_qat(self):
         """`training.qat`: the model's matrices read as the export will round them, in training
         mode (`maximus.qat.install`); None when off."""

@@ -314,10 +314,10 @@ class GRPOObjective(Objective):
                            generation_prefill_s=sampled.prefill_s, generation_decode_s=sampled.decode_s)
         return gen
 
-    def sample(self, run: RunView, prompt_ids: list[list[int]], index: int, **extra):
+    def sample(self, run: RunView, prompt_ids: list[list[int]], index: int, *, record_logps: bool = False):
         """`group_size` sampled completions of each prompt, all in one batched call, seeded by
-        (seed, generation index) (`extra`: e.g. `record_logps=True`)."""
-        from maximus.train.sampling import sample_groups
+        (seed, generation index); with `record_logps`, each token's log-prob too (not under vLLM)."""
+        from maximus.train.sampling import Draw, sample_groups
 
         g, tok, device = self.g, run.tokenizer, run.device
         seed = hash((self.cfg.training.seed, index)) % 2**63
@@ -330,13 +330,13 @@ class GRPOObjective(Objective):
         from maximus.kernels.lean_lora import merged_for_sampling
 
         generator = torch.Generator(device=device).manual_seed(seed)
-        extra.setdefault("meter", run.meter)  # the decode loop runs untracked (sampling.py)
+        draw = Draw(max_new_tokens=g.max_completion_tokens, eos_token_id=tok.eos_token_id,
+                    pad_token_id=self.pad_token_id, temperature=g.temperature, top_p=g.top_p,
+                    record_logps=record_logps)
         merged = merged_for_sampling(run.model) if (self.plan.generation or {}).get("merge_lora") else nullcontext()
-        with merged:
-            return sample_groups(run.model, prompt_ids, group_size=g.group_size,
-                                 max_new_tokens=g.max_completion_tokens, eos_token_id=tok.eos_token_id,
-                                 pad_token_id=self.pad_token_id, temperature=g.temperature, top_p=g.top_p,
-                                 generator=generator, prompts_at_once=self.prompts_at_once, **extra)
+        with merged:  # the decode loop runs untracked, reporting to the meter (sampling.py)
+            return sample_groups(run.model, prompt_ids, draw, group_size=g.group_size, generator=generator,
+                                 prompts_at_once=self.prompts_at_once, meter=run.meter)
 
     @property
     def prompts_at_once(self) -> int | None:
@@ -400,12 +400,11 @@ class GRPOObjective(Objective):
 
     def _greedy(self, run: RunView, rows: list[dict]) -> list[list[int]]:
         """One greedy completion per prompt row, all rows in one batched call."""
-        from maximus.train.sampling import sample_groups
+        from maximus.train.sampling import Draw, sample_groups
 
-        tok = run.tokenizer
-        out = sample_groups(run.model, [r["prompt_ids"] for r in rows], group_size=1,
-                            max_new_tokens=self.g.max_completion_tokens, eos_token_id=tok.eos_token_id,
-                            pad_token_id=self.pad_token_id, greedy=True)
+        draw = Draw(max_new_tokens=self.g.max_completion_tokens, eos_token_id=run.tokenizer.eos_token_id,
+                    pad_token_id=self.pad_token_id, greedy=True)
+        out = sample_groups(run.model, [r["prompt_ids"] for r in rows], draw, group_size=1)
         return [group[0] for group in out.completions]
 
     def _score(self, run: RunView, row: dict, completion_ids: list[list[int]], *, where: str):

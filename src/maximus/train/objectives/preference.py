@@ -41,7 +41,7 @@ import torch
 from maximus.errors import ConfigError
 from maximus.memory.plan import Plan
 from maximus.train.views import LivePlan, RunView
-from maximus.losses.preference import dpo_loss, needs_reference
+from maximus.losses.preference import PreferenceLoss, dpo_loss, needs_reference
 from maximus.losses.token_outputs import label_log_probs
 from maximus.forward import IGNORE_INDEX, hidden_states, output_head, shift_labels, through_head
 from maximus.structure import peft_model_of, row_lengths
@@ -107,10 +107,8 @@ class PreferenceObjective(Objective):
             raise ConfigError("optimization.matryoshka does not apply to objective dpo",
                               "remove optimization.matryoshka (it is an SFT auxiliary loss)")
         d = cfg.dpo
-        self.loss_type = d.loss
-        self.beta = d.beta
-        self.loss_kwargs = dict(beta=d.beta, loss_type=d.loss, label_smoothing=d.label_smoothing,
-                                simpo_gamma=d.simpo_gamma, orpo_alpha=d.orpo_alpha)
+        self.preference_loss = PreferenceLoss(loss_type=d.loss, beta=d.beta, label_smoothing=d.label_smoothing,
+                                              simpo_gamma=d.simpo_gamma, orpo_alpha=d.orpo_alpha)
         self.reference = d.reference if needs_reference(d.loss) else None
         self.cache: dict[bytes, tuple[float, float]] = {}
         self.cache_path: Path | None = None
@@ -217,8 +215,8 @@ class PreferenceObjective(Objective):
         elif self.reference == "precomputed":
             ref_chosen, ref_rejected = self._lookup(batch)
         logps, counts = logps_of_rows()
-        losses, rc, rr = dpo_loss(logps[:n], logps[n:], ref_chosen, ref_rejected, reduction="none",
-                                  chosen_lengths=counts[:n], rejected_lengths=counts[n:], **self.loss_kwargs)
+        losses, rc, rr = dpo_loss(logps[:n], logps[n:], ref_chosen, ref_rejected, self.preference_loss,
+                                  reduction="none", chosen_lengths=counts[:n], rejected_lengths=counts[n:])
         return losses, rc, rr, (logps.detach(), counts)
 
     def _lookup(self, batch: dict) -> tuple[torch.Tensor, torch.Tensor]:
