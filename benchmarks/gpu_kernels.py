@@ -26,7 +26,7 @@ DEVICE = "cuda"
 def fail_fast() -> None:
     if not torch.cuda.is_available():
         sys.exit("gpu_kernels.py needs a CUDA GPU (Triton kernels compile for CUDA); on CPU run the parity tests: "
-                 "pytest tests/fused -k triton")
+                 "pytest tests/kernels -k triton")
     try:
         import triton  # noqa: F401
     except ImportError:

@@ -31,7 +31,7 @@ zero-filled ``[E, out, in]`` gradient per expert hit (the backward of ``W[e]``).
 A trainable base (full fine-tuning) gets one weight-sized gradient per projection, not one per
 expert (the grouped matmul's own; in the loop, the weights are split once with ``unbind``). Same results as
 Transformers' forward to float32 rounding (LoRA is ``x W^T + s (x A^T) B^T`` instead of
-``x (W + s B A)^T``); tests/fused/test_grouped_experts.py checks loss and every gradient, base
+``x (W + s B A)^T``); tests/kernels/test_grouped_experts.py checks loss and every gradient, base
 and adapter, against the eager experts forward of Mixtral, Qwen3-MoE and gpt-oss.
 
 Installed per module instance (`install_grouped_experts`) on the outermost module at each experts

@@ -21,7 +21,7 @@ vanilla adapter, not merged, no dropout, no DoRA, no LoRA bias, frozen base): ev
 DoRA included, takes PEFT's own forward (docs/long_context.md). Without gradients (sampling,
 evaluation) the plain case computes the same values directly: no autograd node, and none of
 PEFT's per-call chain of module calls, which a decode loop would pay once per projection per token. Parity with PEFT in float64 (LoRA)
-and float32 (QLoRA): tests/fused/test_lean_lora.py.
+and float32 (QLoRA): tests/kernels/test_lean_lora.py.
 """
 from __future__ import annotations
 

@@ -9,7 +9,7 @@ from maximus import Config
 from maximus.builtin import materialize, resolve, reverse_words_records
 from maximus.cli import main
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def test_reverse_words_task_is_deterministic_and_correct():
