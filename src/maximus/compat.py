@@ -47,6 +47,31 @@ PEFT_PARAM_WRAPPER_ATTRIBUTES = ("disable_adapters", "merged", "active_adapters"
                                  "scaling", "parameter_name", "num_experts", "base_layer")
 
 
+#: bitsandbytes' `Linear4bit` flag: on a CPU with AVX512-BF16 the first forward in eval mode with an
+#: input that needs no gradient repacks the 4-bit weight for an inference kernel (`gemv_4bit`) that
+#: has no backward, and the layer keeps that layout: a later training step loses the frozen
+#: layer's input gradient (measured: a QLoRA run's step-2 loss after the eval before training
+#: 5.6749 against 5.4983 without it, tiny Llama, fp32). The streamer would also lose the layout
+#: it refills. `keep_4bit_training_layout` turns it off.
+BNB_CPU_REPACK_FLAG = "support_avx512bf16_for_cpu"
+
+
+def keep_4bit_training_layout(model) -> None:
+    """Keep every bitsandbytes 4-bit layer of `model` in the layout training reads (see
+    `BNB_CPU_REPACK_FLAG`): for QLoRA training and streamed weights."""
+    for module in model.modules():
+        if hasattr(module, BNB_CPU_REPACK_FLAG):
+            setattr(module, BNB_CPU_REPACK_FLAG, False)
+
+
+def ddp_leave_out(module, names: list[str]) -> None:
+    """Leave `module`'s parameters `names` out of DistributedDataParallel (its start-up broadcast
+    and its one-device-type check), through torch's private static method for it."""
+    from torch.nn.parallel import DistributedDataParallel
+
+    DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(module, names)
+
+
 def current_graph_task_id() -> int:
     """autograd's running graph task (-1 outside a backward pass); `maximus.kernels.tiled_mlp`."""
     import torch
@@ -269,7 +294,25 @@ def _attention_backend_flags() -> None:
             raise LookupError(f"PreTrainedModel.{flag} is not True for Llama")
 
 
+def _ddp_leave_out() -> None:
+    from torch.nn.parallel import DistributedDataParallel
+
+    if not callable(getattr(DistributedDataParallel, "_set_params_and_buffers_to_ignore_for_model", None)):
+        raise LookupError("DistributedDataParallel._set_params_and_buffers_to_ignore_for_model is gone")
+
+
+def _bnb_cpu_repack_flag() -> None:
+    import bitsandbytes as bnb
+
+    if not hasattr(bnb.nn.Linear4bit(64, 64, quant_type="nf4"), BNB_CPU_REPACK_FLAG):
+        raise LookupError(f"bitsandbytes.nn.Linear4bit no longer has {BNB_CPU_REPACK_FLAG}")
+
+
 HOOKS = (
+    Hook("DistributedDataParallel._set_params_and_buffers_to_ignore_for_model", "maximus.train.distributed (DDP)",
+         _ddp_leave_out),
+    Hook("bitsandbytes.nn.Linear4bit.support_avx512bf16_for_cpu (the CPU inference repack)",
+         "maximus.models.load_model (QLoRA training), maximus.memory.weight_streaming", _bnb_cpu_repack_flag),
     Hook("trl.trainer.utils.add_fused_lm_head: _fused_forward and its closure names", "maximus.hf_patch", _trl_fused_head),
     Hook("PretrainedConfig._attn_implementation", "maximus.hf_patch (patch / unpatch)", _attn_implementation),
     Hook("torch.nn.Module._compiled_call_impl", "maximus.hf_patch.unpatch (regional compilation)", _compiled_call_impl),

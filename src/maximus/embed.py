@@ -79,14 +79,14 @@ def pooled_hidden_states(model, tokenizer, texts: Sequence[str], pooling: Poolin
     import torch
 
     from maximus.data.pairs import embedding_ids
-    from maximus.structure import causal_lm_of
+    from maximus.structure import causal_lm_of, compute_device
 
     check_pooling(pooling)
     if isinstance(texts, str):
         texts = [texts]
     lm = causal_lm_of(model)
     decoder = lm.get_decoder()
-    device = next(lm.parameters()).device
+    device = compute_device(lm)
     token_lists = embedding_ids(tokenizer, texts, max_length)
     for i, ids in enumerate(token_lists):
         if not ids:

@@ -49,7 +49,7 @@ from maximus.compat import TRL_FUSED_CLOSURE, TRL_FUSED_FORWARD_NAME
 from maximus.errors import ConfigError, ModelError
 from maximus.families import is_mixture_of_experts
 from maximus.forward import IGNORE_INDEX, logits_divisor, output_head, router_aux_loss, through_head, token_loss_sum
-from maximus.structure import causal_lm_of, find_decoder_layers
+from maximus.structure import causal_lm_of, compute_device, find_decoder_layers
 
 LOSSES = ("exact", "off")
 CHECKPOINTING = ("auto", "none", "off", "full", "selective")
@@ -139,7 +139,7 @@ def patch(model, *, loss: str = "exact", gradient_checkpointing: str | bool | li
     from maximus.memory.checkpointing import apply_checkpointing
 
     _, layers = find_decoder_layers(lm)
-    device = next(lm.parameters()).device
+    device = compute_device(lm)
     report = PatchReport(loss=loss, chunk_size=None, checkpointing=[], kernels={},
                          attention=getattr(lm.config, "_attn_implementation", None),
                          hf_checkpointing=[bool(getattr(layer, "gradient_checkpointing", False)) for layer in layers])

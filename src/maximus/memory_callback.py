@@ -39,7 +39,9 @@ class MemoryCallback(TrainerCallback):
         from maximus.memory.meter import MemoryMeter
         from maximus.memory.planner import resolve_budget
 
-        device = next(model.parameters()).device if model is not None else args.device
+        from maximus.structure import compute_device
+
+        device = compute_device(model) if model is not None else args.device
         self.budget_bytes = resolve_budget(self.budget, device.type) if self.budget is not None else None
         self.meter = MemoryMeter(device, budget_bytes=self.budget_bytes)
         self._objects = tuple(o for o in (model, optimizer) if o is not None)

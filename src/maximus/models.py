@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import torch
 
+from maximus.compat import keep_4bit_training_layout
 from maximus.config import Config
 from maximus.errors import ConfigError, ModelError
 from maximus.gguf_base import gguf_location, is_gguf, metadata_read_once, shared_tensor_name_maps
@@ -426,6 +427,8 @@ def load_model(cfg: Config, *, device: torch.device | None = None, method: str |
         extra = kronecker_module_names(model)
     if method in ("lora", "qlora"):
         model = apply_adapter(model, cfg, method, extra, vision=source.vision)
+        if method == "qlora" and for_training:  # an eval forward must not switch it to a layout without backward
+            keep_4bit_training_layout(model)
         if method == "qlora" and dtype != torch.float32:
             # prepare_model_for_kbit_training upcasts every non-quantized weight to fp32. The frozen
             # embedding and head do not need it (an fp32 head costs a cast per step). Under bf16 the

@@ -1,7 +1,8 @@
 """Where things are inside a model and a batch: the bottom layer every other module may import.
 
 `IGNORE_INDEX` is the label of a token without loss, `causal_lm_of` / `peft_model_of` see through the wrappers (PEFT, DDP, `torch.compile`),
-`find_decoder_layers` finds the decoder stack and its layer list, `row_lengths` reads the
+`find_decoder_layers` finds the decoder stack and its layer list, `compute_device` names the device
+a model computes on (looking past a table kept in host memory), `row_lengths` reads the
 real length of each right-padded row from its position ids, and `document_resets` says where a
 packed document starts in them (`document_starts` for the attention, `documents_in` for a row). This module imports nothing of
 Maximus but its errors, so that memory/, kernels/, train/ and losses/ can share it without
@@ -16,6 +17,10 @@ from maximus.errors import ModelError
 
 IGNORE_INDEX = -100
 """Label of a token without loss (the ignore_index of torch / Transformers cross-entropy)."""
+
+HOST_KEPT = "_maximus_host_kept"
+"""Set (True) on a module whose parameters stay in host memory while the model computes on another
+device: the input embedding under streamed weights (`maximus.memory.host_embedding`)."""
 
 
 def causal_lm_of(model):
@@ -51,6 +56,22 @@ def find_decoder_layers(model: nn.Module) -> tuple[nn.Module, nn.ModuleList]:
         "Maximus checkpoints decoder-only models whose stack has `embed_tokens` and `layers` "
         "(Llama, Mistral, Qwen2, ...); set optimization.gradient_checkpointing: none for others",
     )
+
+
+def compute_device(model: nn.Module) -> torch.device:
+    """The device `model` computes on, where its inputs belong: the first parameter's, in module
+    order, looking past modules marked `HOST_KEPT` (Transformers' ``model.device`` and
+    ``next(model.parameters()).device`` read the first parameter, which is the input embedding's:
+    in host memory under streamed weights). CPU for a model without parameters."""
+    stack = [model]
+    while stack:
+        module = stack.pop()
+        if getattr(module, HOST_KEPT, False):
+            continue
+        for p in module.parameters(recurse=False):
+            return p.device
+        stack.extend(reversed(list(module.children())))
+    return torch.device("cpu")
 
 
 def document_resets(position_ids: torch.Tensor) -> torch.Tensor:

@@ -14,6 +14,7 @@ from maximus.memory.estimate import estimate_peak
 from maximus.memory.host_embedding import install_host_embedding
 from maximus.memory.shape import model_shape
 from maximus.memory.streamed_weights import STREAMED_IN_FLIGHT, streamed_layer_bytes
+from maximus.structure import HOST_KEPT, compute_device
 
 CPU = torch.device("cpu")
 
@@ -40,13 +41,49 @@ def test_host_embedding_gives_the_resident_models_logits_loss_and_gradients_movi
     assert torch.equal(got.loss, expected.loss)
     expected.loss.backward()
     got.loss.backward()
-    for (name, p), (_, q) in zip(resident.named_parameters(), hosted.named_parameters()):
+    hosted_parameters = dict(hosted.named_parameters())  # the table is registered last: another order
+    for name, p in resident.named_parameters():
         if p.requires_grad:
-            assert torch.equal(q.grad, p.grad), name
+            assert torch.equal(hosted_parameters[name].grad, p.grad), name
     assert host.last_rows_shape == (unique, 64)
     assert host.stats == {"batches": 1, "rows_moved": unique, "bytes_moved": unique * 64 * 4}
     host.remove()
     assert torch.equal(hosted(input_ids=ids).logits, expected.logits)  # hooks gone, same model
+
+
+def _layers_on_meta(model: LlamaForCausalLM) -> LlamaForCausalLM:
+    """The split of a streamed CUDA run, on a machine without CUDA: the table on the CPU, the
+    decoder layers, the norm and the head on another device (`meta`)."""
+    model.requires_grad_(False)
+    for module in (model.model.layers, model.model.norm, model.lm_head):
+        module.to("meta")
+    return model
+
+
+def test_compute_device_is_the_layers_while_the_first_parameter_is_the_host_tables():
+    model = _layers_on_meta(_tiny())
+    setattr(model.get_input_embeddings(), HOST_KEPT, True)
+    assert model.device == CPU  # Transformers reads the first parameter: the table's
+    assert compute_device(model) == torch.device("meta")
+    adapted = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
+    assert compute_device(adapted) == torch.device("meta")
+    assert compute_device(torch.nn.Module()) == CPU
+
+
+def test_host_embedding_registers_the_table_last_so_model_device_is_the_layers():
+    """`generate` moves its inputs to ``model.device`` before every forward: with the table first
+    it would say ``cpu`` while the layers run elsewhere. remove() restores the order."""
+    model = _layers_on_meta(_tiny())
+    order = [name for name, _ in model.named_parameters()]
+    assert model.device == CPU
+    host = install_host_embedding(model, torch.device("meta"))
+    assert host is not None and model.get_input_embeddings().weight.device == CPU
+    assert model.device == torch.device("meta")
+    assert compute_device(model) == torch.device("meta")
+    assert [name for name, _ in model.named_parameters()] == order[1:-1] + order[:1] + order[-1:]  # last in model.model
+    host.remove()
+    assert [name for name, _ in model.named_parameters()] == order
+    assert not hasattr(model.get_input_embeddings(), HOST_KEPT)
 
 
 def test_a_trained_or_tied_embedding_stays_on_the_device():

@@ -213,3 +213,32 @@ def test_disk_mode_peak_rss_grows_less_than_the_4bit_layers():
     assert row["most_resident_layers"] == 3
     assert row["layer_bytes"] > 120 * 2**20
     assert row["peak_rss_bytes"] - row["baseline_rss_bytes"] < row["layer_bytes"]
+
+
+def test_qlora_streaming_evaluates_and_generates_like_the_resident_run(four_layers, tmp_path, monkeypatch):
+    """`offload.params: on` with the evaluation on (held-out loss, exact match over greedy
+    completions and the prompts' generations, before and after training): run.json's eval and the
+    losses equal the resident run's (fp32). Generation goes through Transformers' `generate`, which
+    moves its inputs to ``model.device`` before every forward (the layers', not the host table's).
+    On a CPU with AVX512-BF16 the resident run also checks `maximus.compat.keep_4bit_training_layout`:
+    without it the eval before training repacks its 4-bit weights for a kernel without backward."""
+    monkeypatch.setenv("MAXIMUS_CACHE", str(tmp_path / "cache"))
+    data = write_prompt_completion(tmp_path / "data.jsonl")
+    runs = {}
+    for mode in ("off", "on"):
+        cfg = tiny_config(four_layers, data, tmp_path / mode, method="qlora",
+                          optimization={"offload": {"params": mode}, "gradient_checkpointing": "off"},
+                          training={"max_steps": 2},
+                          eval={"split": 0.1, "before": True, "exact_match": 3, "max_new_tokens": 6,
+                                "prompts": ["Reverse: red green blue\nAnswer:"]})
+        trainer = Trainer(Config.from_dict(cfg))
+        trainer.train()
+        runs[mode] = json.loads((tmp_path / mode / "run.json").read_text())["eval"]
+        if mode == "on":
+            assert trainer.streamer.host_embedding is not None and trainer.streamer.stats["fetches"] > 0
+    for when in ("before", "after"):
+        resident, streamed = runs["off"][when], runs["on"][when]
+        assert streamed["generations"] == resident["generations"] and len(resident["generations"]) == 1, when
+        assert streamed["exact_match"] == resident["exact_match"] is not None, when
+        assert streamed["loss"] == pytest.approx(resident["loss"], abs=1e-6), when
+    assert _losses(tmp_path / "on") == pytest.approx(_losses(tmp_path / "off"), abs=1e-6)

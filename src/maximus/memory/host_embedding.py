@@ -15,6 +15,13 @@ Values are exactly the resident lookup's. The module keeps its class, names and 
 forward pre-hook swaps the ids, its forward hook the output), so checkpoints and PEFT see the
 same model.
 
+Where inputs go: Transformers' ``model.device`` is the first parameter's device, and the table
+comes first, so a model whose layers run on CUDA would report ``cpu`` (and ``generate`` moves its
+inputs to ``model.device`` before every forward). So the embedding is registered last in its
+parent (after the decoder layers and the norm: a change of order only, `remove()` restores it)
+and marked `maximus.structure.HOST_KEPT`, which `maximus.structure.compute_device`, the device
+every input of ours goes to, looks past.
+
 What stays on the device (`maximus.memory.streamed_weights.embedding_stays_on_host` decides, for
 the estimator and here alike): a table the output head shares (tied: the head needs all of it every step) and a trained one
 (`lora.modules_to_save` naming it, or full fine-tuning: its gradient and optimizer state are the
@@ -33,6 +40,7 @@ import torch
 from torch import nn
 
 from maximus.memory.streamed_weights import embedding_stays_on_host
+from maximus.structure import HOST_KEPT
 
 __all__ = ["HostEmbedding", "install_host_embedding"]
 
@@ -40,9 +48,11 @@ __all__ = ["HostEmbedding", "install_host_embedding"]
 class HostEmbedding:
     """Keep `embedding`'s table in host memory and move each batch's unique rows to `device`.
 
-    `remove()` takes the hooks away and moves the module back to `device`."""
+    `model` (optional): the model holding `embedding`, in which it is registered last (so that
+    ``model.device`` is the layers'). `remove()` takes the hooks away, restores the order and moves
+    the module back to `device`."""
 
-    def __init__(self, embedding: nn.Module, device: torch.device):
+    def __init__(self, embedding: nn.Module, device: torch.device, model: nn.Module | None = None):
         self.embedding = embedding
         self.device = torch.device(device)
         self.stats = {"batches": 0, "rows_moved": 0, "bytes_moved": 0}
@@ -51,6 +61,8 @@ class HostEmbedding:
         self._inverse: torch.Tensor | None = None
         self._input_device: torch.device | None = None
         embedding.to("cpu")
+        setattr(embedding, HOST_KEPT, True)
+        self._order = _register_last(model, embedding) if model is not None else None
         self._handles = [embedding.register_forward_pre_hook(self._ids_to_host, prepend=True),
                          embedding.register_forward_hook(self._rows_to_device, prepend=True)]
 
@@ -78,7 +90,27 @@ class HostEmbedding:
     def remove(self) -> None:
         for handle in self._handles:
             handle.remove()
+        if self._order is not None:
+            parent, names = self._order
+            for name in names:  # the embedding, then those that followed it: the first order again
+                module = getattr(parent, name)
+                delattr(parent, name)
+                parent.add_module(name, module)
+        self.embedding.__dict__.pop(HOST_KEPT, None)
         self.embedding.to(self.device)
+
+
+def _register_last(model: nn.Module, embedding: nn.Module) -> tuple[nn.Module, list[str]] | None:
+    """Register `embedding` last among its parent's children in `model`; (parent, the names from
+    the embedding's on, in their first order) to restore it, or None when `model` does not hold it."""
+    for parent in model.modules():
+        children = list(parent.named_children())
+        for i, (name, child) in enumerate(children):
+            if child is embedding:
+                delattr(parent, name)
+                parent.add_module(name, embedding)
+                return parent, [n for n, _ in children[i:]]
+    return None
 
 
 def _trained(module: nn.Module) -> bool:
@@ -97,4 +129,4 @@ def install_host_embedding(model: nn.Module, device: torch.device) -> HostEmbedd
     if not embedding_stays_on_host(streams_params=True, method="lora", tied=tied, trained=_trained(embedding)):
         embedding.to(device)
         return None
-    return HostEmbedding(embedding, device)
+    return HostEmbedding(embedding, device, model)

@@ -351,8 +351,9 @@ def _streaming(spec: RunSpec, store: str) -> RunSpec:
 
 def _can_stream(spec: RunSpec) -> bool:
     """Whether streaming frozen weights can save device memory: a GPU (on a CPU the host is the
-    device) and an adapter method (full fine-tuning has no frozen weights)."""
-    return spec.device != "cpu" and spec.search.method != "full"
+    device) and an adapter method (full fine-tuning has no frozen weights), unsharded (FSDP2 cannot
+    shard the weights the streamer releases between uses)."""
+    return spec.device != "cpu" and spec.search.method != "full" and not spec.search.sharded
 
 
 def spec_of(spec: Any, settings: dict[str, Any], **defaults: Any) -> RunSpec:

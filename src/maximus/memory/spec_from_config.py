@@ -331,7 +331,8 @@ def fixed_strategy(cfg: Any, method: str, world_size: int) -> tuple[str | None, 
     """The one place DDP vs FSDP2 is decided from the config: (``single`` | ``ddp`` | ``fsdp``, or
     None when ``auto`` must size it against the memory; notes). One rank: ``single``. QLoRA is
     never sharded (`fully_shard` cannot split bitsandbytes' packed 4-bit weights), nor a run whose
-    optimizer FSDP2 cannot update (8-bit, offloaded: ConfigError when fsdp is asked for)."""
+    optimizer FSDP2 cannot update (8-bit, offloaded: ConfigError when fsdp is asked for), nor a run
+    whose frozen weights stream (``optimization.offload.params: on | disk``: ConfigError for fsdp)."""
     if world_size == 1:
         return "single", []
     requested = cfg.training.distributed
@@ -342,7 +343,14 @@ def fixed_strategy(cfg: Any, method: str, world_size: int) -> tuple[str | None, 
         raise ConfigError("training.distributed: fsdp supports the torch AdamW optimizer without offload only",
                           "set training.optimizer: adamw and optimization.offload.optimizer: off, "
                           "or training.distributed: ddp")
-    if requested == "ddp" or method == "qlora" or not fsdp_ok:
+    # fully_shard cannot split weights the streamer has released (their storage is empty between uses).
+    streams = cfg.optimization.offload.params in ("on", "disk") and method not in ("qlora", "full")
+    if requested == "fsdp" and streams:
+        raise ConfigError(f"training.distributed: fsdp cannot shard streamed weights "
+                          f"(optimization.offload.params: {cfg.optimization.offload.params})",
+                          "set training.distributed: ddp to stream on every rank, or "
+                          "optimization.offload.params: off to shard the weights instead")
+    if requested == "ddp" or method == "qlora" or not fsdp_ok or streams:
         return "ddp", [QLORA_FSDP_NOTICE.removeprefix("notice: ")] if requested == "fsdp" else []
     return ("fsdp", []) if requested == "fsdp" else (None, [])
 

@@ -32,6 +32,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from maximus.compat import keep_4bit_training_layout
 from maximus.structure import find_decoder_layers
 
 __all__ = ["FrozenWeightStreamer", "is_4bit", "storage_bytes", "streamed_storages"]
@@ -135,11 +136,9 @@ class FrozenWeightStreamer:
                     written = True
             if written:
                 part_store.commit()
-        for module in model.modules():
-            if hasattr(module, "support_avx512bf16_for_cpu"):
-                # bitsandbytes repacks a 4-bit weight for its CPU kernel on the first eval forward,
-                # replacing the storage this streamer refills; keep the one layout.
-                module.support_avx512bf16_for_cpu = False
+        # bitsandbytes repacks a 4-bit weight for its CPU kernel on the first eval forward,
+        # replacing the storage this streamer refills; keep the one layout.
+        keep_4bit_training_layout(model)
         self._handles = []
         for i, layer in enumerate(self.layers):
             self._handles.append(layer.register_forward_pre_hook(lambda m, a, i=i: self._before_forward(i)))

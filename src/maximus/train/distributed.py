@@ -37,6 +37,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from maximus.compat import ddp_leave_out
 from maximus.errors import ConfigError
 from maximus.memory.plan import Plan
 from maximus.memory.spec_from_config import QLORA_FSDP_NOTICE  # noqa: F401 - the choice lives in the plan (fixed_strategy)
@@ -159,6 +160,10 @@ class DistEnv:
         from torch.nn.parallel import DistributedDataParallel
 
         device_ids = [self.device.index] if self.device is not None and self.device.type == "cuda" else None
+        # Frozen weights are the same files on every rank and DDP never reduces them: left out of its
+        # start-up broadcast (a whole base model's copy; streamed layers hold no storage between
+        # uses, and the host-kept embedding table is on the CPU, which DDP refuses to mix with CUDA).
+        ddp_leave_out(module, [name for name, p in module.named_parameters() if not p.requires_grad])
         # No buffer a decoder keeps changes in forward (rotary tables are constant): skip the
         # per-forward broadcast.
         return DistributedDataParallel(module, device_ids=device_ids, broadcast_buffers=False)

@@ -35,6 +35,8 @@ from dataclasses import dataclass
 
 import torch
 
+from maximus.structure import compute_device
+
 
 @dataclass
 class Sampled:
@@ -146,7 +148,7 @@ def sample_groups(model, prompts: list[list[int]], draw: Draw, *, group_size: in
     the module doc says."""
     from transformers import DynamicCache
 
-    device = next(model.parameters()).device
+    device = compute_device(model)
     cache_kw = _cache_keyword(model)
     out = Sampled(completions=[], logps=[] if draw.record_logps else None)
     step = max(1, prompts_at_once or len(prompts))

@@ -31,6 +31,7 @@ from maximus.kernels.forward_override import remove_forward_overrides
 from maximus.kernels.lean_norm import NORM_CLASSES as RMS_NORM_CLASSES
 from maximus.kernels.lean_norm import norm_settings
 from maximus.kernels.triton.runtime import TRITON_HINT, TritonKernelsUnavailable, interpreting, triton_import_error
+from maximus.structure import compute_device
 
 MLP_CLASSES = ("LlamaMLP", "MistralMLP", "Qwen2MLP")
 ATTENTION_CLASSES = ("LlamaAttention", "MistralAttention", "Qwen2Attention")
@@ -158,12 +159,6 @@ for _forward, _kind in ((_rms_norm_forward, "rms_norm"), (_mlp_forward, "swiglu"
     setattr(_forward, _MARK, _kind)
 
 
-def _model_device(model: torch.nn.Module) -> torch.device:
-    for p in model.parameters():
-        return p.device
-    return torch.device("cpu")
-
-
 def check_triton_usable(device: torch.device) -> None:
     """Raise TritonKernelsUnavailable unless Triton imports and can run on `device` (CUDA, or CPU interpreted)."""
     reason = triton_import_error()
@@ -184,7 +179,7 @@ def install_triton_kernels(model: torch.nn.Module) -> list[str]:
     Raises TritonKernelsUnavailable (a MaximusError) when Triton is missing or the model is not on
     CUDA and TRITON_INTERPRET is unset; the caller turns that into a fallback notice.
     """
-    check_triton_usable(_model_device(model))
+    check_triton_usable(compute_device(model))
     linear4bit = _peft_linear4bit_class()
     patched: list[str] = []
     for path, module in model.named_modules():
