@@ -15,7 +15,8 @@ GIB = 2**30
 
 
 def table() -> list[str]:
-    from maximus.memory.context_parallel import exchange_bytes_per_token, longest_context_over_ranks
+    from maximus.memory.context_exchange import exchange_bytes_per_token
+    from maximus.memory.context_parallel import longest_context_over_ranks
     from maximus.memory.shape import load_model_config
     from maximus.memory.planner import plan_for_budget, resolve_budget
 

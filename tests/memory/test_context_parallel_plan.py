@@ -1,7 +1,7 @@
 """The per-rank memory of context parallelism: Ulysses' exchange buffers and the longest row
 over N cards (predicted, Llama-3.1-8B QLoRA r=32, the figures of docs/long_context.md)."""
-from maximus.memory.context_parallel import (exchange_bytes_per_token, fewest_cards, longest_context_over_ranks,
-                                             longest_over_cards)
+from maximus.memory.context_exchange import exchange_bytes_per_token
+from maximus.memory.context_parallel import fewest_cards, longest_context_over_ranks, longest_over_cards
 from maximus.memory.shape import load_model_config
 from maximus.memory.planner import max_seq_len_for_budget, resolve_budget
 

@@ -5,11 +5,15 @@
    seeded tensors, computes the reference itself, and writes the largest differences it saw to
    OUT/attention-rank<r>.json;
 2. `two_steps` of each training config: each step's loss and gradients (after DDP's average);
-   rank 0 writes OUT/<name>.safetensors. The one-process oracle imports and calls `two_steps`.
+   rank 0 writes OUT/<name>.safetensors. The one-process oracle imports and calls `two_steps`;
+3. each whole run of "runs" (`Trainer.train`: plan, join, train, write the run directory), which
+   leaves the process group; the next run joins it again. Rank 0 prints the degree each joined at.
 
-Usage: context_parallel_worker.py LAUNCH.json OUT (LAUNCH: {"attention": bool, "configs": {name: cfg}}).
+Usage: context_parallel_worker.py LAUNCH.json OUT
+(LAUNCH: {"attention": bool, "configs": {name: cfg}, "runs": {name: cfg}}; "configs" and "runs" optional).
 """
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -115,18 +119,39 @@ def two_steps(cfg: dict) -> tuple[dict[str, torch.Tensor], Trainer]:
     return kept, trainer
 
 
+def join_world(name: str) -> None:
+    """The default process group again, after a run left it, with its keys in torchrun's store
+    under `name`: a second ``init_process_group("gloo")`` would reuse the first group's keys
+    (``default_pg/0``: the count restarts when the group is destroyed), and a rank could meet
+    the other's stale address and wait forever."""
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
+    dist.init_process_group("gloo", store=dist.PrefixStore(name, store), rank=int(os.environ["RANK"]),
+                            world_size=int(os.environ["WORLD_SIZE"]))
+
+
 def main(launch: Path, out: Path) -> None:
     spec = json.loads(launch.read_text())
     dist.init_process_group("gloo")  # the trainers below join this group
     if spec["attention"]:
         attention_checks(out)
     trainer = None
-    for name, cfg in spec["configs"].items():
+    for name, cfg in spec.get("configs", {}).items():
         kept, trainer = two_steps(cfg)
         if trainer.dist.is_main:
             save_file(kept, str(out / f"{name}.safetensors"))
             print(f"{name}: exchange {trainer.context.exchange}, strategy {trainer.dist.strategy}", flush=True)
-    trainer.dist.shutdown(clean=True)
+    if trainer is not None:
+        trainer.dist.shutdown(clean=True)
+    for i, (name, cfg) in enumerate(spec.get("runs", {}).items()):
+        if not dist.is_initialized():
+            join_world(f"run{i}")
+        trainer = Trainer(Config.from_dict(cfg))
+        trainer.train()  # leaves the process group at its end (DistEnv.shutdown)
+        if trainer.dist.is_main:
+            print(f"{name}: joined at context_parallel {trainer.context.split.degree}, "
+                  f"{trainer.dist.data_world_size} batch share(s)", flush=True)
+    if dist.is_initialized():
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

@@ -5,7 +5,7 @@ counts per token (saved layer inputs, tiles, the loss chunks, offloaded activati
 ``T / N``-token row, and the weights and optimizer state are whole on every rank (DDP). On top,
 Ulysses' exchange holds, while one layer's attention runs, copies of that layer's queries, keys
 and values (sent, received, reordered to the row's order) and of its output (computed, reordered,
-sent, received): `exchange_bytes_per_token` per local token. The estimator counts both
+sent, received): `maximus.memory.context_exchange.exchange_bytes_per_token` per local token. The estimator counts both
 (`maximus.memory.estimate.context_split_estimate`), and the planner picks the degree from it
 (``context_parallel: auto``).
 Under autograd the queries, keys and values reordered for the whole row are kept for SDPA's
@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from maximus.memory.context_exchange import OUTPUT_COPIES, QKV_COPIES, exchange_bytes_per_token  # noqa: F401
+from maximus.memory.context_exchange import exchange_bytes_per_token
 
 
 def longest_context_over_ranks(model_config: Any, budget_bytes: int, degree: int, *, micro_batch: int = 1,
