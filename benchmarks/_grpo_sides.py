@@ -14,37 +14,12 @@ from pathlib import Path
 
 import torch
 
-from _machine import cpu_flags
+from _machine import cpu_report  # noqa: F401  (the GRPO benchmarks import it from here)
 
 
 def length_reward(prompts, completions, **columns):
     """Any reward that varies within a group: a step's memory and time do not depend on its values."""
     return [float(len(c) % 7) for c in completions]
-
-
-def cpu_report() -> str:
-    """The CPU's bf16 flags and its fp32 / bf16 matmul rate right now (the load shows in it)."""
-    flags = cpu_flags()
-    have = [f for f in ("avx512_bf16", "amx_bf16", "avx512f") if f in flags]
-    rates = []
-    for dtype in (torch.float32, torch.bfloat16):
-        n = 1024
-        a, b = torch.randn(n, n, dtype=dtype), torch.randn(n, n, dtype=dtype)
-        a @ b
-        best = min(_timed(lambda: a @ b) for _ in range(3))
-        rates.append(f"{str(dtype).replace('torch.', '')} {2 * n ** 3 / best / 1e9:.0f} GFLOP/s")
-    try:
-        load = open("/proc/loadavg").read().split()[0]
-    except OSError:
-        load = "?"
-    return (f"cpu: bf16 flags {', '.join(have) or 'none (bf16 is emulated)'}; matmul {'; '.join(rates)} "
-            f"({torch.get_num_threads()} threads); load average {load}")
-
-
-def _timed(fn) -> float:
-    t = time.perf_counter()
-    fn()
-    return time.perf_counter() - t
 
 
 def measure(run, *adopt) -> dict:

@@ -113,3 +113,48 @@ def test_bad_splits_are_one_line_naming_the_key_and_value():
         "training.context_parallel auto: no split of rows of 4,194,304 tokens over 1 / 2 of the 2 processes fits "
         "22.35 GiB per process (hint: launch more processes (torchrun --nproc_per_node), raise "
         "optimization.target_vram, or lower training.seq_len)")
+
+
+def test_fsdp_under_a_split_shards_over_the_whole_world():
+    """FSDP2 shards over every process, the ranks that share rows included (the trainer's 2-D mesh
+    flattened): a rank of 2 batch shares x 2 row shares holds the weights, gradients and optimizer
+    state of a 4-way shard, and the activations of its half rows plus the exchange buffers."""
+    from dataclasses import replace
+
+    from maximus.memory.estimate import estimate_step
+    from maximus.memory.run_spec import Candidate, RunSpec
+    from maximus.memory.shape import model_shape
+
+    spec = RunSpec(shape=model_shape(EIGHT_B), world_size=2).searching(method="lora", seq_len=8192)
+    cand = Candidate(method="lora", seq_len=8192, checkpointing="full", sharded=True)
+    split = estimate_step(spec, replace(cand, context_parallel=2))
+    four_way = estimate_step(replace(spec, world_size=4), replace(cand, seq_len=4096))
+    two_way = estimate_step(spec, replace(cand, seq_len=4096))
+    for term in ("weights", "gradients", "optimizer"):
+        assert split.breakdown[term] == four_way.breakdown[term] < two_way.breakdown[term], term
+    buffers = exchange_bytes_per_token(spec.shape, 2) * 4096
+    assert split.breakdown["activations"] == four_way.breakdown["activations"] + buffers
+    assert split.peak_bytes == four_way.peak_bytes + buffers
+    unsharded = estimate_step(spec, replace(cand, context_parallel=2, sharded=False))
+    assert unsharded.breakdown["weights"] == estimate_step(spec, replace(cand, seq_len=4096, sharded=False)).breakdown["weights"]
+
+
+def test_the_run_plans_fsdp_over_every_process_when_one_group_splits_each_row():
+    """`training.distributed: fsdp` with `context_parallel` equal to the number of processes (one
+    batch share): the plan is FSDP2 over the 4 processes, its weights and optimizer state those
+    of FSDP2 over 4 batch ranks, not one whole model per rank; under DDP the plan says ddp."""
+    from maximus import Config
+    from maximus.memory.spec_from_config import plan_run
+
+    def plan(distributed: str, degree: int, processes: int):
+        cfg = Config.from_dict({"model": EIGHT_B, "dataset": "d.jsonl", "method": "lora",
+                                "optimization": {"target_vram": "80GB"},
+                                "training": {"seq_len": 65536, "batch_size": 4, "context_parallel": degree,
+                                             "distributed": distributed}})
+        return plan_run(cfg, device="cuda", world_size=processes // degree)
+
+    split, ddp, batch = plan("fsdp", 4, 4), plan("ddp", 4, 4), plan("fsdp", 1, 4)
+    assert (split.strategy, split.world_size, split.context_parallel) == ("fsdp", 1, 4)
+    assert (ddp.strategy, batch.strategy) == ("ddp", "fsdp")
+    for term in ("weights", "optimizer"):
+        assert split.breakdown[term] == batch.breakdown[term] < ddp.breakdown[term] / 2, term

@@ -1061,14 +1061,17 @@ def estimate_step(spec: RunSpec, cand: Candidate) -> Estimate:
 def context_split_estimate(spec: RunSpec, cand: Candidate) -> Estimate:
     """One rank's estimate when ``cand.context_parallel`` ranks share each row: every per-token
     term is that of a ``seq_len / degree``-token row, rounded up to the padding the trainer adds
-    (`train.context_parallel`), the weights and optimizer state whole, as under DDP, plus the
-    attention exchange's buffers for those tokens (`memory.context_exchange.exchange_bytes_per_token`),
-    counted as activations."""
+    (`train.context_parallel`), plus the attention exchange's buffers for those tokens
+    (`memory.context_exchange.exchange_bytes_per_token`), counted as activations. The weights and
+    optimizer state are whole under DDP; under FSDP2 (a sharded step) they are 1/(world_size x
+    degree): the trainer shards over the whole world, the ranks that share rows included."""
     from maximus.memory.context_exchange import exchange_bytes_per_token
 
     degree = cand.context_parallel
     local_tokens = 2 * -(-cand.seq_len // (2 * degree))  # rows padded to the zigzag split's 2 x degree chunks
-    local = estimate_step(spec, replace(cand, seq_len=local_tokens, context_parallel=1))
+    sharded = spec.world_size > 1 if cand.sharded is None else cand.sharded
+    world = replace(spec, world_size=spec.world_size * degree) if sharded else spec
+    local = estimate_step(world, replace(cand, seq_len=local_tokens, context_parallel=1, sharded=sharded))
     exchange = exchange_bytes_per_token(spec.shape, degree, spec.dtype_bytes) * cand.micro_batch * local_tokens
     breakdown = {**local.breakdown, "activations": local.breakdown["activations"] + exchange}
     note = (f"context parallelism: each of {degree} ranks holds {local_tokens:,} tokens of each row, plus "

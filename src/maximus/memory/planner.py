@@ -571,7 +571,8 @@ def _to_plan(spec: RunSpec, cand: Candidate, e: Estimate, budget: int | None, pe
                      f"{tile} tokens in backward")
     notes += [n for n in e.notes if n not in notes]
     sharded = bool(e.settings.get("sharded"))
-    strategy = "single" if world_size == 1 else ("fsdp" if sharded else "ddp")
+    # the processes: the batch ranks times the ranks that share each row
+    strategy = "single" if world_size * cand.context_parallel == 1 else ("fsdp" if sharded else "ddp")
     return Plan(method=cand.method, micro_batch_size=mb, grad_accum=per_rank // mb, recompute=recompute,
                 offload_activations=cand.offload_activations, offload_optimizer=cand.offload_optimizer,
                 optimizer=spec.optimizer.name, loss_mode=spec.techniques.loss_mode,

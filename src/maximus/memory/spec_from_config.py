@@ -33,7 +33,7 @@ from maximus.kernels.choices import KernelChoices
 from maximus.memory.run_spec import (GrpoSettings, LoraSettings, OptimizerSettings, RunSpec, SearchSpace, Techniques,
                                      decide_kernels, kronecker_layout)
 from maximus.memory.plan import Attention, Plan
-from maximus.memory.planner import DEFAULT_ALLOW, plan_for_budget, resolve_budget
+from maximus.memory.planner import DEFAULT_ALLOW, plan_for_budget, resolve_budget, split_degree
 from maximus.memory.shape import load_model_config, model_shape
 
 __all__ = ["plan_run", "fixed_strategy", "QLORA_FSDP_NOTICE", "STRATEGY_CHOICES", "run_spec", "run_dtype", "kernel_choices", "lean_lora_applies", "lora_reaches_experts",
@@ -332,7 +332,9 @@ def fixed_strategy(cfg: Any, method: str, world_size: int) -> tuple[str | None, 
     None when ``auto`` must size it against the memory; notes). One rank: ``single``. QLoRA is
     never sharded (`fully_shard` cannot split bitsandbytes' packed 4-bit weights), nor a run whose
     optimizer FSDP2 cannot update (8-bit, offloaded: ConfigError when fsdp is asked for), nor a run
-    whose frozen weights stream (``optimization.offload.params: on | disk``: ConfigError for fsdp)."""
+    whose frozen weights stream (``optimization.offload.params: on | disk``: ConfigError for fsdp).
+    `world_size`: every process, the ranks that share rows included. GRPO under ``auto`` is DDP
+    (its rollouts run whole on every rank; ``fsdp`` asked for is refused by the trainer)."""
     if world_size == 1:
         return "single", []
     requested = cfg.training.distributed
@@ -350,7 +352,8 @@ def fixed_strategy(cfg: Any, method: str, world_size: int) -> tuple[str | None, 
                           f"(optimization.offload.params: {cfg.optimization.offload.params})",
                           "set training.distributed: ddp to stream on every rank, or "
                           "optimization.offload.params: off to shard the weights instead")
-    if requested == "ddp" or method == "qlora" or not fsdp_ok or streams:
+    grpo_auto = cfg.objective == "grpo" and requested == "auto"
+    if requested == "ddp" or method == "qlora" or not fsdp_ok or streams or grpo_auto:
         return "ddp", [QLORA_FSDP_NOTICE.removeprefix("notice: ")] if requested == "fsdp" else []
     return ("fsdp", []) if requested == "fsdp" else (None, [])
 
@@ -360,9 +363,10 @@ def _plan_with_strategy(cfg: Any, spec: RunSpec, budget: int | None, device: Any
     """The plan and the strategy, decided once. One rank: ``single``. Several: DDP or FSDP2 as
     asked; ``auto`` plans unsharded (every rank holds the model) and shards only when that does
     not fit the budget (or, without one, the device). QLoRA is never sharded (4-bit weights), nor
-    a run whose optimizer FSDP2 cannot update (8-bit, offloaded)."""
+    a run whose optimizer FSDP2 cannot update (8-bit, offloaded). The processes counted are the
+    whole world: the spec's batch ranks times the ranks that share each row (FSDP2 shards over all)."""
     free = free_memory and budget is not None
-    strategy, notes = fixed_strategy(cfg, spec.search.method, spec.world_size)
+    strategy, notes = fixed_strategy(cfg, spec.search.method, spec.world_size * split_degree(spec))
     unsharded_spec = spec.searching(sharded=False)
     if strategy in ("single", "ddp"):
         return plan_for_budget(unsharded_spec, budget, free_memory=free), notes
