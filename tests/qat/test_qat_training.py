@@ -165,6 +165,70 @@ def test_qat_start_trains_the_first_steps_in_float(tmp_path):
                                     "(hint: set training.qat (e.g. q4_0) or remove training.qat_start)")
 
 
+def _training(**training):
+    return Config.from_dict({"model": "m", "dataset": {"path": "d.jsonl"}, "training": {"qat": "q4_0", **training}}).training
+
+
+def test_qat_fraction_rounds_exactly_that_share_of_the_matrices_each_step():
+    """training.qat_fraction p (qat_noise matrices): every step from training.qat_start on rounds
+    exactly round(p x N) of the N matrices, a new seeded draw each step, the same for the same seed
+    and step; p 1 rounds all of them."""
+    half = _training(qat_fraction=0.5)
+    masks = [half.qat_matrices(step, 211) for step in range(1, 21)]
+    assert [sum(m) for m in masks] == [106] * 20 and len({tuple(m) for m in masks}) == 20
+    assert masks[0] == half.qat_matrices(1, 211) and masks[0] != _training(qat_fraction=0.5, seed=1).qat_matrices(1, 211)
+    assert [i for i, m in enumerate(half.qat_matrices(3, 8)) if m] == [3, 4, 5, 7]
+    assert sum(_training(qat_fraction=0.25).qat_matrices(1, 211)) == 53
+    assert _training(qat_fraction=0.01).qat_matrices(1, 7).count(True) == 1  # at least one rounds
+    assert _training().qat_matrices(1, 211) == [True] * 211
+    assert sorted(half.qat_steps(20)) == list(range(1, 21))
+    assert sorted(_training(qat_fraction=0.5, qat_start=0.5).qat_steps(20)) == list(range(11, 21))
+
+
+def test_qat_fraction_of_the_steps_rounds_exactly_that_share_drawn_with_the_seed():
+    """training.qat_fraction p, qat_noise steps: exactly round(p x steps) steps from training.qat_start
+    on see the rounding, the same set for the same seed; 1 (the default) is every step."""
+    def steps(total, **training):
+        return sorted(_training(qat_noise="steps", **training).qat_steps(total))
+
+    assert steps(20, qat_fraction=0.5) == [1, 3, 4, 10, 11, 12, 15, 17, 18, 19]
+    assert steps(20, qat_fraction=0.5, seed=1) != steps(20, qat_fraction=0.5)
+    assert [len(steps(20, qat_fraction=0.5, seed=s)) for s in range(5)] == [10] * 5
+    assert len(steps(7, qat_fraction=0.3)) == 2 and len(steps(100, qat_fraction=0.05)) == 5
+    assert steps(3, qat_fraction=0.01) == [1]  # at least one step rounds
+    late = steps(20, qat_fraction=0.5, qat_start=0.5)
+    assert len(late) == 5 and min(late) >= 11
+    assert steps(20) == list(range(1, 21)) and steps(20, qat_start=0.5) == list(range(11, 21))
+
+
+def test_qat_fraction_trains_the_drawn_steps_rounded_and_the_others_in_float(tmp_path):
+    """Of 4 steps at qat_fraction 0.5 (qat_noise steps), seed 0 rounds steps 1 and 3: step 1 is the QAT run's loss for
+    loss and step 2 is not; seed 2 rounds steps 2 and 3: step 1 is the plain run's and step 2 is not."""
+    def losses(run):
+        return [json.loads(line)["loss"] for line in (run / "metrics.jsonl").read_text().splitlines()]
+
+    for seed, rounded, twin in [(0, [1, 3], "q4_0"), (2, [2, 3], "off")]:
+        noisy = _train(tmp_path / f"noisy{seed}", "q4_0", "lora", False, 64, steps=4, qat_fraction=0.5,
+                       qat_noise="steps", seed=seed)
+        assert sorted(noisy.qat_steps) == rounded
+        _train(tmp_path / f"twin{seed}", twin, "lora", False, 64, steps=4, seed=seed)
+        mixed, same = losses(tmp_path / f"noisy{seed}" / "run"), losses(tmp_path / f"twin{seed}" / "run")
+        assert mixed[0] == same[0] and mixed[1] != same[1]
+    shared = _train(tmp_path / "matrices", "q4_0", "lora", False, 64, steps=4, qat_fraction=0.5)
+    flags = [r.active for r in shared.qat.roundings]  # as the last step left them
+    assert len(flags) == 16 and flags == shared.cfg.training.qat_matrices(4, 16) and sum(flags) == 8
+    with pytest.raises(ConfigError) as err:
+        Config.from_dict(tiny_config(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r", training={"qat_fraction": 0.5}))
+    assert err.value.one_line() == ("config: training.qat_fraction 0.5 has no rounding to share out: training.qat is "
+                                    "off (hint: set training.qat (e.g. q4_0) or remove training.qat_fraction)")
+    for bad, why in [(0, "expected greater than 0"), (1.5, "expected less than or equal to 1")]:
+        with pytest.raises(ConfigError) as err:
+            Config.from_dict(tiny_config(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r",
+                                         training={"qat": "q4_0", "qat_fraction": bad}))
+        assert err.value.one_line() == (f"config: invalid value for 'training.qat_fraction': {bad}: {why} (hint: see "
+                                        "docs/config.md for allowed values)")
+
+
 def test_int4_run_refuses_a_gguf_export_naming_both(tmp_path, capsys):
     _train(tmp_path, "int4", "lora", False, 64, steps=1)
     assert main(["export", str(tmp_path / "run"), "--format", "gguf", "--out", str(tmp_path / "x.gguf")]) == 2

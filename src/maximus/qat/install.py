@@ -54,11 +54,15 @@ class QatReport:
     cache_bytes: int = 0
     roundings: list = field(default_factory=list, repr=False)
 
-    def set_active(self, active: bool) -> None:
+    def set_active(self, active: bool | list[bool]) -> None:
         """Whether the forward sees the rounded weights (True from `install_qat`); False reads the
-        weights as they are, as in eval mode (`training.qat_start`: the plain first steps)."""
-        for rounding in self.roundings:
-            rounding.active = active
+        weights as they are, as in eval mode (`training.qat_start`: the plain first steps). A list
+        says it per rounding, in the order of `roundings` (`training.qat_fraction`)."""
+        flags = active if isinstance(active, list) else [active] * len(self.roundings)
+        if len(flags) != len(self.roundings):
+            raise ValueError(f"{len(flags)} flags for {len(self.roundings)} roundings")
+        for rounding, flag in zip(self.roundings, flags):
+            rounding.active = flag
 
 
 class _Rounding:

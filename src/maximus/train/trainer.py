@@ -177,6 +177,7 @@ class Trainer:
         # First, since a model loaded layer by layer has none of its frozen weights on the device.
         self.streamer = self._weight_streamer()
         self.qat = None
+        self.qat_steps: frozenset[int] = frozenset()  # the optimizer steps that see the rounding (training.qat_fraction)
         self.checkpointing = self._apply_checkpointing()
         # Padding-free attention, and Triton kernels / regional compilation (optimization.kernels).
         self.kernels = apply_kernels(self.model, cfg.optimization.kernels, self.device,
@@ -276,10 +277,22 @@ class Trainer:
 
         report = install_qat(self.model, target)
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(report.types.values()).items()))
-        start = self.cfg.training.qat_first_step(self.total_steps)
+        training = self.cfg.training
+        start = training.qat_first_step(self.total_steps)
+        self.qat_steps = training.qat_steps(self.total_steps)
         self.dist.say(f"quantization-aware training for {target}: {len(report.types)} matrices fake-quantized ({kinds})"
-                      + (f", from step {start} of {self.total_steps} (training.qat_start)" if start > 1 else ""))
+                      + (f", from step {start} of {self.total_steps} (training.qat_start)" if start > 1 else "")
+                      + (self._qat_share(report, start) if training.qat_fraction != 1 else ""))
         return report
+
+    def _qat_share(self, report, start: int) -> str:
+        """The header's words for `training.qat_fraction` below 1."""
+        training = self.cfg.training
+        if training.qat_noise == "steps":
+            return (f", rounded on {len(self.qat_steps)} of those {self.total_steps - start + 1} steps "
+                    f"(training.qat_fraction {training.qat_fraction:g})")
+        rounded = sum(training.qat_matrices(start, len(report.roundings)))
+        return f", {rounded} of {len(report.roundings)} rounded each step (training.qat_fraction {training.qat_fraction:g})"
 
     def _load_data(self):
         from maximus.data import build_run_datasets
@@ -475,8 +488,9 @@ class Trainer:
         try:
             for step in range(run.start_step + 1, self.total_steps + 1):
                 run.step = step
-                if self.qat is not None:  # training.qat_start: the first steps train in float
-                    self.qat.set_active(step >= self.cfg.training.qat_first_step(self.total_steps))
+                if self.qat is not None:  # training.qat_start / qat_fraction: the other steps train in float
+                    rounds = step in self.qat_steps
+                    self.qat.set_active(self.cfg.training.qat_matrices(step, len(self.qat.roundings)) if rounds else False)
                 row, finite = self._measured_step(step, run)
                 self._count_bad_step(row, finite, run)
                 self._log_step(row, run)
