@@ -32,9 +32,8 @@ from maximus.memory.lengths import RowLengths
 from maximus.memory.optimizer_state import OPTIMIZERS
 from maximus.memory.plan import Plan, plan_summary, recompute_label
 from maximus.memory.planner import check_batch_splits, max_seq_len_for_budget, plan_for_budget, resolve_budget
-from maximus.memory.spec_from_config import plan_run
+from maximus.memory.spec_from_config import fixed_strategy, plan_run, run_spec
 from maximus.memory.run_spec import RunSpec, SearchSpace
-from maximus.memory.spec_from_config import run_spec
 
 __all__ = ["plan_main", "plan_report", "plan_json", "CARD_TFLOPS", "card_tokens_per_s"]
 
@@ -218,8 +217,15 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
         except BudgetError as exc:
             return None, exc.message
 
-    cards = [_card(name, (memory, price, h2d), plan_or_none(memory), longest, world_size == 1, micro, t.seq_len, gpus)
-             for name, (memory, price, h2d) in GPU_CARDS.items()]
+    def shardings(cards: int) -> tuple[bool, ...]:  # DDP, FSDP2, or under `auto` whichever holds the longer row
+        try:
+            strategy = fixed_strategy(cfg, requested.method, cards)[0]
+        except ConfigError:
+            return (False,)
+        return {"fsdp": (True,), None: (False, True)}.get(strategy, (False,))
+
+    cards = [_card(name, (memory, price, h2d), plan_or_none(memory), longest, world_size == 1, micro, t.seq_len,
+                   (gpus, shardings)) for name, (memory, price, h2d) in GPU_CARDS.items()]
     fitting = [c for c in cards if c["fits"]]
     cheapest = min(fitting, key=lambda c: (c["price_per_hour"], c["memory_bytes"]))["card"] if fitting else None
     report: dict[str, Any] = {
@@ -260,11 +266,12 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
 
 
 def _card(name: str, card: tuple[int, float, float], planned: tuple[Plan | None, str | None], longest: RunSpec,
-          one_rank: bool, micro: int, seq_len: int, gpus: int | None) -> dict[str, Any]:
+          one_rank: bool, micro: int, seq_len: int, over: tuple[int | None, Any]) -> dict[str, Any]:
     """One card's row of `plan_report`: its plan (or why none fits), the speed (compute- or
     transfer-bound) and cost guesses; for `one_rank`, the longest context of the run `longest`
-    and the largest image of a VLM; with `gpus`, the longest context over several cards under
-    context parallelism. `card`: (memory bytes, US$/hour, host-to-device bytes/s), `GPU_CARDS`'."""
+    and the largest image of a VLM; with `over` = (gpus, shardings), the longest context over
+    several cards under context parallelism (`longest_over_cards`: DDP or FSDP2 as `shardings`
+    allows). `card`: (memory bytes, US$/hour, host-to-device bytes/s), `GPU_CARDS`'."""
     memory, price, h2d = card
     plan, why = planned
     speed = bound = None
@@ -273,11 +280,11 @@ def _card(name: str, card: tuple[int, float, float], planned: tuple[Plan | None,
     tokens = max_seq_len_for_budget(longest, memory, micro_batch=micro) if one_rank else None
     image = (largest_image(longest, memory, seq_len=seq_len, micro_batch=micro)
              if one_rank and longest.techniques.vision is not None else None)
-    longest_cp = {}
+    longest_cp, (gpus, shardings) = {}, over
     if gpus:
         from maximus.memory.context_parallel import fewest_cards, longest_over_cards
 
-        over_cards = longest_over_cards(longest, memory, gpus, micro_batch=micro)
+        over_cards = longest_over_cards(longest, memory, gpus, shardings, micro_batch=micro)
         longest_cp = {"longest_context_over_cards": over_cards,
                       "context_parallel_for_seq": fewest_cards(over_cards, seq_len)}
     return {**longest_cp, "card": name, "memory_bytes": memory, "price_per_hour": price,

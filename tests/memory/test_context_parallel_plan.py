@@ -1,5 +1,7 @@
 """The per-rank memory of context parallelism: Ulysses' exchange buffers and the longest row
 over N cards (predicted, Llama-3.1-8B QLoRA r=32, the figures of docs/long_context.md)."""
+import pytest
+
 from maximus.memory.context_exchange import exchange_bytes_per_token
 from maximus.memory.context_parallel import fewest_cards, longest_context_over_ranks, longest_over_cards
 from maximus.memory.shape import load_model_config
@@ -158,3 +160,46 @@ def test_the_run_plans_fsdp_over_every_process_when_one_group_splits_each_row():
     assert (ddp.strategy, batch.strategy) == ("ddp", "fsdp")
     for term in ("weights", "optimizer"):
         assert split.breakdown[term] == batch.breakdown[term] < ddp.breakdown[term] / 2, term
+
+
+def test_fsdp2_under_the_split_shards_the_state_so_full_fine_tuning_holds_longer_rows():
+    """Full fine-tuning of Llama-3.1-8B on 80 GB cards: FSDP2 over the ranks that share the rows
+    leaves each rank 1/N of the weights, gradients and AdamW state; the longest sharded row is the
+    last one a sharded plan holds at that degree (16 tokens more: none)."""
+    from maximus.config import GPU_CARDS
+    from maximus.memory.planner import fits_at, spec_of
+
+    budget = GPU_CARDS["H100"][0]
+    kw = dict(method="full")
+    ddp, fsdp = (longest_context_over_ranks(EIGHT_B, budget, 8, sharded=s, **kw) for s in (False, True))
+    assert fsdp > 2 * ddp and fsdp % 16 == 0
+    spec = spec_of(EIGHT_B, kw, method="qlora").searching(context_parallel=8, sharded=True, offload_optimizer="off")
+    fits = fits_at(spec, budget, 1)
+    assert fits(fsdp) and not fits(fsdp + 16)
+    # both offered: the longer counts; one card is never sharded
+    both = longest_over_cards(EIGHT_B, budget, 8, lambda cards: (False, True), **kw)
+    assert both[8] == fsdp and both[1] == longest_context_over_ranks(EIGHT_B, budget, 1, **kw)
+    assert longest_over_cards(EIGHT_B, budget, 8, **kw)[8] == ddp  # DDP unless told otherwise
+
+
+@pytest.mark.parametrize("distributed", ["auto", "fsdp", "ddp"])
+def test_plan_gpus_counts_the_sharding_the_run_would_take(distributed):
+    """`maximus plan --gpus 8` for full fine-tuning: under `fsdp` the cards' longest rows are the
+    sharded ones, under `ddp` DDP's, under `auto` the longer of the two."""
+    from maximus import Config
+    from maximus.config import GPU_CARDS
+    from maximus.plan_command import plan_report
+
+    def report(method, distributed):
+        cfg = Config.from_dict({"model": EIGHT_B, "dataset": "unused", "method": method,
+                                "training": {"seq_len": 2048, "batch_size": 8, "distributed": distributed}})
+        return {c["card"]: c["longest_context_over_cards"] for c in plan_report(cfg, gpus=8)["cards"]}
+
+    budget = GPU_CARDS["H100"][0]
+    h100 = report("full", distributed)["H100"]
+    ddp = {n: longest_context_over_ranks(EIGHT_B, budget, n, method="full") for n in (1, 2, 4, 8)}
+    fsdp = {n: longest_context_over_ranks(EIGHT_B, budget, n, method="full", sharded=n > 1) for n in (1, 2, 4, 8)}
+    expected = {"ddp": ddp, "fsdp": fsdp, "auto": {n: max(ddp[n], fsdp[n]) for n in ddp}}[distributed]
+    assert h100 == expected
+    if distributed == "auto":
+        assert h100[2] == ddp[2] > fsdp[2] and h100[8] == fsdp[8] > ddp[8]  # offloaded AdamW wins at 2 cards

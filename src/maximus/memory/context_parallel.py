@@ -2,7 +2,8 @@
 
 Over ``N`` ranks each rank holds ``1/N`` of every row's tokens: everything the one-card estimate
 counts per token (saved layer inputs, tiles, the loss chunks, offloaded activations) is that of a
-``T / N``-token row, and the weights and optimizer state are whole on every rank (DDP). On top,
+``T / N``-token row, and the weights and optimizer state are whole on every rank (DDP) or
+``1/N`` of them (FSDP2, which shards over every rank, the ones that share rows included). On top,
 Ulysses' exchange holds, while one layer's attention runs, copies of that layer's queries, keys
 and values (sent, received, reordered to the row's order) and of its output (computed, reordered,
 sent, received): `maximus.memory.context_exchange.exchange_bytes_per_token` per local token. The estimator counts both
@@ -18,38 +19,50 @@ divisible by ``N``).
 """
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 from maximus.memory.context_exchange import exchange_bytes_per_token
 
 
 def longest_context_over_ranks(model_config: Any, budget_bytes: int, degree: int, *, micro_batch: int = 1,
-                               **plan_kw: Any) -> int:
+                               sharded: bool = False, **plan_kw: Any) -> int:
     """The longest row (tokens, a multiple of ``2 * degree``) that `degree` ranks of `budget_bytes`
     each train together: the longest for which `plan_for_budget` finds a plan at
     ``context_parallel = degree`` (each rank's estimate: its ``1 / degree`` of the row plus the
     exchange buffers, `maximus.memory.estimate.context_split_estimate`), so it agrees with the
     degree ``context_parallel: auto`` picks. `model_config`: a `RunSpec`, or anything
     `model_shape` reads with `plan_for_budget` keywords in `plan_kw` (every memory knob allowed;
-    the method defaults to qlora, as for `max_seq_len_for_budget`)."""
+    the method defaults to qlora, as for `max_seq_len_for_budget`). ``sharded``: the ranks run FSDP2
+    (weights, gradients and optimizer state 1 / `degree` on each, its optimizer never offloaded, as
+    `maximus.memory.spec_from_config` plans it); else DDP (whole on each)."""
     from maximus.memory.planner import fits_at, max_seq_len_for_budget, spec_of
 
     spec = spec_of(model_config, plan_kw, method="qlora").searching(context_parallel=1)
     alone = max_seq_len_for_budget(spec, budget_bytes, micro_batch=micro_batch)
     if degree == 1:
         return alone
-    fits, step = fits_at(spec.searching(context_parallel=degree), budget_bytes, micro_batch), 2 * degree
+    split = spec.searching(context_parallel=degree, **({"sharded": True, "offload_optimizer": "off"} if sharded
+                                                        else {"sharded": False}))
+    fits, step = fits_at(split, budget_bytes, micro_batch), 2 * degree
     lo, hi = 0, (alone + 1) * degree // step + 1  # in steps of 2 x degree tokens: fits(lo) (or 0), not fits(hi)
+    while sharded and fits(hi * step):  # sharded weights leave a rank more than one card has for its share
+        lo, hi = hi, 2 * hi
     while hi - lo > 1:
         mid = (lo + hi) // 2
         lo, hi = (mid, hi) if fits(mid * step) else (lo, mid)
     return lo * step
 
 
-def longest_over_cards(model_config: Any, budget_bytes: int, gpus: int, **longest_kw: Any) -> dict[int, int]:
-    """{cards: longest row in tokens} for 1, 2, 4, ... up to `gpus` cards of `budget_bytes` each."""
+def longest_over_cards(model_config: Any, budget_bytes: int, gpus: int,
+                       shardings: Callable[[int], tuple[bool, ...]] = lambda cards: (False,),
+                       **longest_kw: Any) -> dict[int, int]:
+    """{cards: longest row in tokens} for 1, 2, 4, ... up to `gpus` cards of `budget_bytes` each.
+    ``shardings(cards)``: the strategies the run may take over that many cards (False: DDP, True:
+    FSDP2 over all of them; `maximus.memory.spec_from_config.fixed_strategy` decides); the longest
+    of them counts (``distributed: auto`` shards when whole weights do not fit)."""
     degrees = [1 << k for k in range(gpus.bit_length()) if 1 << k <= gpus]
-    return {n: longest_context_over_ranks(model_config, budget_bytes, n, **longest_kw) for n in degrees}
+    return {n: max(longest_context_over_ranks(model_config, budget_bytes, n, sharded=sharded, **longest_kw)
+                   for sharded in (shardings(n) if n > 1 else (False,))) for n in degrees}
 
 
 def fewest_cards(longest: dict[int, int], seq_len: int) -> int | None:
