@@ -13,7 +13,8 @@ answer tokens and exact match of greedy answers; the float models (the run's Tra
 merged weights unquantized) on the same rows and examples; peak memory is the run's measured peak
 (run.json). `--cost` measures, in one process and one thread, the CPU seconds of a plain and a QAT
 forward + backward (OUT/cost.json: the table's step column; the runs' wall-clock step times follow
-the machine's load). Prints a Markdown table (docs/benchmarks/qat.md) and writes `OUT/results.json`.
+the machine's load). Prints a Markdown table (docs/benchmarks/qat.md), then the default QAT's gap
+recovered and float-model change per seed and their medians (`--seed N` runs), and writes `OUT/results.json`.
 
     nice python benchmarks/qat.py --steps 20 --out runs/bench-qat
     nice python benchmarks/qat.py --cost --out runs/bench-qat
@@ -160,6 +161,36 @@ def table(results: dict, costs: dict) -> str:
     return "\n".join(lines)
 
 
+def seeds_table(results: dict) -> str:
+    """QAT from the first step, every matrix rounded (the defaults), over every seed that has both its
+    plain run and the QAT run: each seed's gap recovered and float-model change, then their median.
+    The criteria: at least half the gap recovered, the float model within 2 % of the plain one."""
+    lines = ["| setting | target | seeds | gap recovered, per seed | median | QAT fp32 loss vs plain, per seed | median "
+             "| both criteria (medians) |", "|---|---|---|---|---|---|---|---|"]
+    for setting in SETTINGS:
+        for target in TARGETS:
+            gaps, moves, seeds = [], [], []
+            for seed in range(100):
+                suffix = f"-seed{seed}" if seed else ""
+                plain, qat = results.get(f"{setting}-off{suffix}"), results.get(f"{setting}-{target}{suffix}")
+                if plain is None or qat is None:
+                    continue
+                base, plain_q = plain["fp32"]["loss"], plain["deployed"][target]["loss"]
+                gaps.append((plain_q - qat["deployed"][target]["loss"]) / (plain_q - base) if plain_q > base
+                            else float("nan"))
+                moves.append(qat["fp32"]["loss"] / base - 1)
+                seeds.append(str(seed))
+            if not seeds:
+                continue
+            known = [g for g in gaps if g == g]
+            gap, move = (statistics.median(known) if known else float("nan")), statistics.median(moves)
+            met = "yes" if gap >= 0.5 and move <= 0.02 else "no"
+            lines.append(f"| {setting} | {target} | {', '.join(seeds)} | "
+                         f"{', '.join('no gap' if g != g else f'{g:.0%}' for g in gaps)} | {gap:.0%} | "
+                         f"{', '.join(f'{m:+.1%}' for m in moves)} | {move:+.1%} | {met} |")
+    return "\n".join(lines)
+
+
 def variant_label(mod: str) -> str:
     """A run key's suffix (`start0.5`, `fraction0.5`, `fraction0.5steps`, `seed1`) as the table says it."""
     if mod.startswith("seed"):
@@ -293,6 +324,8 @@ def main() -> None:
     for other in args.merge:
         results = {**json.loads(other.read_text()), **results}
     print(table(results, json.loads(cost_path.read_text()) if cost_path.exists() else {}))
+    print()
+    print(seeds_table(results))
 
 
 if __name__ == "__main__":
