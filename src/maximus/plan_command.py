@@ -22,7 +22,7 @@ import argparse
 import json
 import sys
 from dataclasses import replace
-from typing import Any
+from typing import Any, Callable
 
 from maximus.arguments import ArgumentParser
 from maximus.config import GPU_CARDS, Config, format_bytes
@@ -225,7 +225,7 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
         return {"fsdp": (True,), None: (False, True)}.get(strategy, (False,))
 
     cards = [_card(name, (memory, price, h2d), plan_or_none(memory), longest, world_size == 1, micro, t.seq_len,
-                   (gpus, shardings)) for name, (memory, price, h2d) in GPU_CARDS.items()]
+                   gpus, shardings) for name, (memory, price, h2d) in GPU_CARDS.items()]
     fitting = [c for c in cards if c["fits"]]
     cheapest = min(fitting, key=lambda c: (c["price_per_hour"], c["memory_bytes"]))["card"] if fitting else None
     report: dict[str, Any] = {
@@ -266,12 +266,12 @@ def plan_report(cfg: Config, *, world_size: int = 1, lengths: RowLengths | None 
 
 
 def _card(name: str, card: tuple[int, float, float], planned: tuple[Plan | None, str | None], longest: RunSpec,
-          one_rank: bool, micro: int, seq_len: int, over: tuple[int | None, Any]) -> dict[str, Any]:
+          one_rank: bool, micro: int, seq_len: int, gpus: int | None,
+          shardings: Callable[[int], tuple[bool, ...]]) -> dict[str, Any]:
     """One card's row of `plan_report`: its plan (or why none fits), the speed (compute- or
     transfer-bound) and cost guesses; for `one_rank`, the longest context of the run `longest`
-    and the largest image of a VLM; with `over` = (gpus, shardings), the longest context over
-    several cards under context parallelism (`longest_over_cards`: DDP or FSDP2 as `shardings`
-    allows). `card`: (memory bytes, US$/hour, host-to-device bytes/s), `GPU_CARDS`'."""
+    and the largest image of a VLM; with `gpus`, the longest context over several cards under
+    context parallelism (`longest_over_cards`: DDP or FSDP2 as `shardings` allows). `card`: (memory bytes, US$/hour, host-to-device bytes/s), `GPU_CARDS`'."""
     memory, price, h2d = card
     plan, why = planned
     speed = bound = None
@@ -280,7 +280,7 @@ def _card(name: str, card: tuple[int, float, float], planned: tuple[Plan | None,
     tokens = max_seq_len_for_budget(longest, memory, micro_batch=micro) if one_rank else None
     image = (largest_image(longest, memory, seq_len=seq_len, micro_batch=micro)
              if one_rank and longest.techniques.vision is not None else None)
-    longest_cp, (gpus, shardings) = {}, over
+    longest_cp = {}
     if gpus:
         from maximus.memory.context_parallel import fewest_cards, longest_over_cards
 

@@ -174,6 +174,7 @@ def test_fsdp2_under_the_split_shards_the_state_so_full_fine_tuning_holds_longer
     ddp, fsdp = (longest_context_over_ranks(EIGHT_B, budget, 8, sharded=s, **kw) for s in (False, True))
     assert fsdp > 2 * ddp and fsdp % 16 == 0
     spec = spec_of(EIGHT_B, kw, method="qlora").searching(context_parallel=8, sharded=True, offload_optimizer="off")
+    assert spec == spec_of(EIGHT_B, kw, method="qlora").searching(context_parallel=8).strategy(sharded=True)
     fits = fits_at(spec, budget, 1)
     assert fits(fsdp) and not fits(fsdp + 16)
     # both offered: the longer counts; one card is never sharded

@@ -33,16 +33,15 @@ def longest_context_over_ranks(model_config: Any, budget_bytes: int, degree: int
     degree ``context_parallel: auto`` picks. `model_config`: a `RunSpec`, or anything
     `model_shape` reads with `plan_for_budget` keywords in `plan_kw` (every memory knob allowed;
     the method defaults to qlora, as for `max_seq_len_for_budget`). ``sharded``: the ranks run FSDP2
-    (weights, gradients and optimizer state 1 / `degree` on each, its optimizer never offloaded, as
-    `maximus.memory.spec_from_config` plans it); else DDP (whole on each)."""
+    (weights, gradients and optimizer state 1 / `degree` on each: `RunSpec.strategy`); else DDP
+    (whole on each)."""
     from maximus.memory.planner import fits_at, max_seq_len_for_budget, spec_of
 
     spec = spec_of(model_config, plan_kw, method="qlora").searching(context_parallel=1)
     alone = max_seq_len_for_budget(spec, budget_bytes, micro_batch=micro_batch)
     if degree == 1:
         return alone
-    split = spec.searching(context_parallel=degree, **({"sharded": True, "offload_optimizer": "off"} if sharded
-                                                        else {"sharded": False}))
+    split = spec.searching(context_parallel=degree).strategy(sharded)
     fits, step = fits_at(split, budget_bytes, micro_batch), 2 * degree
     lo, hi = 0, (alone + 1) * degree // step + 1  # in steps of 2 x degree tokens: fits(lo) (or 0), not fits(hi)
     while sharded and fits(hi * step):  # sharded weights leave a rank more than one card has for its share

@@ -266,6 +266,11 @@ class RunSpec:
         """This spec with some search settings changed (`SearchSpace` fields)."""
         return replace(self, search=replace(self.search, **changes))
 
+    def strategy(self, sharded: bool) -> "RunSpec":
+        """This spec searched under FSDP2 (``sharded``: its optimizer never offloaded, since FSDP2
+        updates its DTensor shards on the device) or unsharded (DDP or one rank)."""
+        return self.searching(sharded=True, offload_optimizer="off") if sharded else self.searching(sharded=False)
+
     def with_optimizer(self, name: str) -> "RunSpec":
         """This spec with another optimizer (the planner's ``adamw_8bit`` alternative)."""
         return replace(self, optimizer=replace(self.optimizer, name=name))

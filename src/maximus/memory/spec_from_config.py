@@ -367,11 +367,10 @@ def _plan_with_strategy(cfg: Any, spec: RunSpec, budget: int | None, device: Any
     whole world: the spec's batch ranks times the ranks that share each row (FSDP2 shards over all)."""
     free = free_memory and budget is not None
     strategy, notes = fixed_strategy(cfg, spec.search.method, spec.world_size * split_degree(spec))
-    unsharded_spec = spec.searching(sharded=False)
+    unsharded_spec = spec.strategy(sharded=False)
     if strategy in ("single", "ddp"):
         return plan_for_budget(unsharded_spec, budget, free_memory=free), notes
-    # FSDP2 updates its DTensor shards on the device
-    fsdp_spec = spec.searching(sharded=True, offload_optimizer="off")
+    fsdp_spec = spec.strategy(sharded=True)
     if strategy == "fsdp":
         return plan_for_budget(fsdp_spec, budget, free_memory=free), []
     try:  # unsharded only when it really fits (also against free memory)
