@@ -43,10 +43,11 @@ def model_path() -> str:
 
 
 def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0, qat_fraction: float = 1.0,
-          qat_noise: str = "matrices", seed: int = 0) -> None:
+          qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0) -> None:
     overrides = [f"model={model_path()}", f"output_dir={out}", f"training.max_steps={steps}", f"training.qat={qat}",
                  *([f"training.qat_start={qat_start}"] if qat != "off" and qat_start else []),
                  *([f"training.qat_fraction={qat_fraction}", f"training.qat_noise={qat_noise}"] if qat != "off" else []),
+                 *([f"training.qat_float_weight={float_weight}"] if qat != "off" and float_weight else []),
                  "training.log_every=100", "eval.before=false", "eval.few_shot=0", "eval.metrics=[exact_match]",
                  "logging.progress=none", f"training.seed={seed}", *SETTINGS[setting]]
     subprocess.run([sys.executable, "-m", "maximus.cli", "train", "--config", str(ROOT / "examples/real_chat.yaml"),
@@ -91,31 +92,32 @@ def run_facts(run: Path) -> dict:
 
 
 def run_key(setting: str, qat: str, qat_start: float = 0.0, qat_fraction: float = 1.0, qat_noise: str = "matrices",
-            seed: int = 0) -> str:
-    """The results.json key (and run directory) of one run; a QAT run started late, or rounding only
-    a fraction of its steps, is its own."""
+            seed: int = 0, float_weight: float = 0.0) -> str:
+    """The results.json key (and run directory) of one run; a QAT run started late, rounding only
+    a fraction of its steps, or mixing in the float loss, is its own."""
     suffix = f"-seed{seed}" if seed else ""
     if qat == "off":
         return f"{setting}-off{suffix}"
     return f"{setting}-{qat}" + (f"-start{qat_start:g}" if qat_start else "") + \
-        (f"-fraction{qat_fraction:g}" + ("steps" if qat_noise == "steps" else "") if qat_fraction != 1 else "") + suffix
+        (f"-fraction{qat_fraction:g}" + ("steps" if qat_noise == "steps" else "") if qat_fraction != 1 else "") + \
+        (f"-float{float_weight:g}" if float_weight else "") + suffix
 
 
 def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_start: float = 0.0,
-            qat_fraction: float = 1.0, qat_noise: str = "matrices", seed: int = 0) -> dict:
+            qat_fraction: float = 1.0, qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0) -> dict:
     results = {}
     path = out / "results.json"
     if path.exists():
         results = json.loads(path.read_text())
     for setting in settings:
         for qat in runs:
-            key = run_key(setting, qat, qat_start, qat_fraction, qat_noise, seed)
+            key = run_key(setting, qat, qat_start, qat_fraction, qat_noise, seed, float_weight)
             if key in results:
                 continue
             run = out / key
             started = time.time()
             if not (run / "run.json").exists():
-                train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed)
+                train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed, float_weight)
             files = [export(run, q) for q in (TARGETS if qat == "off" else (qat,))]
             results[key] = {**score(run, files), **run_facts(run), "wall_s": round(time.time() - started, 1)}
             if path.exists():  # another invocation may have written its own runs meanwhile: keep them
@@ -175,32 +177,37 @@ def against_plain(plain: dict, qat: dict, target: str) -> tuple[float | None, fl
 
 
 def seeds_table(results: dict) -> str:
-    """QAT from the first step, every matrix rounded (the defaults), over every seed that has both its
-    plain run and the QAT run: each seed's gap recovered and float-model change, then their median.
-    The criteria: at least half the gap recovered, the float model within 2 % of the plain one."""
+    """Each QAT variant (the defaults, and each key suffix such as ``-float0.5``) over every seed that has
+    both its plain run and the QAT run: each seed's gap recovered and float-model change, then their
+    median. The criteria: at least half the gap recovered, the float model within 2 % of the plain one."""
     lines = ["| setting | target | seeds | gap recovered, per seed | median | QAT fp32 loss vs plain, per seed | median "
              "| both criteria (medians) |", "|---|---|---|---|---|---|---|---|"]
+    variants = sorted({"-".join(k.split("-seed")[0].split("-")[2:]) for k in results if "-off" not in k})
     for setting in SETTINGS:
         for target in TARGETS:
-            gaps, moves, seeds = [], [], []
-            for seed in seeds_of(results):
-                suffix = f"-seed{seed}" if seed else ""
-                plain, qat = results.get(f"{setting}-off{suffix}"), results.get(f"{setting}-{target}{suffix}")
-                if plain is None or qat is None:
+            for variant in sorted(variants, key=lambda v: (v != "", v)):
+                mods = f"-{variant}" if variant else ""
+                gaps, moves, seeds = [], [], []
+                for seed in seeds_of(results):
+                    suffix = f"-seed{seed}" if seed else ""
+                    plain = results.get(f"{setting}-off{suffix}")
+                    qat = results.get(f"{setting}-{target}{mods}{suffix}")
+                    if plain is None or qat is None:
+                        continue
+                    gap, move = against_plain(plain, qat, target)
+                    gaps.append(gap)
+                    moves.append(move)
+                    seeds.append(str(seed))
+                if not seeds:
                     continue
-                gap, move = against_plain(plain, qat, target)
-                gaps.append(gap)
-                moves.append(move)
-                seeds.append(str(seed))
-            if not seeds:
-                continue
-            known = [g for g in gaps if g is not None]
-            gap, move = (statistics.median(known) if known else None), statistics.median(moves)
-            met = "yes" if gap is not None and gap >= 0.5 and move <= 0.02 else "no"
-            lines.append(f"| {setting} | {target} | {', '.join(seeds)} | "
-                         f"{', '.join('no gap' if g is None else f'{g:.0%}' for g in gaps)} | "
-                         f"{'no gap' if gap is None else f'{gap:.0%}'} | "
-                         f"{', '.join(f'{m:+.1%}' for m in moves)} | {move:+.1%} | {met} |")
+                known = [g for g in gaps if g is not None]
+                gap, move = (statistics.median(known) if known else None), statistics.median(moves)
+                met = "yes" if gap is not None and gap >= 0.5 and move <= 0.02 else "no"
+                label = ", ".join([target, *(variant_label(m) for m in variant.split("-") if m)])
+                lines.append(f"| {setting} | {label} | {', '.join(seeds)} | "
+                             f"{', '.join('no gap' if g is None else f'{g:.0%}' for g in gaps)} | "
+                             f"{'no gap' if gap is None else f'{gap:.0%}'} | "
+                             f"{', '.join(f'{m:+.1%}' for m in moves)} | {move:+.1%} | {met} |")
     return "\n".join(lines)
 
 
@@ -208,6 +215,8 @@ def variant_label(mod: str) -> str:
     """A run key's suffix (`start0.5`, `fraction0.5`, `fraction0.5steps`, `seed1`) as the table says it."""
     if mod.startswith("seed"):
         return f"seed {mod[4:]}"
+    if mod.startswith("float"):
+        return f"float loss weight {float(mod[5:]):g}"
     if mod.startswith("start"):
         return f"QAT from {float(mod[5:]):.0%} of the steps"
     if mod.endswith("steps"):
@@ -304,6 +313,8 @@ def main() -> None:
                         "(the share of the rounding each step sees; kept apart from 1)")
     parser.add_argument("--qat-noise", choices=["matrices", "steps"], default="matrices", help="training.qat_noise "
                         "of the QAT runs with --qat-fraction below 1")
+    parser.add_argument("--qat-float-weight", type=float, default=0.0, help="training.qat_float_weight of the QAT "
+                        "runs (the float weights' share of each step's loss; kept apart from 0)")
     parser.add_argument("--seed", type=int, default=0, help="training.seed of every run (a seed other than 0 is kept "
                         "apart: its runs are compared with the plain run of the same seed)")
     parser.add_argument("--check-files", action="store_true", help="only compare each QAT run's trained-against "
@@ -333,7 +344,7 @@ def main() -> None:
                 print(f"{run.name}: {trained_equals_file(run, target)}", flush=True)
         return
     results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start, args.qat_fraction, args.qat_noise,
-                      args.seed)
+                      args.seed, args.qat_float_weight)
     for other in args.merge:
         results = {**json.loads(other.read_text()), **results}
     print(table(results, json.loads(cost_path.read_text()) if cost_path.exists() else {}))

@@ -326,6 +326,7 @@ class TrainingConfig(_Section):
     qat_start: float = Field(0.0, ge=0, lt=1, description="With training.qat: the fraction of the optimizer steps trained without the rounding before it starts (0 = from the first step; 0.5 = the second half of the steps see the rounded weights): the model first learns the task in float, then adapts to the rounding. The planner counts the rounded copies for the whole run. See docs/benchmarks/qat.md.")
     qat_fraction: float = Field(1.0, gt=0, le=1, description="With training.qat: the share of the rounding each optimizer step (from training.qat_start on) sees, as quantization noise (Fan et al. 2020): the rest trains on the float weights. Under training.qat_noise `matrices`, each step's forward rounds exactly round(fraction x N) of the N quantized matrices (at least one), drawn anew each step; under `steps`, exactly round(fraction x steps) of the steps round every matrix and the others none. Draws are seeded (training.seed, the step), so a resumed run makes the same. 1 = every matrix, every step. See docs/benchmarks/qat.md.")
     qat_noise: Literal["matrices", "steps"] = Field("matrices", description="With training.qat_fraction below 1: what the fraction draws, the matrices rounded within each step (`matrices`) or the steps rounding every matrix (`steps`).")
+    qat_float_weight: float = Field(0.0, ge=0, lt=1, description="With training.qat: the weight w of the float weights' loss in each rounding step's loss, (1 - w) x the loss on the rounded weights + w x the loss on the weights as they are: every micro-batch runs its forward and backward twice (about twice the step time; the same peak memory, one pass's activations at a time), so the run trains the float model it keeps beside the file it deploys. metrics.jsonl logs both losses (qat_rounded_loss, qat_float_loss). 0 = the rounded loss alone. Not with training.optimizer_in_backward (it steps inside the first backward). See docs/benchmarks/qat.md.")
     memory_meter: Literal["auto", "every_step", "sampled"] = Field("auto", description="Which steps run under the memory meter. `every_step`: all of them. `sampled`: on the CPU, where the meter sees every op and can nearly double a small model's step, only the steps that can set a new peak (the first two, a step with longer rows or more tokens than every metered one, the first after a re-plan, every 25th and the last; GRPO decides on its sampled rows, and its sampling is always metered); the others log no memory. `auto`: every step on CUDA (the allocator's counters cost nothing), `sampled` elsewhere.")
 
     @field_validator("qat", mode="before")
@@ -341,6 +342,13 @@ class TrainingConfig(_Section):
         if self.qat_fraction != 1 and self.qat == "off":
             raise ConfigError(f"training.qat_fraction {self.qat_fraction} has no rounding to share out: training.qat "
                               "is off", "set training.qat (e.g. q4_0) or remove training.qat_fraction")
+        if self.qat_float_weight and self.qat == "off":
+            raise ConfigError(f"training.qat_float_weight {self.qat_float_weight} has no rounded loss to mix with: "
+                              "training.qat is off", "set training.qat (e.g. q4_0) or remove training.qat_float_weight")
+        if self.qat_float_weight and self.optimizer_in_backward:
+            raise ConfigError(f"training.qat_float_weight {self.qat_float_weight} runs two backward passes per step, "
+                              "and training.optimizer_in_backward steps the weights inside the first",
+                              "set training.optimizer_in_backward: false or remove training.qat_float_weight")
         return self
 
     def qat_first_step(self, total_steps: int) -> int:

@@ -31,14 +31,14 @@ CASES = {"q4_0-lora": ("q4_0", "lora", False, 64), "q8_0-full": ("q8_0", "full",
          "q4_k_m-lora-tied": ("q4_k_m", "lora", True, 256)}
 
 
-def _train(root, target, method, tie, hidden, steps=2, **training):
+def _train(root, target, method, tie, hidden, steps=2, hooks=None, **training):
     from maximus.train.trainer import Trainer
 
     model_dir = build_tiny_model_dir(root / "model", "llama", hidden=hidden, tie=tie)
     data = write_prompt_completion(root / "data.jsonl")
     cfg = tiny_config(model_dir, data, root / "run", method=method, eval={"split": 0.1, "before": False},
                       training={"max_steps": steps, "qat": target, **training})
-    trainer = Trainer(Config.from_dict(cfg))
+    trainer = Trainer(Config.from_dict(cfg), hooks=hooks)
     trainer.train()
     return trainer
 
@@ -227,6 +227,49 @@ def test_qat_fraction_trains_the_drawn_steps_rounded_and_the_others_in_float(tmp
                                          training={"qat": "q4_0", "qat_fraction": bad}))
         assert err.value.one_line() == (f"config: invalid value for 'training.qat_fraction': {bad}: {why} (hint: see "
                                         "docs/config.md for allowed values)")
+
+
+@pytest.mark.parametrize("method", ["lora", "full"])
+def test_qat_float_weight_steps_on_the_weighted_sum_of_the_rounded_and_float_gradients(tmp_path, method, capsys):
+    """training.qat_float_weight 0.25, one step of two micro-batches: every trained gradient is
+    0.75 x the QAT run's (rounded weights) + 0.25 x the plain run's (float weights), the logged
+    losses are those runs' and their weighted sum, and the header says it; the rounding is on again
+    after the float pass. Without training.qat, or with optimizer_in_backward, one line refuses it."""
+    def run(name, target, **training):
+        grads = {}
+
+        def keep(trainer, step):
+            grads.update({n: p.grad.clone() for n, p in trainer.model.named_parameters() if p.requires_grad})
+
+        trainer = _train(tmp_path / name, target, method, False, 64, steps=1, hooks={"after_backward": keep},
+                         micro_batch_size=2, batch_size=4, **training)
+        row = json.loads((tmp_path / name / "run" / "metrics.jsonl").read_text().splitlines()[0])
+        return trainer, grads, row
+
+    _, float_grads, plain = run("plain", "off")
+    _, rounded_grads, qat = run("qat", "q4_0")
+    mixed, mixed_grads, row = run("mixed", "q4_0", qat_float_weight=0.25)
+    assert "each step's loss 0.75 x rounded + 0.25 x float weights, two passes per micro-batch " \
+           "(training.qat_float_weight)" in capsys.readouterr().err
+    assert sorted(mixed_grads) == sorted(float_grads) and len(mixed_grads) > 0
+    differ = [n for n in mixed_grads if not torch.allclose(rounded_grads[n], float_grads[n], rtol=1e-3, atol=0)]
+    assert len(differ) >= len(mixed_grads) // 2  # (LoRA's A gets no gradient while B is zero)
+    for name, grad in mixed_grads.items():
+        torch.testing.assert_close(grad, 0.75 * rounded_grads[name] + 0.25 * float_grads[name], rtol=1e-5, atol=1e-7)
+    assert row["qat_rounded_loss"] == pytest.approx(qat["loss"], rel=1e-6)
+    assert row["qat_float_loss"] == pytest.approx(plain["loss"], rel=1e-6)
+    assert row["loss"] == pytest.approx(0.75 * qat["loss"] + 0.25 * plain["loss"], rel=1e-6)
+    assert all(r.active for r in mixed.qat.roundings)
+    for training, line in [({"qat_float_weight": 0.5}, "config: training.qat_float_weight 0.5 has no rounded loss to "
+                            "mix with: training.qat is off (hint: set training.qat (e.g. q4_0) or remove "
+                            "training.qat_float_weight)"),
+                           ({"qat": "q4_0", "qat_float_weight": 0.5, "optimizer_in_backward": True},
+                            "config: training.qat_float_weight 0.5 runs two backward passes per step, and "
+                            "training.optimizer_in_backward steps the weights inside the first (hint: set "
+                            "training.optimizer_in_backward: false or remove training.qat_float_weight)")]:
+        with pytest.raises(ConfigError) as err:
+            Config.from_dict(tiny_config(tmp_path / "m", tmp_path / "d.jsonl", tmp_path / "r", training=training))
+        assert err.value.one_line() == line
 
 
 def test_int4_run_refuses_a_gguf_export_naming_both(tmp_path, capsys):

@@ -25,6 +25,7 @@ every quantized matrix (the planner counts it: `maximus.memory.estimate`).
 from __future__ import annotations
 
 import re
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
@@ -63,6 +64,23 @@ class QatReport:
             raise ValueError(f"{len(flags)} flags for {len(self.roundings)} roundings")
         for rounding, flag in zip(self.roundings, flags):
             rounding.active = flag
+
+
+    @contextmanager
+    def floating(self):
+        """The weights read as they are inside the block (`training.qat_float_weight`'s float pass);
+        each rounding's flag is restored after, and its cache kept."""
+        flags = [rounding.active for rounding in self.roundings]
+        self.set_active(False)
+        try:
+            yield
+        finally:
+            self.set_active(flags)
+
+    @property
+    def rounds(self) -> bool:
+        """Whether the forward now sees any rounded weight."""
+        return any(rounding.active for rounding in self.roundings)
 
 
 class _Rounding:

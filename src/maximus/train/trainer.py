@@ -42,7 +42,7 @@ import time
 from contextlib import nullcontext
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
@@ -282,7 +282,10 @@ class Trainer:
         self.qat_steps = training.qat_steps(self.total_steps)
         self.dist.say(f"quantization-aware training for {target}: {len(report.types)} matrices fake-quantized ({kinds})"
                       + (f", from step {start} of {self.total_steps} (training.qat_start)" if start > 1 else "")
-                      + (self._qat_share(report, start) if training.qat_fraction != 1 else ""))
+                      + (self._qat_share(report, start) if training.qat_fraction != 1 else "")
+                      + (f"; each step's loss {1 - training.qat_float_weight:g} x rounded + "
+                         f"{training.qat_float_weight:g} x float weights, two passes per micro-batch "
+                         "(training.qat_float_weight)" if training.qat_float_weight else ""))
         return report
 
     def _qat_share(self, report, start: int) -> str:
@@ -430,19 +433,32 @@ class Trainer:
         and metric sums."""
         loss_total = torch.zeros((), device=self.device, dtype=torch.float64)
         sums: dict[str, float] = {}
+        passes = self._loss_passes()
         for i, batch in enumerate(batches):
             batch = {k: v.to(self.device, non_blocking=True) for k, v in batch.items()}
-            # DDP: gradients are all-reduced once per optimizer step, on the last micro-batch.
-            sync = nullcontext() if i == len(batches) - 1 or not hasattr(self.step_module, "no_sync") \
-                else self.step_module.no_sync()
-            with sync, self.context.attending(batch):
-                with autocast_for(self.device, self.dtype):
-                    loss_sum, metric_sums = self.step_module(batch)
-                (loss_sum * scale).backward()
-            loss_total += loss_sum.detach().double()
-            for k, v in metric_sums.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
+            for j, (name, weight, weights_as_they_are) in enumerate(passes):
+                # DDP: gradients are all-reduced once per optimizer step, in its last backward.
+                last = i == len(batches) - 1 and j == len(passes) - 1
+                sync = nullcontext() if last or not hasattr(self.step_module, "no_sync") else self.step_module.no_sync()
+                with sync, self.context.attending(batch), weights_as_they_are():
+                    with autocast_for(self.device, self.dtype):
+                        loss_sum, metric_sums = self.step_module(batch)
+                    (loss_sum * (scale * weight)).backward()
+                loss_total += loss_sum.detach().double() * weight
+                for k, v in metric_sums.items():
+                    sums[k] = sums.get(k, 0.0) + float(v) * weight
+                if name:
+                    sums[name] = sums.get(name, 0.0) + float(loss_sum)
         return loss_total, sums
+
+    def _loss_passes(self) -> list[tuple[str | None, float, Callable]]:
+        """The passes of each micro-batch: (its loss's metric name, its weight in the step's loss,
+        the context its forward and backward run in). One plain pass; under training.qat_float_weight
+        w, on a step that rounds, the rounded pass (1 - w) and the float pass (w)."""
+        weight = self.cfg.training.qat_float_weight
+        if self.qat is None or not weight or not self.qat.rounds:
+            return [(None, 1.0, nullcontext)]
+        return [("qat_rounded_loss", 1.0 - weight, nullcontext), ("qat_float_loss", weight, self.qat.floating)]
 
     # ------------------------------------------------------------------------------ evaluation
     def evaluate(self) -> dict:
