@@ -119,16 +119,6 @@ def two_steps(cfg: dict) -> tuple[dict[str, torch.Tensor], Trainer]:
     return kept, trainer
 
 
-def join_world(name: str) -> None:
-    """The default process group again, after a run left it, with its keys in torchrun's store
-    under `name`: a second ``init_process_group("gloo")`` would reuse the first group's keys
-    (``default_pg/0``: the count restarts when the group is destroyed), and a rank could meet
-    the other's stale address and wait forever."""
-    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False)
-    dist.init_process_group("gloo", store=dist.PrefixStore(name, store), rank=int(os.environ["RANK"]),
-                            world_size=int(os.environ["WORLD_SIZE"]))
-
-
 def main(launch: Path, out: Path) -> None:
     spec = json.loads(launch.read_text())
     dist.init_process_group("gloo")  # the trainers below join this group
@@ -142,11 +132,9 @@ def main(launch: Path, out: Path) -> None:
             print(f"{name}: exchange {trainer.context.exchange}, strategy {trainer.dist.strategy}", flush=True)
     if trainer is not None:
         trainer.dist.shutdown(clean=True)
-    for i, (name, cfg) in enumerate(spec.get("runs", {}).items()):
-        if not dist.is_initialized():
-            join_world(f"run{i}")
+    for name, cfg in spec.get("runs", {}).items():
         trainer = Trainer(Config.from_dict(cfg))
-        trainer.train()  # leaves the process group at its end (DistEnv.shutdown)
+        trainer.train()  # joins a process group of its own, and leaves it at its end (DistEnv.shutdown)
         if trainer.dist.is_main:
             print(f"{name}: joined at context_parallel {trainer.context.split.degree}, "
                   f"{trainer.dist.data_world_size} batch share(s)", flush=True)

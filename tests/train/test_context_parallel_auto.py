@@ -8,7 +8,9 @@ one plan each degree has, every lever fixed), so that the test follows the estim
 - a budget that whole rows fit: the plan records 1, the two processes split the batch (DDP).
 
 Both runs' losses (metrics.jsonl) and final adapters equal one process's on the same rows
-(context_parallel 1, no budget) to 1e-5 in fp32.
+(context_parallel 1, no budget) to 1e-5 in fp32. The two runs train one after the other in the
+same two processes (`Trainer.train` twice): the second joins a process group of its own
+(`maximus.train.distributed.init`).
 """
 import json
 import os

@@ -225,6 +225,12 @@ class DistEnv:
             except RuntimeError:  # a peer already gone (torch's DistError is a RuntimeError): nothing left to wait for
                 pass
         dist.destroy_process_group()
+        global _LEFT
+        _LEFT += 1
+
+
+#: How many times a run in this process left the default process group (`DistEnv.shutdown`).
+_LEFT = 0
 
 
 def init() -> DistEnv:
@@ -241,7 +247,17 @@ def init() -> DistEnv:
         device, backend = torch.device("cpu"), "gloo"
     if not dist.is_initialized():
         timeout = timedelta(seconds=float(os.environ.get("MAXIMUS_DIST_TIMEOUT_S", DEFAULT_TIMEOUT_S)))
-        dist.init_process_group(backend=backend, timeout=timeout)
+        if _LEFT == 0:
+            dist.init_process_group(backend=backend, timeout=timeout)
+        else:
+            # A later run in the same process (Trainer.train again): the default group's keys in
+            # torchrun's store restart at `default_pg/0` once it is destroyed, so a rank could meet
+            # the last run's stale address and wait forever. Each later run keys its group apart;
+            # every rank runs the same sequence, so they agree on the prefix.
+            store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), is_master=False,
+                                  timeout=timeout)
+            dist.init_process_group(backend=backend, store=dist.PrefixStore(f"maximus-run{_LEFT}", store), rank=rank,
+                                    world_size=world, timeout=timeout)
     return DistEnv(True, world, rank, local, device)
 
 
