@@ -313,3 +313,22 @@ def test_planner_counts_the_rounded_copies_qat_keeps(tmp_path, method, target):
     kwargs = dict(method=method, dtype="fp32", seq_len=64, device="cpu")
     plain, rounded = estimate_peak(model_dir, **kwargs), estimate_peak(model_dir, qat=target, **kwargs)
     assert rounded.breakdown["weights"] - plain.breakdown["weights"] == held_bytes > 0
+
+
+def test_planner_counts_the_float_pass_as_a_second_backward(tmp_path):
+    """training.qat_float_weight: the memory is that of two micro-steps (gradients alive through the
+    second pass; full fine-tuning's forward then holds them all), the compute twice; the config's
+    value reaches the run's spec."""
+    from maximus.memory.estimate import estimate_peak
+    from maximus.memory.spec_from_config import run_spec
+
+    model_dir = build_tiny_model_dir(tmp_path / "model", "llama", hidden=64)
+    kwargs = dict(method="full", dtype="fp32", seq_len=64, device="cpu", qat="q4_0")
+    one, mixed = estimate_peak(model_dir, **kwargs), estimate_peak(model_dir, qat_float_weight=0.5, **kwargs)
+    accumulating = estimate_peak(model_dir, grad_accum=2, **kwargs)
+    assert mixed.breakdown == accumulating.breakdown and mixed.peak_bytes > one.peak_bytes
+    assert 1.9 < one.compute_tokens_per_s / mixed.compute_tokens_per_s <= 2.0
+    cfg = Config.from_dict(tiny_config(model_dir, tmp_path / "d.jsonl", tmp_path / "run", method="full",
+                                       training={"qat": "q4_0", "qat_float_weight": 0.5}))
+    tech = run_spec(cfg, device="cpu").techniques
+    assert tech.qat_float_weight == 0.5 and tech.passes == 2

@@ -600,7 +600,7 @@ def _vision_static(step: Step):
 
     return vision_terms(step.tech.vision, rows=step.T // step.seq_len, seq_len=step.seq_len, text=step.shape,
                         method=step.method, dtype_bytes=step.b, lora_r=step.lora.r, checkpointing=step.checkpointing,
-                        grad_accum=step.cand.grad_accum)
+                        grad_accum=_backwards_per_step(step))
 
 
 def _optimizer_terms(step: Step, trainable: int, whole: int, notes: list[str]) -> tuple[int, int, int, int]:
@@ -804,7 +804,7 @@ def _backward_peak(step: Step, static: StaticTerms, walk: list[int]) -> tuple[in
     those of the layers from l up exist, and the embedding's is formed last, when the layers'
     activations are gone; otherwise every gradient is counted beside the walk's worst point."""
     worst = max(walk, default=0)
-    if (step.adapter or step.opt.in_backward or step.cand.grad_accum > 1 or step.shard > 1
+    if (step.adapter or step.opt.in_backward or _backwards_per_step(step) > 1 or step.shard > 1
             or static.vision is not None or not walk):
         return static.grads, worst
     shape = step.shape
@@ -863,13 +863,19 @@ def _workspace_terms(step: Step) -> int:
     return workspace
 
 
+def _backwards_per_step(step: Step) -> int:
+    """Backward passes per optimizer step: micro-steps x passes each (`Techniques.passes`). Above
+    one, gradients are alive while a later pass runs its forward and backward."""
+    return step.cand.grad_accum * step.tech.passes
+
+
 def _phases(step: Step, static: StaticTerms, layers: LayerTerms, walk: list[float], loss: int,
             workspace: int) -> dict[str, dict[str, int]]:
     """Each phase's gradients, activations, loss and workspace (the static part aside)."""
     T, grads = step.T, static.grads
     # The head's weight gradient appears only after the loss's large buffers are gone, so the
     # loss phase holds gradients only when they accumulate over micro-steps.
-    grads_before = grads if step.cand.grad_accum > 1 else 0
+    grads_before = grads if _backwards_per_step(step) > 1 else 0
     step_temps = static.step_temporaries
     bwd_grads, bwd_acts = _backward_peak(step, static, [int(T * (v + static.extras.stream_bytes_per_token))
                                                         for v in walk])
@@ -942,7 +948,7 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
                   modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
                   vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False,
-                  completion_tokens: int | None = None, qat: str = "off") -> Estimate:
+                  completion_tokens: int | None = None, qat: str = "off", qat_float_weight: float = 0.0) -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -1016,6 +1022,9 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
             documents), which it keeps with keys and values repeated to every head.
         qat: `training.qat` (``off`` or a target): the cache of rounded weights joins the weights
             term (`qat_copy_bytes`).
+        qat_float_weight: `training.qat_float_weight`; above 0 (with `qat`) each micro-batch runs
+            twice, so gradients are alive in the second pass (as with `grad_accum` > 1) and the
+            step takes twice the compute.
 
     Returns:
         An `Estimate` whose breakdown (weights, adapters, gradients, optimizer, activations,
@@ -1039,7 +1048,7 @@ def estimate_step(spec: RunSpec, cand: Candidate) -> Estimate:
     loss, default_chunk = _loss_terms(step, static.trainable_head)
     phases = _phases(step, static, layers, walk, loss, _workspace_terms(step))
     if static.vision is not None:
-        static.vision.add_to_phases(phases, static.grads if step.cand.grad_accum > 1 else 0)
+        static.vision.add_to_phases(phases, static.grads if _backwards_per_step(step) > 1 else 0)
     totals = {k: sum(v.values()) for k, v in phases.items()}
     phase = max(totals, key=totals.get)
     chosen = phases[phase]
@@ -1123,7 +1132,7 @@ def _throughput(step: Step, trainable: int, loss_chunk: int | None, tile_fractio
                      lora_targets=len(step.targets), loss_mode=step.tech.loss_mode, loss_chunk=loss_chunk,
                      offload_activations=step.cand.offload_activations)
     parts = step_seconds(shape, work, device=step.device, dtype_bytes=step.b)
-    seconds = sum(parts.values())
+    seconds = sum(parts.values()) * step.tech.passes  # training.qat_float_weight: a float pass after the rounded one
     if tile_fraction < 1.0:
         # Tiles run smaller MLP matmuls (the MLP forward is not repeated: see kernels/tiled_mlp.py).
         seconds *= 1.01 + 0.01 * math.log2(1.0 / tile_fraction)

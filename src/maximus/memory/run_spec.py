@@ -180,10 +180,18 @@ class Techniques:
     offload_params: str = "off"
     #: `training.qat`: ``off`` or the deployed format the forward rounds to (its cache is counted).
     qat: str = "off"
+    #: `training.qat_float_weight`: with it each micro-batch runs twice (rounded, then float), so
+    #: its gradients are alive during the second pass, as across micro-steps (`micro_passes`).
+    qat_float_weight: float = 0.0
     #: A vision-language model's tower and projector (`maximus.memory.vision_terms.VisionSpec`).
     vision: Any = None
     #: GRPO's sampling (None for the other objectives).
     grpo: GrpoSettings | None = None
+
+    @property
+    def passes(self) -> int:
+        """Forward + backward passes of each micro-batch: 2 under training.qat_float_weight."""
+        return 2 if self.qat != "off" and self.qat_float_weight else 1
 
     def __post_init__(self):
         if isinstance(self.offload_params, bool):  # the keyword door's True / False
@@ -314,7 +322,8 @@ _OPTIMIZER = {"optimizer": "name", "optimizer_rank": "rank", "optimizer_in_backw
 _TECHNIQUES = {"loss_mode": "loss_mode", "ghost_candidates": "ghost_candidates", "attention": "attention",
                "objective": "objective", "dpo_reference": "dpo_reference", "completion_tokens": "completion_tokens",
                "matryoshka_dims": "matryoshka_dims", "matryoshka_token_fraction": "matryoshka_token_fraction",
-               "offload_params": "offload_params", "vision": "vision", "qat": "qat"}
+               "offload_params": "offload_params", "vision": "vision", "qat": "qat",
+               "qat_float_weight": "qat_float_weight"}
 _SEARCH = {"method": "method", "batch_size": "batch_size", "seq_len": "seq_len", "micro_batch_size": "micro_batch_size",
            "micro_batch_tokens": "micro_batch_tokens", "gradient_checkpointing": "gradient_checkpointing",
            "offload_activations": "offload_activations", "offload_optimizer": "offload_optimizer",

@@ -125,7 +125,8 @@ def _techniques(cfg: Any, model_config: Any, lengths: RowLengths | None) -> Tech
         completion_tokens=cfg.grpo.max_completion_tokens if cfg.objective == "grpo" else None,
         matryoshka_dims=None if mat is None else tuple(mat.dims),
         matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
-        offload_params=opt.offload.params, qat=cfg.training.qat, vision=_vision(cfg, model_config, lengths),
+        offload_params=opt.offload.params, qat=cfg.training.qat,
+        qat_float_weight=cfg.training.qat_float_weight, vision=_vision(cfg, model_config, lengths),
         grpo=grpo_settings(cfg) if cfg.objective == "grpo" else None)
 
 
