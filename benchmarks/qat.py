@@ -182,10 +182,11 @@ def seeds_table(results: dict) -> str:
     median. The criteria: at least half the gap recovered, the float model within 2 % of the plain one."""
     lines = ["| setting | target | seeds | gap recovered, per seed | median | QAT fp32 loss vs plain, per seed | median "
              "| both criteria (medians) |", "|---|---|---|---|---|---|---|---|"]
-    variants = sorted({"-".join(k.split("-seed")[0].split("-")[2:]) for k in results if "-off" not in k})
+    variants = sorted({"-".join(k.split("-seed")[0].split("-")[2:]) for k in results if "-off" not in k},
+                      key=lambda v: (v != "", v))  # the defaults first
     for setting in SETTINGS:
         for target in TARGETS:
-            for variant in sorted(variants, key=lambda v: (v != "", v)):
+            for variant in variants:
                 mods = f"-{variant}" if variant else ""
                 gaps, moves, seeds = [], [], []
                 for seed in seeds_of(results):

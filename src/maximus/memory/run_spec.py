@@ -181,7 +181,7 @@ class Techniques:
     #: `training.qat`: ``off`` or the deployed format the forward rounds to (its cache is counted).
     qat: str = "off"
     #: `training.qat_float_weight`: with it each micro-batch runs twice (rounded, then float), so
-    #: its gradients are alive during the second pass, as across micro-steps (`micro_passes`).
+    #: its gradients are alive during the second pass, as across micro-steps (`passes`).
     qat_float_weight: float = 0.0
     #: A vision-language model's tower and projector (`maximus.memory.vision_terms.VisionSpec`).
     vision: Any = None

@@ -65,7 +65,6 @@ class QatReport:
         for rounding, flag in zip(self.roundings, flags):
             rounding.active = flag
 
-
     @contextmanager
     def floating(self):
         """The weights read as they are inside the block (`training.qat_float_weight`'s float pass);
