@@ -34,6 +34,10 @@ ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = {"lora": ["method=lora", "training.learning_rate=1.0e-3"],
             "full": ["method=full", "training.learning_rate=5.0e-5"]}
 TARGETS = ("q4_0", "q4_k_m")
+# the held-out set: the example's 40 countries (249 answer tokens), or 1500 subdivisions of ISO 3166-2
+# (examples/data/regions.py: 6850 answer tokens) where a change of a few percent must be told from noise
+TASKS = {"countries": [],
+         "regions": ["dataset.path=examples/data/regions_train.jsonl", "eval.dataset.path=examples/data/regions_eval.jsonl"]}
 
 
 def model_path() -> str:
@@ -43,8 +47,8 @@ def model_path() -> str:
 
 
 def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0, qat_fraction: float = 1.0,
-          qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0) -> None:
-    overrides = [f"model={model_path()}", f"output_dir={out}", f"training.max_steps={steps}", f"training.qat={qat}",
+          qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0, task: str = "countries") -> None:
+    overrides = [*TASKS[task], f"model={model_path()}", f"output_dir={out}", f"training.max_steps={steps}", f"training.qat={qat}",
                  *([f"training.qat_start={qat_start}"] if qat != "off" and qat_start else []),
                  *([f"training.qat_fraction={qat_fraction}", f"training.qat_noise={qat_noise}"] if qat != "off" else []),
                  *([f"training.qat_float_weight={float_weight}"] if qat != "off" and float_weight else []),
@@ -63,7 +67,8 @@ def export(run: Path, quant: str) -> Path:
 
 
 def score(run: Path, files: list[Path]) -> dict:
-    """The float model and each GGUF file on the run's held-out rows and examples."""
+    """The float model and each GGUF file on the run's held-out rows and examples, with each held-out
+    document's (loss sum, answer tokens) under `rows` (the intervals of `interval`)."""
     import torch
 
     from maximus.data import build_run_datasets, trains_on_chat
@@ -78,10 +83,32 @@ def score(run: Path, files: list[Path]) -> dict:
     tasks = task_eval_for_run(cfg, tokenizer, data)
     fp32 = evaluate_sft(model, tokenizer, data.eval, cfg=cfg, tasks=tasks, device=torch.device("cpu"),
                         dtype=torch.float32, batch_size=4, chat=trains_on_chat(data.stats))
+    fp32["rows"] = float_rows(model, data.eval)
     context = cfg.training.seq_len + cfg.eval.max_new_tokens + 8
-    deployed = {f.stem.split("-", 1)[1]: score_gguf(f, tokenizer, data.eval, tasks, context=context,
+    deployed = {f.stem.split("-", 1)[1]: score_gguf(f, tokenizer, data.eval, tasks, context=context, per_row=True,
                                                     stops=_stop_ids(model, tokenizer), threads=1) for f in files}
     return {"fp32": fp32, "deployed": deployed}
+
+
+def float_rows(model, rows: list[dict]) -> list[list[float]]:
+    """(loss sum, answer tokens) of each held-out document under the float model, in the order and
+    split of `score_gguf(per_row=True)` (one document at a time, in float64 like llama.cpp's)."""
+    import torch
+
+    from maximus.evaluate.deployed import _documents
+    from maximus.structure import IGNORE_INDEX
+
+    found = []
+    with torch.no_grad():
+        for row in rows:
+            for ids, labels in _documents(row):
+                targets = torch.tensor(labels[1:])
+                keep = targets != IGNORE_INDEX
+                if keep.any():
+                    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1][keep].double()
+                    found.append([torch.nn.functional.cross_entropy(logits, targets[keep], reduction="sum").item(),
+                                  int(keep.sum())])
+    return found
 
 
 def run_facts(run: Path) -> dict:
@@ -104,7 +131,10 @@ def run_key(setting: str, qat: str, qat_start: float = 0.0, qat_fraction: float 
 
 
 def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_start: float = 0.0,
-            qat_fraction: float = 1.0, qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0) -> dict:
+            qat_fraction: float = 1.0, qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0,
+            task: str = "countries", rescore: bool = False) -> dict:
+    """Train, export and score each run not yet in OUT/results.json (with `rescore`, also score again
+    a kept run whose results lack the per-document sums)."""
     results = {}
     path = out / "results.json"
     if path.exists():
@@ -112,14 +142,16 @@ def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_sta
     for setting in settings:
         for qat in runs:
             key = run_key(setting, qat, qat_start, qat_fraction, qat_noise, seed, float_weight)
-            if key in results:
-                continue
             run = out / key
+            if key in results and not (rescore and (run / "run.json").exists() and "rows" not in results[key]["fp32"]):
+                continue
             started = time.time()
             if not (run / "run.json").exists():
-                train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed, float_weight)
+                train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed, float_weight, task)
             files = [export(run, q) for q in (TARGETS if qat == "off" else (qat,))]
-            results[key] = {**score(run, files), **run_facts(run), "wall_s": round(time.time() - started, 1)}
+            kept = results.get(key, {})  # a rescored run keeps its first wall time
+            results[key] = {**kept, **score(run, files), **run_facts(run),
+                            "wall_s": kept.get("wall_s", round(time.time() - started, 1))}
             if path.exists():  # another invocation may have written its own runs meanwhile: keep them
                 results = {**json.loads(path.read_text()), **results}
             path.write_text(json.dumps(results, indent=1))
@@ -176,11 +208,28 @@ def against_plain(plain: dict, qat: dict, target: str) -> tuple[float | None, fl
     return gap, qat["fp32"]["loss"] / base - 1
 
 
+def interval(plain: dict, qat: dict, target: str, draws: int = 4000) -> tuple[tuple[float, float], tuple[float, float]] | None:
+    """95 % intervals of `against_plain`'s (gap recovered, float-model change) over the held-out
+    documents (a paired bootstrap: each draw resamples the documents, the same ones for all four
+    models), or None when a result has no per-document sums (a results.json from before they were kept)."""
+    import numpy as np
+
+    sources = [plain["fp32"], plain["deployed"][target], qat["fp32"], qat["deployed"][target]]
+    if any("rows" not in source for source in sources):
+        return None
+    sums = [np.asarray(source["rows"], dtype=np.float64) for source in sources]
+    picks = np.random.default_rng(0).integers(0, len(sums[0]), (draws, len(sums[0])))
+    plain_f, plain_q, qat_f, qat_q = (s[picks, 0].sum(1) / s[picks, 1].sum(1) for s in sums)
+    gaps, moves = (plain_q - qat_q) / (plain_q - plain_f), qat_f / plain_f - 1
+    return tuple(tuple(float(v) for v in np.percentile(x, [2.5, 97.5])) for x in (gaps, moves))
+
+
 def seeds_table(results: dict) -> str:
     """Each QAT variant (the defaults, and each key suffix such as ``-float0.5``) over every seed that has
     both its plain run and the QAT run: each seed's gap recovered and float-model change, then their
     median. The criteria: at least half the gap recovered, the float model within 2 % of the plain one."""
-    lines = ["| setting | target | seeds | gap recovered, per seed | median | QAT fp32 loss vs plain, per seed | median "
+    lines = ["| setting | target | seeds | gap recovered, per seed [95 % interval] | median "
+             "| QAT fp32 loss vs plain, per seed [95 % interval] | median "
              "| both criteria (medians) |", "|---|---|---|---|---|---|---|---|"]
     variants = sorted({"-".join(k.split("-seed")[0].split("-")[2:]) for k in results if "-off" not in k},
                       key=lambda v: (v != "", v))  # the defaults first
@@ -188,7 +237,7 @@ def seeds_table(results: dict) -> str:
         for target in TARGETS:
             for variant in variants:
                 mods = f"-{variant}" if variant else ""
-                gaps, moves, seeds = [], [], []
+                gaps, moves, seeds, spans = [], [], [], []
                 for seed in seeds_of(results):
                     suffix = f"-seed{seed}" if seed else ""
                     plain = results.get(f"{setting}-off{suffix}")
@@ -199,17 +248,23 @@ def seeds_table(results: dict) -> str:
                     gaps.append(gap)
                     moves.append(move)
                     seeds.append(str(seed))
+                    spans.append(interval(plain, qat, target))
                 if not seeds:
                     continue
                 known = [g for g in gaps if g is not None]
                 gap, move = (statistics.median(known) if known else None), statistics.median(moves)
                 met = "yes" if gap is not None and gap >= 0.5 and move <= 0.02 else "no"
                 label = ", ".join([target, *(variant_label(m) for m in variant.split("-") if m)])
-                lines.append(f"| {setting} | {label} | {', '.join(seeds)} | "
-                             f"{', '.join('no gap' if g is None else f'{g:.0%}' for g in gaps)} | "
-                             f"{'no gap' if gap is None else f'{gap:.0%}'} | "
-                             f"{', '.join(f'{m:+.1%}' for m in moves)} | {move:+.1%} | {met} |")
+                gap_cells = [with_span("no gap" if g is None else f"{g:.0%}", sp, 0, "{:.0%}") for g, sp in zip(gaps, spans)]
+                move_cells = [with_span(f"{m:+.1%}", sp, 1, "{:+.1%}") for m, sp in zip(moves, spans)]
+                lines.append(f"| {setting} | {label} | {', '.join(seeds)} | {', '.join(gap_cells)} | "
+                             f"{'no gap' if gap is None else f'{gap:.0%}'} | {', '.join(move_cells)} | {move:+.1%} | {met} |")
     return "\n".join(lines)
+
+
+def with_span(cell: str, span, which: int, form: str) -> str:
+    """A seed's figure, followed by its 95 % interval over the held-out documents when known."""
+    return cell if span is None else f"{cell} [{form.format(span[which][0])}, {form.format(span[which][1])}]"
 
 
 def variant_label(mod: str) -> str:
@@ -318,6 +373,10 @@ def main() -> None:
                         "runs (the float weights' share of each step's loss; kept apart from 0)")
     parser.add_argument("--seed", type=int, default=0, help="training.seed of every run (a seed other than 0 is kept "
                         "apart: its runs are compared with the plain run of the same seed)")
+    parser.add_argument("--task", choices=list(TASKS), default="countries", help="the held-out set: the example's 40 "
+                        "countries, or 1500 ISO 3166-2 subdivisions (examples/data/regions.py; give it its own --out)")
+    parser.add_argument("--rescore", action="store_true", help="score kept runs again whose results lack the "
+                        "per-document sums (the 95 %% intervals)")
     parser.add_argument("--check-files", action="store_true", help="only compare each QAT run's trained-against "
                         "weights with its exported GGUF file, tensor by tensor")
     parser.add_argument("--merge", type=Path, nargs="*", default=[], help="results.json of other --out folders to "
@@ -345,7 +404,7 @@ def main() -> None:
                 print(f"{run.name}: {trained_equals_file(run, target)}", flush=True)
         return
     results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start, args.qat_fraction, args.qat_noise,
-                      args.seed, args.qat_float_weight)
+                      args.seed, args.qat_float_weight, args.task, args.rescore)
     for other in args.merge:
         results = {**json.loads(other.read_text()), **results}
     print(table(results, json.loads(cost_path.read_text()) if cost_path.exists() else {}))

@@ -112,6 +112,37 @@ def test_eval_scores_the_deployed_file_beside_the_model(qat_run, tmp_path, capsy
     assert capsys.readouterr().out.splitlines()[0].split() == ["base", "(before)", "tuned", "(after)", "deployed", "f32"]
 
 
+def test_deployed_per_document_sums_equal_the_transformers_model(qat_run, tmp_path):
+    """score_gguf(per_row=True): each held-out document's (loss sum, targets) from an f32 export in
+    llama.cpp equals the Transformers model's on the same document; they add up to the reported loss."""
+    from maximus.data import build_run_datasets
+    from maximus.evaluate.deployed import _documents, score_gguf
+    from maximus.export import load_tuned, run_config
+    from maximus.structure import IGNORE_INDEX
+
+    target, trainer, _ = qat_run
+    if target != "q8_0":
+        pytest.skip("one run shows it")
+    run, f32 = trainer.run_dir, tmp_path / "f32.gguf"
+    assert main(["export", str(run), "--format", "gguf", "--quant", "f32", "--out", str(f32)]) == 0
+    model, tokenizer = load_tuned(run, dtype=torch.float32)
+    rows = build_run_datasets(run_config(run), tokenizer, objective="sft").eval
+    result = score_gguf(f32, tokenizer, rows, context=256, stops=[], per_row=True)
+    expected = []
+    with torch.no_grad():
+        for ids, labels in (doc for row in rows for doc in _documents(row)):
+            targets = torch.tensor(labels[1:])
+            keep = targets != IGNORE_INDEX
+            if keep.any():
+                logits = model(input_ids=torch.tensor([ids])).logits[0, :-1][keep].double()
+                expected.append([torch.nn.functional.cross_entropy(logits, targets[keep], reduction="sum").item(),
+                                 int(keep.sum())])
+    assert len(result["rows"]) == len(expected) > 1
+    assert [n for _, n in result["rows"]] == [n for _, n in expected]
+    np.testing.assert_allclose([s for s, _ in result["rows"]], [s for s, _ in expected], rtol=1e-4)
+    assert sum(s for s, _ in result["rows"]) / result["tokens"] == pytest.approx(result["loss"], rel=1e-12)
+
+
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_lora_forward_uses_the_quantized_merged_weight(tmp_path, method):
     """In training mode a QAT LoRA layer computes x Q(W + s B A)^T (+ bias); in eval mode x (W + s B A)^T."""

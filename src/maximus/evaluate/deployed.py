@@ -96,19 +96,20 @@ def gguf_quant(path: str | Path) -> str | None:
 
 
 def score_gguf(path: str | Path, tokenizer, rows: list[dict], tasks=None, *, context: int, stops: list[int],
-               threads: int | None = None) -> dict:
+               threads: int | None = None, per_row: bool = False) -> dict:
     """The deployed file's report beside the Transformers model's (`maximus.evaluate.evaluate_sft`):
-    `loss` / `perplexity` / `tokens` over `rows`, the task metrics of `tasks`, `file`, `quant`, `seconds`."""
+    `loss` / `perplexity` / `tokens` over `rows`, the task metrics of `tasks`, `file`, `quant`, `seconds`;
+    with `per_row`, also `rows`: [loss sum, targets] of each document that has targets, in order."""
     started = time.perf_counter()
     model = LlamaCppModel(path, context=context, threads=threads)
     try:
-        total, count = 0.0, 0
-        for row in rows:
-            for ids, labels in _documents(row):
-                s, n = model.loss_sum(ids, labels)
-                total, count = total + s, count + n
+        sums = [model.loss_sum(ids, labels) for row in rows for ids, labels in _documents(row)]
+        sums = [[s, n] for s, n in sums if n]
+        total, count = sum(s for s, _ in sums), sum(n for _, n in sums)
         loss = total / max(count, 1)
         result: dict = {"loss": loss, "perplexity": math.exp(min(loss, 50.0)), "tokens": count}
+        if per_row:
+            result["rows"] = sums
         if tasks is not None:
             result.update(tasks.score(None, device=None, complete=lambda prompts: model.complete(
                 prompts, max_new_tokens=tasks.max_new_tokens, stops=stops, tokenizer=tokenizer)))
