@@ -358,8 +358,42 @@ def test_planner_counts_the_float_pass_as_a_second_backward(tmp_path):
     one, mixed = estimate_peak(model_dir, **kwargs), estimate_peak(model_dir, qat_float_weight=0.5, **kwargs)
     accumulating = estimate_peak(model_dir, grad_accum=2, **kwargs)
     assert mixed.breakdown == accumulating.breakdown and mixed.peak_bytes > one.peak_bytes
-    assert 1.9 < one.compute_tokens_per_s / mixed.compute_tokens_per_s <= 2.0
+    plain = estimate_peak(model_dir, **{**kwargs, "qat": "off"})
+    rounding = 1 / one.compute_tokens_per_s - 1 / plain.compute_tokens_per_s  # once a step, not a pass
+    assert rounding > 0
+    assert 1.9 < (1 / mixed.compute_tokens_per_s - rounding) * plain.compute_tokens_per_s <= 2.0
     cfg = Config.from_dict(tiny_config(model_dir, tmp_path / "d.jsonl", tmp_path / "run", method="full",
                                        training={"qat": "q4_0", "qat_float_weight": 0.5}))
     tech = run_spec(cfg, device="cpu").techniques
     assert tech.qat_float_weight == 0.5 and tech.passes == 2
+
+
+def test_planner_counts_the_rounding_once_per_optimizer_step(tmp_path):
+    """The step-time guess adds llama.cpp's rounding of what each optimizer step changed: every
+    matrix with full fine-tuning, the adapted ones with LoRA; K-quant search where the columns
+    divide into 256 (q4_k_m), blocks of 32 elsewhere; spread over the micro-steps of a step."""
+    from maximus.memory.estimate import estimate_peak
+    from maximus.memory.step_time import CALIBRATION
+
+    model_dir = build_tiny_model_dir(tmp_path / "model", "llama", hidden=256)
+    rates = CALIBRATION[("cpu", "fp32")].qat_round_s_per_weight
+    cfg = json.loads((model_dir / "config.json").read_text())
+    h, i, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
+    layers = cfg["num_hidden_layers"]
+    # columns h = 256 and i divide into 256: every matrix takes the K-quant search; the tied embedding too
+    assert h % 256 == 0 and i % 256 == 0 and cfg.get("tie_word_embeddings", False) is False
+    linear = h * h * 2 + h * kv * 2 + 3 * h * i
+    full_weights = layers * linear + 2 * vocab * h
+
+    def seconds(grad_accum=1, **kw):
+        est = estimate_peak(model_dir, dtype="fp32", seq_len=64, device="cpu", grad_accum=grad_accum, **kw)
+        return 64 / est.compute_tokens_per_s
+
+    for method, weights in (("full", full_weights), ("lora", layers * linear)):
+        plain = seconds(method=method)
+        assert seconds(method=method, qat="q4_k_m") - plain == pytest.approx(weights * rates["kquant"], rel=1e-6)
+        assert seconds(method=method, qat="q4_0") - plain == pytest.approx(weights * rates["legacy"], rel=1e-6)
+        accumulating = seconds(method=method, grad_accum=2)
+        assert seconds(method=method, grad_accum=2, qat="q4_0") - accumulating == pytest.approx(
+            weights * rates["legacy"] / 2, rel=1e-6)

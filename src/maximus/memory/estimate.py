@@ -1116,7 +1116,7 @@ def _streaming_terms(step: Step, streamed: int, compute_tps: float) -> dict[str,
 def _throughput(step: Step, trainable: int, loss_chunk: int | None, tile_fraction: float) -> tuple[float, float]:
     """(training FLOPs per token, a tokens/s guess) used to rank plans against each other. The
     time is `maximus.memory.step_time.step_seconds`: op class by op class, measured rates."""
-    from maximus.memory.step_time import MicroStep, step_seconds
+    from maximus.memory.step_time import MicroStep, qat_round_seconds, step_seconds
 
     shape, method, T, seq_len, policy = step.shape, step.method, step.T, step.seq_len, step.policy
     L = shape.num_layers
@@ -1142,4 +1142,7 @@ def _throughput(step: Step, trainable: int, loss_chunk: int | None, tile_fractio
     if step.cand.offload_optimizer:
         bandwidth = 20e9  # host-side update
     seconds += 16 * trainable / bandwidth / max(1, step.cand.grad_accum)
+    # training.qat rounds every quantized weight again after each optimizer step
+    seconds += qat_round_seconds(shape, step.tech.qat, device=step.device, dtype_bytes=step.b, method=method,
+                                 lora_targets=len(step.targets)) / max(1, step.cand.grad_accum)
     return flops, T / seconds

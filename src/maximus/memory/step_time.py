@@ -13,7 +13,10 @@ own rate, measured per device and dtype:
 * attention: causal SDPA forward (FLOP/s) and its backward as a multiple of the forward;
 * elementwise: norms, RoPE, SiLU, residual adds, casts: seconds per token per
   (hidden + intermediate) element;
-* dequantise: NF4 -> compute dtype, seconds per weight, once per matmul use (QLoRA).
+* dequantise: NF4 -> compute dtype, seconds per weight, once per matmul use (QLoRA);
+* QAT rounding (`training.qat`, `qat_round_seconds`): seconds per weight of llama.cpp's rounding,
+  once per optimizer step (every merged weight changes with it), by kind of GGUF type: the legacy
+  blocks of 32 (q4_0, q5_0, q8_0; torchao's int4 alike) or a K-quant's scale search.
 
 A layer's forward is the sum of its classes; its backward takes the input gradient of every
 matmul (the same product shapes; weight gradients too when the weights train), the attention
@@ -31,7 +34,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-__all__ = ["OpRates", "CALIBRATION", "op_rates", "layer_matmul_flops", "step_seconds"]
+__all__ = ["OpRates", "CALIBRATION", "op_rates", "layer_matmul_flops", "step_seconds", "qat_round_seconds"]
 
 
 @dataclass(frozen=True)
@@ -48,6 +51,8 @@ class OpRates:
     head_chunk_factor: dict[int, float] = field(default_factory=dict)
     #: tokens of one forward at which the matmul rates were measured.
     calibrated_tokens: int = 2048
+    #: QAT: seconds to round one weight as llama.cpp does, per kind of type (``legacy``, ``kquant``).
+    qat_round_s_per_weight: dict[str, float] = field(default_factory=lambda: dict(_QAT_ROUND_CUDA))
 
 
 #: Measured with ``benchmarks/step_cost.py calibrate --chunks 256 512 1024 --repeats 4`` on the
@@ -67,17 +72,28 @@ _FP32_QUIET = 5.07
 #: plan at 1.97 s against 11.61 s predicted from the loaded calibration (every plan 5.9-6.4x, ranks
 #: already right), so the bf16 rates are scaled by 5.89.
 _BF16_QUIET = 5.89
+#: `maximus.qat.ggml_rounding.fake_quantize` on a 576 x 1536 fp32 matrix, CPU seconds of one thread
+#: (2-core AVX512-BF16 CPU, 2026-12-05): q8_0 2.2, q4_0 5.3, q5_0 5.5 ns per weight; q6_k 58, q5_k 84,
+#: q4_k 105 ns (llama.cpp's trial scales). The planner's CPU rates are two threads' (half, as torch
+#: splits these element-wise ops). Rounding all of SmolLM2-135M's matrices, the one-thread rates give
+#: 0.7 s (q4_0) and 3.0 s (q4_k_m: K-quants for ffn_down only), where `benchmarks/qat.py --cost`
+#: measured 0.8-0.9 s and 2.0-3.0 s (docs/benchmarks/qat.md).
+_QAT_ROUND_CPU = {"legacy": 5.3e-9 / 2, "kquant": 90e-9 / 2}
+#: Not measured: ~16 bytes moved per weight at 2 TB/s, the K-quant search ~17x that (as on the CPU).
+_QAT_ROUND_CUDA = {"legacy": 8e-12, "kquant": 136e-12}
 CALIBRATION: dict[tuple[str, str], OpRates] = {
     ("cpu", "fp32"): OpRates(head_flops_per_s=52.7e9 * _FP32_QUIET, decoder_flops_per_s=50.7e9 * _FP32_QUIET,
                              attention_flops_per_s=22.8e9 * _FP32_QUIET, attention_backward_x_forward=2.8,
                              elementwise_s_per_element=37.6e-9 / _FP32_QUIET,
                              dequantize_s_per_weight=0.28e-9 / _FP32_QUIET,
-                             head_chunk_factor={256: 1.06, 512: 1.00, 1024: 1.00}),
+                             head_chunk_factor={256: 1.06, 512: 1.00, 1024: 1.00},
+                             qat_round_s_per_weight=_QAT_ROUND_CPU),
     ("cpu", "bf16"): OpRates(head_flops_per_s=111.7e9 * _BF16_QUIET, decoder_flops_per_s=143.4e9 * _BF16_QUIET,
                              attention_flops_per_s=24.6e9 * _BF16_QUIET, attention_backward_x_forward=1.4,
                              elementwise_s_per_element=18.8e-9 / _BF16_QUIET,
                              dequantize_s_per_weight=0.14e-9 / _BF16_QUIET,
-                             head_chunk_factor={256: 1.00, 512: 1.08, 1024: 1.20}),
+                             head_chunk_factor={256: 1.00, 512: 1.08, 1024: 1.20},
+                             qat_round_s_per_weight=_QAT_ROUND_CPU),
     # Not measured: half of a 300 TFLOP/s data sheet for matmuls, a third for attention,
     # ~20 bytes moved per element at 2 TB/s, a 4-bit read and 16-bit write per dequantised weight.
     ("cuda", "bf16"): OpRates(head_flops_per_s=150e12, decoder_flops_per_s=150e12, attention_flops_per_s=100e12,
@@ -102,7 +118,8 @@ def op_rates(device: str, dtype_bytes: int) -> OpRates:
                    attention_flops_per_s=base.attention_flops_per_s * s,
                    attention_backward_x_forward=base.attention_backward_x_forward,
                    elementwise_s_per_element=base.elementwise_s_per_element / s,
-                   dequantize_s_per_weight=base.dequantize_s_per_weight / s, head_chunk_factor=base.head_chunk_factor)
+                   dequantize_s_per_weight=base.dequantize_s_per_weight / s, head_chunk_factor=base.head_chunk_factor,
+                   qat_round_s_per_weight={k: v / s for k, v in base.qat_round_s_per_weight.items()})
 
 
 def layer_matmul_flops(hidden: int, intermediate: int, q_dim: int, kv_dim: int, lora_r: int = 0,
@@ -192,3 +209,26 @@ def step_seconds(shape, work: MicroStep, *, device: str, dtype_bytes: int,
         head *= naive_loss_factor  # full logits: several tokens x vocab tensors written and read
     out["head"] = head
     return out
+
+
+def qat_round_seconds(shape, target: str, *, device: str, dtype_bytes: int, method: str = "full",
+                      lora_targets: int = 7) -> float:
+    """Seconds to round again, after an optimizer step, the weights `training.qat: target` rounds
+    that the step changed: with full fine-tuning every decoder linear and the embedding (and an
+    untied head); with LoRA / QLoRA the merged weights of the first `lora_targets` of q, k, v, o,
+    gate, up, down (a frozen weight's rounding is kept from the first step). q4_k_m takes
+    llama.cpp's K-quant search where a matrix's columns divide into blocks of 256 and a legacy
+    block type elsewhere (as SmolLM2's 576 columns do); q4_0, q8_0 and int4 round blocks of 32.
+    0 for ``off``."""
+    if target == "off":
+        return 0.0
+    h, i = shape.hidden_size, shape.intermediate_size
+    # (rows, columns) of each rounded matrix; a K-quant block runs along the columns
+    matrices = [(shape.q_dim, h), (shape.kv_dim, h), (shape.kv_dim, h), (h, shape.q_dim), (i, h), (i, h), (h, i)]
+    if method == "full":
+        matrices = matrices * shape.num_layers + [(shape.vocab_size, h)] * (1 if shape.tied_embeddings else 2)
+    else:
+        matrices = matrices[:lora_targets] * shape.num_layers
+    rates = op_rates(device, dtype_bytes).qat_round_s_per_weight
+    kquant = target == "q4_k_m"
+    return float(sum(rows * cols * rates["kquant" if kquant and cols % 256 == 0 else "legacy"] for rows, cols in matrices))
