@@ -115,12 +115,18 @@ def _losses(run: Path) -> list[float]:
             if "loss" in json.loads(line)]
 
 
+# The child holds after its first checkpoint (written atomically: the folder appears whole) until
+# it is killed, so a parent slowed by the machine's load cannot find it finished.
 RUNNER = """
 import sys, time
 from maximus.train import trainer as t
 orig = t.Trainer.__init__
+def hold(tr, step):
+    time.sleep(0.3)
+    while (tr.run_dir / "checkpoints" / "step-000001").exists():
+        time.sleep(1)
 def slow_init(self, cfg, **kw):
-    orig(self, cfg, hooks={"after_backward": lambda tr, step: time.sleep(0.3)}, **kw)
+    orig(self, cfg, hooks={"after_backward": hold}, **kw)
 t.Trainer.__init__ = slow_init
 from maximus.cli import train_main
 sys.exit(train_main(sys.argv[1:]))
