@@ -381,7 +381,7 @@ def test_planner_counts_the_rounding_once_per_optimizer_step(tmp_path):
     h, i, vocab = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
     kv = cfg["num_key_value_heads"] * (h // cfg["num_attention_heads"])
     layers = cfg["num_hidden_layers"]
-    # columns h = 256 and i divide into 256: every matrix takes the K-quant search; the tied embedding too
+    # columns h = 256 and i divide into 256: every matrix takes the K-quant search; embedding and head apart
     assert h % 256 == 0 and i % 256 == 0 and cfg.get("tie_word_embeddings", False) is False
     linear = h * h * 2 + h * kv * 2 + 3 * h * i
     full_weights = layers * linear + 2 * vocab * h

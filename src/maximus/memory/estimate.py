@@ -1142,7 +1142,7 @@ def _throughput(step: Step, trainable: int, loss_chunk: int | None, tile_fractio
     if step.cand.offload_optimizer:
         bandwidth = 20e9  # host-side update
     seconds += 16 * trainable / bandwidth / max(1, step.cand.grad_accum)
-    # training.qat rounds every quantized weight again after each optimizer step
+    # training.qat rounds again, once per optimizer step, the quantized weights the step changed
     seconds += qat_round_seconds(shape, step.tech.qat, device=step.device, dtype_bytes=step.b, method=method,
                                  lora_targets=len(step.targets)) / max(1, step.cand.grad_accum)
     return flops, T / seconds

@@ -78,7 +78,7 @@ _BF16_QUIET = 5.89
 #: splits these element-wise ops). Rounding all of SmolLM2-135M's matrices, the one-thread rates give
 #: 0.7 s (q4_0) and 3.0 s (q4_k_m: K-quants for ffn_down only), where `benchmarks/qat.py --cost`
 #: measured 0.8-0.9 s and 2.0-3.0 s (docs/benchmarks/qat.md).
-_QAT_ROUND_CPU = {"legacy": 5.3e-9 / 2, "kquant": 90e-9 / 2}
+_QAT_ROUND_CPU = {"legacy": 5.3e-9 / 2, "kquant": 90e-9 / 2}  # kquant: q4_k_m's Q4_K and Q6_K blended
 #: Not measured: ~16 bytes moved per weight at 2 TB/s, the K-quant search ~17x that (as on the CPU).
 _QAT_ROUND_CUDA = {"legacy": 8e-12, "kquant": 136e-12}
 CALIBRATION: dict[tuple[str, str], OpRates] = {
