@@ -370,7 +370,7 @@ def test_planner_counts_the_float_pass_as_a_second_backward(tmp_path):
 
 def test_planner_counts_the_rounding_once_per_optimizer_step(tmp_path):
     """The step-time guess adds llama.cpp's rounding of what each optimizer step changed: every
-    matrix with full fine-tuning, the adapted ones with LoRA; K-quant search where the columns
+    matrix with full fine-tuning (the decoder's linears only under int4), the adapted ones with LoRA; K-quant search where the columns
     divide into 256 (q4_k_m), blocks of 32 elsewhere; spread over the micro-steps of a step."""
     from maximus.memory.estimate import estimate_peak
     from maximus.memory.step_time import CALIBRATION
@@ -394,6 +394,8 @@ def test_planner_counts_the_rounding_once_per_optimizer_step(tmp_path):
         plain = seconds(method=method)
         assert seconds(method=method, qat="q4_k_m") - plain == pytest.approx(weights * rates["kquant"], rel=1e-6)
         assert seconds(method=method, qat="q4_0") - plain == pytest.approx(weights * rates["legacy"], rel=1e-6)
+        # int4 rounds the decoder's linears only, never the embedding or the head
+        assert seconds(method=method, qat="int4") - plain == pytest.approx(layers * linear * rates["legacy"], rel=1e-6)
         accumulating = seconds(method=method, grad_accum=2)
         assert seconds(method=method, grad_accum=2, qat="q4_0") - accumulating == pytest.approx(
             weights * rates["legacy"] / 2, rel=1e-6)

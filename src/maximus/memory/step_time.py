@@ -214,8 +214,8 @@ def step_seconds(shape, work: MicroStep, *, device: str, dtype_bytes: int,
 def qat_round_seconds(shape, target: str, *, device: str, dtype_bytes: int, method: str = "full",
                       lora_targets: int = 7) -> float:
     """Seconds to round again, after an optimizer step, the weights `training.qat: target` rounds
-    that the step changed: with full fine-tuning every decoder linear and the embedding (and an
-    untied head); with LoRA / QLoRA the merged weights of the first `lora_targets` of q, k, v, o,
+    that the step changed: with full fine-tuning every decoder linear and, for a GGUF target, the
+    embedding (and an untied head; ``int4`` rounds the decoder's linears only); with LoRA / QLoRA the merged weights of the first `lora_targets` of q, k, v, o,
     gate, up, down (a frozen weight's rounding is kept from the first step). q4_k_m takes
     llama.cpp's K-quant search where a matrix's columns divide into blocks of 256 and a legacy
     block type elsewhere (as SmolLM2's 576 columns do); q4_0, q8_0 and int4 round blocks of 32.
@@ -226,7 +226,9 @@ def qat_round_seconds(shape, target: str, *, device: str, dtype_bytes: int, meth
     # (rows, columns) of each rounded matrix; a K-quant block runs along the columns
     matrices = [(shape.q_dim, h), (shape.kv_dim, h), (shape.kv_dim, h), (h, shape.q_dim), (i, h), (i, h), (h, i)]
     if method == "full":
-        matrices = matrices * shape.num_layers + [(shape.vocab_size, h)] * (1 if shape.tied_embeddings else 2)
+        matrices = matrices * shape.num_layers
+        if target != "int4":
+            matrices += [(shape.vocab_size, h)] * (1 if shape.tied_embeddings else 2)
     else:
         matrices = matrices[:lora_targets] * shape.num_layers
     rates = op_rates(device, dtype_bytes).qat_round_s_per_weight
