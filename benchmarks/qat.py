@@ -18,6 +18,7 @@ recovered and float-model change per seed and their medians (`--seed N` runs), a
 
     nice python benchmarks/qat.py --steps 20 --out runs/bench-qat
     nice python benchmarks/qat.py --cost --out runs/bench-qat
+    nice python benchmarks/qat.py --rates --out runs/bench-qat
 """
 from __future__ import annotations
 
@@ -320,6 +321,28 @@ def step_cost(setting: str, target: str) -> dict:
             "matrices": len(report.types)}
 
 
+def rounding_rates(rows: int = 576, columns: int = 1536, repeats: int = 3) -> dict:
+    """CPU nanoseconds per weight of `fake_quantize` for each ggml type a target rounds to, on one
+    thread (the fastest of `repeats`, CPU time of this process): the rates `maximus.memory.step_time`
+    takes for the planner's QAT rounding (`_QAT_ROUND_CPU`)."""
+    import torch
+
+    from maximus.qat.ggml_rounding import fake_quantize
+
+    torch.set_num_threads(1)
+    weight = torch.randn(rows, columns, generator=torch.Generator().manual_seed(0))
+    rates = {}
+    for ggml_type in ("q8_0", "q4_0", "q5_0", "q6_k", "q5_k", "q4_k"):
+        fake_quantize(weight, ggml_type)  # warm-up
+        times = []
+        for _ in range(repeats):
+            started = time.process_time()
+            fake_quantize(weight, ggml_type)
+            times.append(time.process_time() - started)
+        rates[ggml_type] = min(times) / weight.numel() * 1e9
+    return rates
+
+
 def trained_equals_file(run: Path, target: str) -> dict:
     """Whether each weight the QAT run `run` trained against (its fake-quantized weights) equals, as
     float32, the dequantized tensor of its export `exports/gguf-<target>.gguf`: {"equal", "differ",
@@ -383,8 +406,14 @@ def main() -> None:
                         "print in the table")
     parser.add_argument("--cost", action="store_true", help="only the CPU seconds of a plain and a QAT step and the "
                         "cache, per setting and target (OUT/cost.json, the table's step column)")
+    parser.add_argument("--rates", action="store_true", help="only the CPU ns per weight of the fake quantizer "
+                        "for each ggml type, one thread (OUT/rates.json: the planner's QAT rounding rates)")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
+    sys.path.insert(0, str(Path(__file__).parent))
+    from _machine import cpu_report
+
+    print(cpu_report(), flush=True)
     args.out.mkdir(parents=True, exist_ok=True)
     cost_path = args.out / "cost.json"
     if args.cost:
@@ -396,6 +425,12 @@ def main() -> None:
                 print(f"{setting} {target}: {cost['matrices']} matrices; a forward + backward of 4 x 192 tokens "
                       f"{cost['plain_cpu_s']:.2f} CPU s plain, {cost['qat_cpu_s']:.2f} CPU s with QAT (re-rounding); "
                       f"cache {cost['cache_bytes'] / 2**20:.0f} MiB", flush=True)
+        return
+    if args.rates:
+        rates = rounding_rates()
+        (args.out / "rates.json").write_text(json.dumps(rates, indent=1))
+        print("fake_quantize on a 576 x 1536 fp32 matrix, one thread, CPU ns per weight: "
+              + ", ".join(f"{kind} {ns:.1f}" for kind, ns in rates.items()), flush=True)
         return
     if args.check_files:
         for run in sorted(p for p in args.out.iterdir() if (p / "run.json").is_file()):

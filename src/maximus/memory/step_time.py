@@ -73,8 +73,9 @@ _FP32_QUIET = 5.07
 #: already right), so the bf16 rates are scaled by 5.89.
 _BF16_QUIET = 5.89
 #: `maximus.qat.ggml_rounding.fake_quantize` on a 576 x 1536 fp32 matrix, CPU seconds of one thread
-#: (2-core AVX512-BF16 CPU, 2026-12-05): q8_0 2.2, q4_0 5.3, q5_0 5.5 ns per weight; q6_k 58, q5_k 84,
-#: q4_k 105 ns (llama.cpp's trial scales). The planner's CPU rates are two threads' (half, as torch
+#: (`benchmarks/qat.py --rates`; 2-core AVX512-BF16 CPU, 2026-12-05): q8_0 2.2, q4_0 5.3, q5_0 5.5 ns
+#: per weight; q6_k 58, q5_k 84, q4_k 105 ns (llama.cpp's trial scales; 2026-12-06, with both cores
+#: busy: q8_0 6.2, q4_0 5.3, q5_0 5.3, q6_k 56, q5_k 98, q4_k 123). The planner's CPU rates are two threads' (half, as torch
 #: splits these element-wise ops). Rounding all of SmolLM2-135M's matrices, the one-thread rates give
 #: 0.7 s (q4_0) and 3.0 s (q4_k_m: K-quants for ffn_down only), where `benchmarks/qat.py --cost`
 #: measured 0.8-0.9 s and 2.0-3.0 s (docs/benchmarks/qat.md).
