@@ -448,7 +448,7 @@ class Trainer:
                 for k, v in metric_sums.items():
                     sums[k] = sums.get(k, 0.0) + float(v) * weight
                 if name:
-                    sums[name] = sums.get(name, 0.0) + float(loss_sum)
+                    sums[name] = sums.get(name, 0.0) + float(loss_sum.detach())
         return loss_total, sums
 
     def _loss_passes(self) -> list[tuple[str | None, float, Callable]]:
