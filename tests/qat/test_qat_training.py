@@ -143,6 +143,43 @@ def test_deployed_per_document_sums_equal_the_transformers_model(qat_run, tmp_pa
     assert sum(s for s, _ in result["rows"]) / result["tokens"] == pytest.approx(result["loss"], rel=1e-12)
 
 
+def test_deployed_scoring_reuses_a_shared_prefix_without_changing_a_loss(qat_run, tmp_path):
+    """Documents that begin alike (a chat template's system prompt) keep the common tokens' cache
+    and logits between them: each loss equals the one from a fresh context, and so does a greedy
+    completion after them; a repeated document and one that is a prefix of the last score alike."""
+    from maximus.evaluate.deployed import LlamaCppModel
+
+    target, trainer, _ = qat_run
+    if target != "q8_0":
+        pytest.skip("one run shows it")
+    f32 = tmp_path / "f32.gguf"
+    assert main(["export", str(trainer.run_dir), "--format", "gguf", "--quant", "f32", "--out", str(f32)]) == 0
+    shared = [5, 9, 13, 2, 7, 11]
+    docs = [shared + [3, 4, 8], shared + [6, 1], shared + [3, 4, 8], shared + [3], [4, 4, 2], shared + [6, 1, 12]]
+    labels = [[-100] * 2 + d[2:] for d in docs]
+    reused = LlamaCppModel(f32, context=64, threads=1)
+    try:
+        found = [reused.loss_sum(d, l) for d, l in zip(docs, labels)]
+        assert reused.llm.n_tokens == len(docs[-1])
+        completion = reused.complete([shared + [3]], max_new_tokens=4, stops=[], tokenizer=trainer.tokenizer)
+    finally:
+        reused.close()
+    expected = []
+    for d, l in zip(docs, labels):
+        fresh = LlamaCppModel(f32, context=64, threads=1)
+        try:
+            expected.append(fresh.loss_sum(d, l))
+        finally:
+            fresh.close()
+    fresh = LlamaCppModel(f32, context=64, threads=1)
+    try:
+        assert completion == fresh.complete([shared + [3]], max_new_tokens=4, stops=[], tokenizer=trainer.tokenizer)
+    finally:
+        fresh.close()
+    assert [n for _, n in found] == [n for _, n in expected] == [len(d) - 2 for d in docs]
+    np.testing.assert_allclose([s for s, _ in found], [s for s, _ in expected], rtol=1e-5)
+
+
 @pytest.mark.parametrize("method", ["lora", "qlora"])
 def test_lora_forward_uses_the_quantized_merged_weight(tmp_path, method):
     """In training mode a QAT LoRA layer computes x Q(W + s B A)^T (+ bias); in eval mode x (W + s B A)^T."""

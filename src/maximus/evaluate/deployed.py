@@ -33,7 +33,8 @@ def _documents(row: dict) -> list[tuple[list[int], list[int]]]:
 
 
 class LlamaCppModel:
-    """One GGUF file loaded in llama.cpp with every position's logits kept (CPU)."""
+    """One GGUF file loaded in llama.cpp with every position's logits kept (CPU). Consecutive
+    documents share their common first tokens' cache, as llama.cpp's own prompt cache does."""
 
     def __init__(self, path: str | Path, *, context: int, threads: int | None = None):
         try:
@@ -48,13 +49,24 @@ class LlamaCppModel:
                                    logits_all=True, verbose=False)
         self.vocab = self.llm.n_vocab()
 
+    def _feed(self, ids: list[int]) -> None:
+        """Make the context hold exactly `ids`, with every position's logits: the tokens it already
+        holds in common with `ids` (a chat template's system prompt, a shared instruction) are kept
+        with their cache and logits, and only the rest is decoded (at least the last token)."""
+        held = self.llm.input_ids[: self.llm.n_tokens]
+        limit = min(len(held), len(ids) - 1)
+        keep = 0
+        while keep < limit and held[keep] == ids[keep]:
+            keep += 1
+        self.llm.n_tokens = keep  # `eval` drops the cache from here on
+        self.llm.eval(ids[keep:])
+
     def loss_sum(self, ids: list[int], labels: list[int]) -> tuple[float, int]:
         """(sum of -log p(labels[t + 1] | ids[: t + 1]), number of such targets) for one document."""
         targets = [(t, labels[t + 1]) for t in range(len(ids) - 1) if labels[t + 1] != IGNORE_INDEX]
         if not targets:
             return 0.0, 0
-        self.llm.reset()
-        self.llm.eval(ids)
+        self._feed(ids)
         logits = np.asarray(self.llm.scores[: len(ids)], dtype=np.float64)
         total = 0.0
         for t, target in targets:
@@ -67,8 +79,7 @@ class LlamaCppModel:
         """Greedy completions of token-id prompts, decoded without special tokens."""
         texts = []
         for prompt in prompts:
-            self.llm.reset()
-            self.llm.eval(list(prompt))
+            self._feed(list(prompt))
             new: list[int] = []
             for _ in range(max_new_tokens):
                 token = int(np.argmax(self.llm.scores[self.llm.n_tokens - 1]))
