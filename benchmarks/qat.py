@@ -93,22 +93,37 @@ def score(run: Path, files: list[Path]) -> dict:
 
 def float_rows(model, rows: list[dict]) -> list[list[float]]:
     """(loss sum, answer tokens) of each held-out document under the float model, in the order and
-    split of `score_gguf(per_row=True)` (one document at a time, in float64 like llama.cpp's)."""
+    split of `score_gguf(per_row=True)` (one document at a time, in float64 like llama.cpp's). As
+    there, the tokens a document shares with the one before (the chat template's system prompt) keep
+    their cache and logits, and only the rest runs."""
     import torch
+    from transformers import DynamicCache
 
     from maximus.evaluate.deployed import _documents
     from maximus.structure import IGNORE_INDEX
 
     found = []
+    held: list[int] = []
+    cache, logits = DynamicCache(), torch.empty(0)
     with torch.no_grad():
         for row in rows:
             for ids, labels in _documents(row):
                 targets = torch.tensor(labels[1:])
                 keep = targets != IGNORE_INDEX
-                if keep.any():
-                    logits = model(input_ids=torch.tensor([ids])).logits[0, :-1][keep].double()
-                    found.append([torch.nn.functional.cross_entropy(logits, targets[keep], reduction="sum").item(),
-                                  int(keep.sum())])
+                if not keep.any():
+                    continue
+                common = 0
+                while common < min(len(held), len(ids) - 1) and held[common] == ids[common]:
+                    common += 1
+                if common == 0:
+                    cache = DynamicCache()
+                elif common < cache.get_seq_length():
+                    cache.crop(common - cache.get_seq_length())  # drops that many from the end
+                new = model(input_ids=torch.tensor([ids[common:]]), past_key_values=cache, use_cache=True).logits[0]
+                logits = torch.cat([logits[:common], new.double()])
+                held = list(ids)
+                found.append([torch.nn.functional.cross_entropy(logits[:-1][keep], targets[keep], reduction="sum").item(),
+                              int(keep.sum())])
     return found
 
 
