@@ -358,6 +358,35 @@ def rounding_rates(rows: int = 576, columns: int = 1536, repeats: int = 3) -> di
     return rates
 
 
+def split_gap(run: Path, target: str, rows: int) -> dict:
+    """The loss the export `exports/gguf-<target>.gguf` of `run` loses to the run's float model on its
+    first `rows` held-out rows, split in two: the weights' rounding (the merged model with its
+    weights fake-quantized as the file holds them, in Transformers) and the rest, llama.cpp's own
+    arithmetic (it rounds the activations to 8 bits for its quantized dot products)."""
+    import torch
+
+    from maximus.data import build_run_datasets
+    from maximus.evaluate.deployed import score_gguf
+    from maximus.export import load_tuned, run_config
+    from maximus.qat.install import install_qat
+
+    torch.set_num_threads(1)
+    cfg = run_config(run)
+    model, tokenizer = load_tuned(run, dtype=torch.float32)
+    if hasattr(model, "merge_and_unload"):
+        model = model.merge_and_unload()
+    held = build_run_datasets(cfg, tokenizer, objective="sft").eval[:rows]
+    model.eval()
+    sums = {"float": float_rows(model, held)}
+    install_qat(model, target)
+    model.train()  # the rounded weights (no dropout in these models)
+    sums["rounded weights"] = float_rows(model, held)
+    sums["file"] = score_gguf(run / "exports" / f"gguf-{target}.gguf", tokenizer, held, context=cfg.training.seq_len + 8,
+                              stops=[], threads=1, per_row=True)["rows"]
+    tokens = sum(n for _, n in sums["float"])
+    return {name: sum(s for s, _ in found) / tokens for name, found in sums.items()} | {"tokens": tokens}
+
+
 def trained_equals_file(run: Path, target: str) -> dict:
     """Whether each weight the QAT run `run` trained against (its fake-quantized weights) equals, as
     float32, the dequantized tensor of its export `exports/gguf-<target>.gguf`: {"equal", "differ",
@@ -421,6 +450,8 @@ def main() -> None:
                         "print in the table")
     parser.add_argument("--cost", action="store_true", help="only the CPU seconds of a plain and a QAT step and the "
                         "cache, per setting and target (OUT/cost.json, the table's step column)")
+    parser.add_argument("--split-gap", type=int, metavar="ROWS", default=0, help="only split each plain run's export "
+                        "gap on its first ROWS held-out rows into the weights' rounding and llama.cpp's arithmetic")
     parser.add_argument("--rates", action="store_true", help="only the CPU ns per weight of the fake quantizer "
                         "for each ggml type, one thread (OUT/rates.json: the planner's QAT rounding rates)")
     args = parser.parse_args()
@@ -446,6 +477,15 @@ def main() -> None:
         (args.out / "rates.json").write_text(json.dumps(rates, indent=1))
         print("fake_quantize on a 576 x 1536 fp32 matrix, one thread, CPU ns per weight: "
               + ", ".join(f"{kind} {ns:.1f}" for kind, ns in rates.items()), flush=True)
+        return
+    if args.split_gap:
+        for run in sorted(p for p in args.out.iterdir() if (p / "run.json").is_file() and p.name.split("-")[1] == "off"):
+            for target in TARGETS:
+                found = split_gap(run, target, args.split_gap)
+                gap = found["file"] - found["float"]
+                print(f"{run.name} {target} ({found['tokens']} answer tokens): float {found['float']:.4f}, rounded "
+                      f"weights {found['rounded weights']:.4f}, file {found['file']:.4f}: llama.cpp's arithmetic is "
+                      f"{(found['file'] - found['rounded weights']) / gap:.0%} of the file's gap", flush=True)
         return
     if args.check_files:
         for run in sorted(p for p in args.out.iterdir() if (p / "run.json").is_file()):
