@@ -99,7 +99,7 @@ def float_rows(model, rows: list[dict]) -> list[list[float]]:
     import torch
     from transformers import DynamicCache
 
-    from maximus.evaluate.deployed import _documents
+    from maximus.evaluate.deployed import _documents, shared_prefix
     from maximus.structure import IGNORE_INDEX
 
     found = []
@@ -112,9 +112,7 @@ def float_rows(model, rows: list[dict]) -> list[list[float]]:
                 keep = targets != IGNORE_INDEX
                 if not keep.any():
                     continue
-                common = 0
-                while common < min(len(held), len(ids) - 1) and held[common] == ids[common]:
-                    common += 1
+                common = shared_prefix(held, ids)
                 if common == 0:
                     cache = DynamicCache()
                 elif common < cache.get_seq_length():
@@ -358,11 +356,11 @@ def rounding_rates(rows: int = 576, columns: int = 1536, repeats: int = 3) -> di
     return rates
 
 
-def split_gap(run: Path, target: str, rows: int) -> dict:
-    """The loss the export `exports/gguf-<target>.gguf` of `run` loses to the run's float model on its
-    first `rows` held-out rows, split in two: the weights' rounding (the merged model with its
-    weights fake-quantized as the file holds them, in Transformers) and the rest, llama.cpp's own
-    arithmetic (it rounds the activations to 8 bits for its quantized dot products)."""
+def split_gap(run: Path, rows: int) -> dict:
+    """{target: the loss the export `exports/gguf-<target>.gguf` of `run` loses to the run's float
+    model on its first `rows` held-out rows, split in two}: the weights' rounding (the merged model
+    with its weights fake-quantized as the file holds them, in Transformers) and the rest, llama.cpp's
+    own arithmetic (it rounds the activations to 8 bits for its quantized dot products)."""
     import torch
 
     from maximus.data import build_run_datasets
@@ -372,19 +370,26 @@ def split_gap(run: Path, target: str, rows: int) -> dict:
 
     torch.set_num_threads(1)
     cfg = run_config(run)
-    model, tokenizer = load_tuned(run, dtype=torch.float32)
-    if hasattr(model, "merge_and_unload"):
-        model = model.merge_and_unload()
+
+    def merged_model():
+        model, tokenizer = load_tuned(run, dtype=torch.float32)
+        return (model.merge_and_unload() if hasattr(model, "merge_and_unload") else model), tokenizer
+
+    model, tokenizer = merged_model()
     held = build_run_datasets(cfg, tokenizer, objective="sft").eval[:rows]
     model.eval()
-    sums = {"float": float_rows(model, held)}
-    install_qat(model, target)
-    model.train()  # the rounded weights (no dropout in these models)
-    sums["rounded weights"] = float_rows(model, held)
-    sums["file"] = score_gguf(run / "exports" / f"gguf-{target}.gguf", tokenizer, held, context=cfg.training.seq_len + 8,
-                              stops=[], threads=1, per_row=True)["rows"]
-    tokens = sum(n for _, n in sums["float"])
-    return {name: sum(s for s, _ in found) / tokens for name, found in sums.items()} | {"tokens": tokens}
+    floats = float_rows(model, held)
+    tokens = sum(n for _, n in floats)
+    found = {}
+    for target in TARGETS:
+        model, _ = merged_model()  # a model takes one QAT target
+        install_qat(model, target)
+        model.train()  # the rounded weights (no dropout in these models)
+        sums = {"float": floats, "rounded weights": float_rows(model, held),
+                "file": score_gguf(run / "exports" / f"gguf-{target}.gguf", tokenizer, held,
+                                   context=cfg.training.seq_len + 8, stops=[], threads=1, per_row=True)["rows"]}
+        found[target] = {name: sum(s for s, _ in part) / tokens for name, part in sums.items()} | {"tokens": tokens}
+    return found
 
 
 def trained_equals_file(run: Path, target: str) -> dict:
@@ -480,8 +485,7 @@ def main() -> None:
         return
     if args.split_gap:
         for run in sorted(p for p in args.out.iterdir() if (p / "run.json").is_file() and p.name.split("-")[1] == "off"):
-            for target in TARGETS:
-                found = split_gap(run, target, args.split_gap)
+            for target, found in split_gap(run, args.split_gap).items():
                 gap = found["file"] - found["float"]
                 print(f"{run.name} {target} ({found['tokens']} answer tokens): float {found['float']:.4f}, rounded "
                       f"weights {found['rounded weights']:.4f}, file {found['file']:.4f}: llama.cpp's arithmetic is "

@@ -164,15 +164,13 @@ def test_deployed_scoring_reuses_a_shared_prefix_without_changing_a_loss(qat_run
         completion = reused.complete([shared + [3]], max_new_tokens=4, stops=[], tokenizer=trainer.tokenizer)
     finally:
         reused.close()
-    expected = []
-    for d, l in zip(docs, labels):
-        fresh = LlamaCppModel(f32, context=64, threads=1)
-        try:
-            expected.append(fresh.loss_sum(d, l))
-        finally:
-            fresh.close()
     fresh = LlamaCppModel(f32, context=64, threads=1)
     try:
+        expected = []
+        for d, l in zip(docs, labels):
+            fresh.llm.reset()  # an empty context: nothing to reuse
+            expected.append(fresh.loss_sum(d, l))
+        fresh.llm.reset()
         assert completion == fresh.complete([shared + [3]], max_new_tokens=4, stops=[], tokenizer=trainer.tokenizer)
     finally:
         fresh.close()
@@ -407,8 +405,9 @@ def test_planner_counts_the_float_pass_as_a_second_backward(tmp_path):
 
 def test_planner_counts_the_rounding_once_per_optimizer_step(tmp_path):
     """The step-time guess adds llama.cpp's rounding of what each optimizer step changed: every
-    matrix with full fine-tuning (the decoder's linears only under int4), the adapted ones with LoRA; K-quant search where the columns
-    divide into 256 (q4_k_m), blocks of 32 elsewhere; spread over the micro-steps of a step."""
+    matrix with full fine-tuning (the decoder's linears only under int4), the adapted ones with LoRA;
+    K-quant search where the columns divide into 256 (q4_k_m), blocks of 32 elsewhere; spread over
+    the micro-steps of a step."""
     from maximus.memory.estimate import estimate_peak
     from maximus.memory.step_time import CALIBRATION
 

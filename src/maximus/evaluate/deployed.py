@@ -32,6 +32,15 @@ def _documents(row: dict) -> list[tuple[list[int], list[int]]]:
     return [(ids[a:b], labels[a:b]) for a, b in zip(bounds, bounds[1:]) if b > a]
 
 
+def shared_prefix(held, ids: list[int]) -> int:
+    """How many first tokens `ids` has in common with `held` (what a cache holds), at most all but
+    its last, so that at least one token is decoded and gives the last position's logits."""
+    limit, keep = min(len(held), len(ids) - 1), 0
+    while keep < limit and held[keep] == ids[keep]:
+        keep += 1
+    return keep
+
+
 class LlamaCppModel:
     """One GGUF file loaded in llama.cpp with every position's logits kept (CPU). Consecutive
     documents share their common first tokens' cache, as llama.cpp's own prompt cache does."""
@@ -53,11 +62,7 @@ class LlamaCppModel:
         """Make the context hold exactly `ids`, with every position's logits: the tokens it already
         holds in common with `ids` (a chat template's system prompt, a shared instruction) are kept
         with their cache and logits, and only the rest is decoded (at least the last token)."""
-        held = self.llm.input_ids[: self.llm.n_tokens]
-        limit = min(len(held), len(ids) - 1)
-        keep = 0
-        while keep < limit and held[keep] == ids[keep]:
-            keep += 1
+        keep = shared_prefix(self.llm.input_ids[: self.llm.n_tokens], ids)
         self.llm.n_tokens = keep  # `eval` drops the cache from here on
         self.llm.eval(ids[keep:])
 

@@ -75,8 +75,8 @@ _BF16_QUIET = 5.89
 #: `maximus.qat.ggml_rounding.fake_quantize` on a 576 x 1536 fp32 matrix, CPU seconds of one thread
 #: (`benchmarks/qat.py --rates`; 2-core AVX512-BF16 CPU, 2026-12-05): q8_0 2.2, q4_0 5.3, q5_0 5.5 ns
 #: per weight; q6_k 58, q5_k 84, q4_k 105 ns (llama.cpp's trial scales; 2026-12-06, with both cores
-#: busy: q8_0 6.2, q4_0 5.3, q5_0 5.3, q6_k 56, q5_k 98, q4_k 123). The planner's CPU rates are two threads' (half, as torch
-#: splits these element-wise ops). Rounding all of SmolLM2-135M's matrices, the one-thread rates give
+#: busy: q8_0 6.2, q4_0 5.3, q5_0 5.3, q6_k 56, q5_k 98, q4_k 123). The planner's CPU rates are two
+#: threads' (half, as torch splits these element-wise ops). Rounding all of SmolLM2-135M's matrices, the one-thread rates give
 #: 0.7 s (q4_0) and 3.0 s (q4_k_m: K-quants for ffn_down only), where `benchmarks/qat.py --cost`
 #: measured 0.8-0.9 s and 2.0-3.0 s (docs/benchmarks/qat.md).
 _QAT_ROUND_CPU = {"legacy": 5.3e-9 / 2, "kquant": 90e-9 / 2}  # kquant: q4_k_m's Q4_K and Q6_K blended
@@ -216,8 +216,8 @@ def qat_round_seconds(shape, target: str, *, device: str, dtype_bytes: int, meth
                       lora_targets: int = 7) -> float:
     """Seconds to round again, after an optimizer step, the weights `training.qat: target` rounds
     that the step changed: with full fine-tuning every decoder linear and, for a GGUF target, the
-    embedding (and an untied head; ``int4`` rounds the decoder's linears only); with LoRA / QLoRA the merged weights of the first `lora_targets` of q, k, v, o,
-    gate, up, down (a frozen weight's rounding is kept from the first step). q4_k_m takes
+    embedding (and an untied head; ``int4`` rounds the decoder's linears only); with LoRA / QLoRA
+    the merged weights of the first `lora_targets` of q, k, v, o, gate, up, down (a frozen weight's rounding is kept from the first step). q4_k_m takes
     llama.cpp's K-quant search where a matrix's columns divide into blocks of 256 and a legacy
     block type elsewhere (as SmolLM2's 576 columns do); q4_0, q8_0 and int4 round blocks of 32.
     0 for ``off``."""
