@@ -435,6 +435,40 @@ def trained_equals_file(run: Path, target: str) -> dict:
     return found
 
 
+def adapter_rounding(run: Path, target: str) -> dict:
+    """What the export's rounding does to a LoRA run's merged change, per ggml type of `target`:
+    {type: {"weights", "changed" (share rounding otherwise than the base alone), "delta" (mean |B A|
+    x scaling), "base_error" (mean |Q(W0) - W0|), "kept" (<Q(W0 + d) - Q(W0), d> / |d|^2: the share
+    of the change the file keeps, on average), "noise" (|Q(W0 + d) - Q(W0) - d| / |d|)}}."""
+    import torch
+
+    from maximus.export import load_tuned
+    from maximus.qat.install import _gguf_plan, _quantized_modules, gguf_rounding
+    from maximus.qat.targets import rounds_to_fp16_first
+
+    torch.set_num_threads(1)
+    model, _ = load_tuned(run, dtype=torch.float32)
+    lm = model.get_base_model() if hasattr(model, "get_base_model") else model
+    modules = _quantized_modules(lm)
+    plan, sums = _gguf_plan(lm, target, modules), {}
+    with torch.no_grad():
+        for path, holder, owner in modules:
+            if owner is None or path not in plan:
+                continue
+            rounding = gguf_rounding(plan[path], rounds_to_fp16_first(target))
+            base, delta = holder.weight.float(), owner.get_delta_weight("default").float()
+            moved = rounding(base + delta) - rounding(base)
+            add = {"weights": delta.numel(), "changed": int((moved != 0).sum()), "delta": float(delta.abs().sum()),
+                   "base_error": float((rounding(base) - base).abs().sum()), "dd": float((delta * delta).sum()),
+                   "kept": float((moved * delta).sum()), "noise": float(((moved - delta) ** 2).sum())}
+            total = sums.setdefault(plan[path], dict.fromkeys(add, 0))
+            for key, value in add.items():
+                total[key] += value
+    return {kind: {"weights": t["weights"], "changed": t["changed"] / t["weights"], "delta": t["delta"] / t["weights"],
+                   "base_error": t["base_error"] / t["weights"], "kept": t["kept"] / t["dd"],
+                   "noise": (t["noise"] / t["dd"]) ** 0.5} for kind, t in sums.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=30)
@@ -466,6 +500,8 @@ def main() -> None:
                         "gap on its first ROWS held-out rows into the weights' rounding and llama.cpp's arithmetic")
     parser.add_argument("--rates", action="store_true", help="only the CPU ns per weight of the fake quantizer "
                         "for each ggml type, one thread (OUT/rates.json: the planner's QAT rounding rates)")
+    parser.add_argument("--adapter-rounding", action="store_true", help="only measure, for each LoRA run in OUT, "
+                        "what the export's rounding keeps of the adapter's merged change, per ggml type")
     args = parser.parse_args()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     sys.path.insert(0, str(Path(__file__).parent))
@@ -497,6 +533,15 @@ def main() -> None:
                 print(f"{run.name} {target} ({found['tokens']} answer tokens): float {found['float']:.4f}, rounded "
                       f"weights {found['rounded weights']:.4f}, file {found['file']:.4f}: llama.cpp's arithmetic is "
                       f"{(found['file'] - found['rounded weights']) / gap:.0%} of the file's gap", flush=True)
+        return
+    if args.adapter_rounding:
+        for run in sorted(p for p in args.out.iterdir() if (p / "adapter").is_dir()):
+            for target in TARGETS:
+                for kind, t in adapter_rounding(run, target).items():
+                    print(f"{run.name} {target}, {kind} ({t['weights']} weights): {t['changed']:.0%} round otherwise with "
+                          f"the adapter; mean |change| {t['delta']:.2e} against the base's own rounding error "
+                          f"{t['base_error']:.2e}; the file keeps {t['kept']:.2f} of the change, with rounding noise "
+                          f"{t['noise']:.2f} times its size", flush=True)
         return
     if args.check_files:
         for run in sorted(p for p in args.out.iterdir() if (p / "run.json").is_file()):
