@@ -435,12 +435,12 @@ def trained_equals_file(run: Path, target: str) -> dict:
     return found
 
 
-def adapter_rounding(run: Path, target: str) -> dict:
-    """What the export's rounding does to a LoRA run's merged change, per ggml type of `target`:
-    {type: {"weights", "changed" (share rounding otherwise than the base alone), "delta" (mean |B A|
+def adapter_rounding(run: Path) -> dict:
+    """What the export's rounding does to a LoRA run's merged change, per target and ggml type:
+    {target: {type: {"weights", "changed" (share rounding otherwise than the base alone), "delta" (mean |B A|
     x scaling), "base_error" (mean |Q(W0) - W0|), "kept" (<Q(W0 + d) - Q(W0), d> / |d|^2: the share
     of the change the file keeps, on average), "noise" (|Q(W0 + d) - Q(W0) - d| / |d|), "kept_gaussian"
-    ("kept" with W0 replaced by a seeded Gaussian matrix of its spread: a base not on a 4-bit grid)}}."""
+    ("kept" with W0 replaced by a seeded Gaussian matrix of its spread: a base not on a 4-bit grid)}}}."""
     import torch
 
     from maximus.export import load_tuned
@@ -451,26 +451,31 @@ def adapter_rounding(run: Path, target: str) -> dict:
     model, _ = load_tuned(run, dtype=torch.float32)
     lm = model.get_base_model() if hasattr(model, "get_base_model") else model
     modules = _quantized_modules(lm)
-    plan, sums, generator = _gguf_plan(lm, target, modules), {}, torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for path, holder, owner in modules:
-            if owner is None or path not in plan:
-                continue
-            rounding = gguf_rounding(plan[path], rounds_to_fp16_first(target))
-            base, delta = holder.weight.float(), owner.get_delta_weight("default").float()
-            moved = rounding(base + delta) - rounding(base)
-            gaussian = torch.randn(base.shape, generator=generator) * base.std()
-            moved_gaussian = rounding(gaussian + delta) - rounding(gaussian)
-            add = {"weights": delta.numel(), "changed": int((moved != 0).sum()), "delta": float(delta.abs().sum()),
-                   "base_error": float((rounding(base) - base).abs().sum()), "dd": float((delta * delta).sum()),
-                   "kept": float((moved * delta).sum()), "noise": float(((moved - delta) ** 2).sum()),
-                   "kept_gaussian": float((moved_gaussian * delta).sum())}
-            total = sums.setdefault(plan[path], dict.fromkeys(add, 0))
-            for key, value in add.items():
-                total[key] += value
-    return {kind: {"weights": t["weights"], "changed": t["changed"] / t["weights"], "delta": t["delta"] / t["weights"],
-                   "base_error": t["base_error"] / t["weights"], "kept": t["kept"] / t["dd"],
-                   "kept_gaussian": t["kept_gaussian"] / t["dd"], "noise": (t["noise"] / t["dd"]) ** 0.5} for kind, t in sums.items()}
+    found = {}
+    for target in TARGETS:
+        plan, sums, generator = _gguf_plan(lm, target, modules), {}, torch.Generator().manual_seed(0)
+        with torch.no_grad():
+            for path, holder, owner in modules:
+                if owner is None or path not in plan:
+                    continue
+                rounding = gguf_rounding(plan[path], rounds_to_fp16_first(target))
+                base, delta = holder.weight.float(), owner.get_delta_weight("default").float()
+                rounded_base = rounding(base)
+                moved = rounding(base + delta) - rounded_base
+                gaussian = torch.randn(base.shape, generator=generator) * base.std()
+                moved_gaussian = rounding(gaussian + delta) - rounding(gaussian)
+                add = {"weights": delta.numel(), "changed": int((moved != 0).sum()), "delta": float(delta.abs().sum()),
+                       "base_error": float((rounded_base - base).abs().sum()), "dd": float((delta * delta).sum()),
+                       "kept": float((moved * delta).sum()), "noise": float(((moved - delta) ** 2).sum()),
+                       "kept_gaussian": float((moved_gaussian * delta).sum())}
+                total = sums.setdefault(plan[path], dict.fromkeys(add, 0))
+                for key, value in add.items():
+                    total[key] += value
+        found[target] = {kind: {"weights": t["weights"], "changed": t["changed"] / t["weights"],
+                                "delta": t["delta"] / t["weights"], "base_error": t["base_error"] / t["weights"],
+                                "kept": t["kept"] / t["dd"], "kept_gaussian": t["kept_gaussian"] / t["dd"],
+                                "noise": (t["noise"] / t["dd"]) ** 0.5} for kind, t in sums.items()}
+    return found
 
 
 def main() -> None:
@@ -540,8 +545,8 @@ def main() -> None:
         return
     if args.adapter_rounding:
         for run in sorted(p for p in args.out.iterdir() if (p / "adapter").is_dir()):
-            for target in TARGETS:
-                for kind, t in adapter_rounding(run, target).items():
+            for target, kinds in adapter_rounding(run).items():
+                for kind, t in kinds.items():
                     print(f"{run.name} {target}, {kind} ({t['weights']} weights): {t['changed']:.0%} round otherwise with "
                           f"the adapter; mean |change| {t['delta']:.2e} against the base's own rounding error "
                           f"{t['base_error']:.2e}; the file keeps {t['kept']:.2f} of the change, with rounding noise "
