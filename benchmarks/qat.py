@@ -21,6 +21,7 @@ recovered and float-model change per seed and their medians (`--seed N` runs), a
     nice python benchmarks/qat.py --task regions --steps 20 --settings lora2x --out runs/bq-l2x   # LoRA at lr 2e-3
     nice python benchmarks/qat.py --cost --out runs/bench-qat
     nice python benchmarks/qat.py --rates --out runs/bench-qat
+    nice python benchmarks/qat.py --adapter-rounding --out runs/bq-l2x   # what the files keep of each LoRA run's change
 """
 from __future__ import annotations
 
