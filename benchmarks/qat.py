@@ -56,28 +56,48 @@ def model_path() -> str:
 
 
 def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0, qat_fraction: float = 1.0,
-          qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0, task: str = "countries") -> None:
+          qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0, task: str = "countries",
+          qat_adapter: str = "merged") -> None:
     overrides = [*TASKS[task], f"model={model_path()}", f"output_dir={out}", f"training.max_steps={steps}", f"training.qat={qat}",
                  *([f"training.qat_start={qat_start}"] if qat != "off" and qat_start else []),
                  *([f"training.qat_fraction={qat_fraction}", f"training.qat_noise={qat_noise}"] if qat != "off" else []),
                  *([f"training.qat_float_weight={float_weight}"] if qat != "off" and float_weight else []),
+                 *([f"training.qat_adapter={qat_adapter}"] if qat != "off" and qat_adapter != "merged" else []),
                  "training.log_every=100", "eval.before=false", "eval.few_shot=0", "eval.metrics=[exact_match]",
                  "logging.progress=none", f"training.seed={seed}", *SETTINGS[setting]]
     subprocess.run([sys.executable, "-m", "maximus.cli", "train", "--config", str(ROOT / "examples/real_chat.yaml"),
                     *overrides], check=True, cwd=ROOT)
 
 
-def export(run: Path, quant: str) -> Path:
-    out = run / "exports" / f"gguf-{quant}.gguf"
+def export_path(run: Path, quant: str, fmt: str = "gguf") -> Path:
+    """Where `export` writes the run's `--format gguf` file (or `gguf-lora` directory) at `quant`."""
+    return run / "exports" / (f"gguf-{quant}.gguf" if fmt == "gguf" else f"gguflora-{quant}")
+
+
+def export(run: Path, quant: str, fmt: str = "gguf") -> Path:
+    """The run's `--format gguf` file (or `gguf-lora` directory) at `quant`, written once."""
+    out = export_path(run, quant, fmt)
     if not out.exists():
-        subprocess.run([sys.executable, "-m", "maximus.cli", "export", str(run), "--format", "gguf", "--quant", quant,
+        subprocess.run([sys.executable, "-m", "maximus.cli", "export", str(run), "--format", fmt, "--quant", quant,
                         "--out", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return out
 
 
-def score(run: Path, files: list[Path]) -> dict:
-    """The float model and each GGUF file on the run's held-out rows and examples, with each held-out
-    document's (loss sum, answer tokens) under `rows` (the intervals of `interval`)."""
+def file_key(path: Path) -> str:
+    """The results' name of an export: its quant, with ``+lora`` for a gguf-lora directory (the
+    base file at that quant with the adapter applied by llama.cpp)."""
+    return path.name.split("-", 1)[1] if path.suffix == ".gguf" else path.name.split("-", 1)[1] + "+lora"
+
+
+def qat_file(key: str, target: str) -> str:
+    """The export a QAT run `key` is judged by: its gguf-lora export when it trained its adapter
+    apart (``-separate``), else its GGUF file."""
+    return f"{target}+lora" if "-separate" in key else target
+
+
+def score(run: Path, files: list[Path], fp32: bool = True) -> dict:
+    """The float model (unless not `fp32`) and each GGUF file on the run's held-out rows and examples,
+    with each held-out document's (loss sum, answer tokens) under `rows` (the intervals of `interval`)."""
     import torch
 
     from maximus.data import build_run_datasets, trains_on_chat
@@ -90,13 +110,15 @@ def score(run: Path, files: list[Path]) -> dict:
     model, tokenizer = load_tuned(run, dtype=torch.float32)
     data = build_run_datasets(cfg, tokenizer, objective="sft")
     tasks = task_eval_for_run(cfg, tokenizer, data)
-    fp32 = evaluate_sft(model, tokenizer, data.eval, cfg=cfg, tasks=tasks, device=torch.device("cpu"),
-                        dtype=torch.float32, batch_size=4, chat=trains_on_chat(data.stats))
-    fp32["rows"] = float_rows(model, data.eval)
     context = cfg.training.seq_len + cfg.eval.max_new_tokens + 8
-    deployed = {f.stem.split("-", 1)[1]: score_gguf(f, tokenizer, data.eval, tasks, context=context, per_row=True,
-                                                    stops=_stop_ids(model, tokenizer), threads=1) for f in files}
-    return {"fp32": fp32, "deployed": deployed}
+    deployed = {file_key(f): score_gguf(f, tokenizer, data.eval, tasks, context=context, per_row=True,
+                                        stops=_stop_ids(model, tokenizer), threads=1) for f in files}
+    if not fp32:
+        return {"deployed": deployed}
+    found = evaluate_sft(model, tokenizer, data.eval, cfg=cfg, tasks=tasks, device=torch.device("cpu"),
+                         dtype=torch.float32, batch_size=4, chat=trains_on_chat(data.stats))
+    found["rows"] = float_rows(model, data.eval)
+    return {"fp32": found, "deployed": deployed}
 
 
 def float_rows(model, rows: list[dict]) -> list[list[float]]:
@@ -141,7 +163,7 @@ def run_facts(run: Path) -> dict:
 
 
 def run_key(setting: str, qat: str, qat_start: float = 0.0, qat_fraction: float = 1.0, qat_noise: str = "matrices",
-            seed: int = 0, float_weight: float = 0.0) -> str:
+            seed: int = 0, float_weight: float = 0.0, qat_adapter: str = "merged") -> str:
     """The results.json key (and run directory) of one run; a QAT run started late, rounding only
     a fraction of its steps, or mixing in the float loss, is its own."""
     suffix = f"-seed{seed}" if seed else ""
@@ -149,28 +171,41 @@ def run_key(setting: str, qat: str, qat_start: float = 0.0, qat_fraction: float 
         return f"{setting}-off{suffix}"
     return f"{setting}-{qat}" + (f"-start{qat_start:g}" if qat_start else "") + \
         (f"-fraction{qat_fraction:g}" + ("steps" if qat_noise == "steps" else "") if qat_fraction != 1 else "") + \
-        (f"-float{float_weight:g}" if float_weight else "") + suffix
+        (f"-float{float_weight:g}" if float_weight else "") + ("-separate" if qat_adapter == "separate" else "") + suffix
 
 
 def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_start: float = 0.0,
             qat_fraction: float = 1.0, qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0,
-            task: str = "countries", rescore: bool = False) -> dict:
+            task: str = "countries", rescore: bool = False, qat_adapter: str = "merged") -> dict:
     """Train, export and score each run not yet in OUT/results.json (with `rescore`, also score again
-    a kept run whose results lack the per-document sums)."""
+    a kept run whose results lack the per-document sums). Under `qat_adapter` ``separate`` the QAT
+    runs train their adapter apart and are scored as gguf-lora exports, and a kept plain run gains
+    the scores of its own gguf-lora exports (the adapter kept apart without QAT)."""
     results = {}
     path = out / "results.json"
     if path.exists():
         results = json.loads(path.read_text())
     for setting in settings:
         for qat in runs:
-            key = run_key(setting, qat, qat_start, qat_fraction, qat_noise, seed, float_weight)
+            key = run_key(setting, qat, qat_start, qat_fraction, qat_noise, seed, float_weight, qat_adapter)
             run = out / key
+            apart = qat_adapter == "separate" and SETTINGS[setting][0] != "method=full"
+            if qat == "off":
+                formats = [("gguf", q) for q in TARGETS] + [("gguf-lora", q) for q in TARGETS if apart]
+            else:
+                formats = [("gguf-lora" if qat_adapter == "separate" else "gguf", qat)]
             if key in results and not (rescore and (run / "run.json").exists() and "rows" not in results[key]["fp32"]):
+                missing = [export(run, q, fmt) for fmt, q in formats if (run / "run.json").exists()
+                           and file_key(export_path(run, q, fmt)) not in results[key]["deployed"]]
+                if missing:  # a kept run scored on the exports it lacks (the float model is kept)
+                    results[key]["deployed"].update(score(run, missing, fp32=False)["deployed"])
+                    path.write_text(json.dumps({**json.loads(path.read_text()), key: results[key]}, indent=1))
+                    print(f"{key}: scored {', '.join(map(file_key, missing))}", flush=True)
                 continue
             started = time.time()
             if not (run / "run.json").exists():
-                train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed, float_weight, task)
-            files = [export(run, q) for q in (TARGETS if qat == "off" else (qat,))]
+                train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed, float_weight, task, qat_adapter)
+            files = [export(run, q, fmt) for fmt, q in formats]
             kept = results.get(key, {})  # a rescored run keeps its first wall time
             results[key] = {**kept, **score(run, files), **run_facts(run),
                             "wall_s": kept.get("wall_s", round(time.time() - started, 1))}
@@ -202,14 +237,14 @@ def table(results: dict, costs: dict) -> str:
                           and (seed or "-seed" not in k))
         for mods, _, key in variants:
             target, qat = key.split("-")[1], results[key]
-            gap, move = against_plain(plain, qat, target)
+            gap, move = against_plain(plain, qat, target, qat_file(key, target))
             recovered = "no gap" if gap is None else f"{gap:.0%}"
             mib = 2 ** 20
             cost = costs.get(f"{setting}-{target}")
             step = "-" if cost is None else f"{cost['plain_cpu_s']:.1f} -> {cost['qat_cpu_s']:.1f}"
             label = ", ".join([target, *(variant_label(m) for m in mods)])
             lines.append(f"| {SETTING_LABELS.get(setting, setting)} | {label} | {cell(plain['fp32'])} | {cell(plain['deployed'][target])} | "
-                         f"{cell(qat['fp32'])} | {cell(qat['deployed'][target])} | {recovered} | "
+                         f"{cell(qat['fp32'])} | {cell(qat['deployed'][qat_file(key, target)])} | {recovered} | "
                          f"{move:+.1%} | "
                          f"{step} | "
                          f"{plain['peak_bytes'] / mib:.0f} -> {qat['peak_bytes'] / mib:.0f} MiB |")
@@ -221,22 +256,23 @@ def seeds_of(results: dict) -> list[int]:
     return sorted({int(k.rsplit("-seed", 1)[1]) if "-seed" in k else 0 for k in results})
 
 
-def against_plain(plain: dict, qat: dict, target: str) -> tuple[float | None, float]:
-    """(the share of the plain `target` export's loss gap to its float model that the QAT export
-    recovers, None when the plain export loses nothing; the QAT run's float-model loss against
-    the plain run's, as a relative change)."""
+def against_plain(plain: dict, qat: dict, target: str, judged: str | None = None) -> tuple[float | None, float]:
+    """(the share of the plain `target` export's loss gap to its float model that the QAT run's
+    export `judged` (default: its `target` file) recovers, None when the plain export loses
+    nothing; the QAT run's float-model loss against the plain run's, as a relative change)."""
     base, plain_q = plain["fp32"]["loss"], plain["deployed"][target]["loss"]
-    gap = (plain_q - qat["deployed"][target]["loss"]) / (plain_q - base) if plain_q > base else None
+    gap = (plain_q - qat["deployed"][judged or target]["loss"]) / (plain_q - base) if plain_q > base else None
     return gap, qat["fp32"]["loss"] / base - 1
 
 
-def interval(plain: dict, qat: dict, target: str, draws: int = 4000) -> tuple[tuple[float, float], tuple[float, float]] | None:
+def interval(plain: dict, qat: dict, target: str, draws: int = 4000,
+             judged: str | None = None) -> tuple[tuple[float, float], tuple[float, float]] | None:
     """95 % intervals of `against_plain`'s (gap recovered, float-model change) over the held-out
     documents (a paired bootstrap: each draw resamples the documents, the same ones for all four
     models), or None when a result has no per-document sums (a results.json from before they were kept)."""
     import numpy as np
 
-    sources = [plain["fp32"], plain["deployed"][target], qat["fp32"], qat["deployed"][target]]
+    sources = [plain["fp32"], plain["deployed"][target], qat["fp32"], qat["deployed"][judged or target]]
     if any("rows" not in source for source in sources):
         return None
     sums = [np.asarray(source["rows"], dtype=np.float64) for source in sources]
@@ -255,6 +291,14 @@ def seeds_table(results: dict) -> str:
              "| both criteria (medians) |", "|---|---|---|---|---|---|---|---|"]
     variants = sorted({"-".join(k.split("-seed")[0].split("-")[2:]) for k in results if "-off" not in k},
                       key=lambda v: (v != "", v))  # the defaults first
+    # a plain run served with its adapter apart (gguf-lora), against its own merged file: what the
+    # format alone recovers, without QAT
+    apart = {f"{k.split('-seed')[0]}-apart" + (f"-seed{k.split('-seed')[1]}" if "-seed" in k else ""):
+             {**v, "deployed": {t[:-5]: d for t, d in v["deployed"].items() if t.endswith("+lora")}}
+             for k, v in results.items() if "-off" in k and any(t.endswith("+lora") for t in v["deployed"])}
+    results = {**results, **{k.replace("-off-apart", "-{target}-apart"): v for k, v in apart.items()}}
+    if apart:
+        variants.append("apart")
     for setting in SETTINGS:
         for target in TARGETS:
             for variant in variants:
@@ -263,14 +307,15 @@ def seeds_table(results: dict) -> str:
                 for seed in seeds_of(results):
                     suffix = f"-seed{seed}" if seed else ""
                     plain = results.get(f"{setting}-off{suffix}")
-                    qat = results.get(f"{setting}-{target}{mods}{suffix}")
-                    if plain is None or qat is None:
+                    key = f"{setting}-{target}{mods}{suffix}"
+                    qat = results.get(key, results.get(f"{setting}-{{target}}{mods}{suffix}"))
+                    if plain is None or qat is None or qat_file(key, target) not in qat["deployed"]:
                         continue
-                    gap, move = against_plain(plain, qat, target)
+                    gap, move = against_plain(plain, qat, target, qat_file(key, target))
                     gaps.append(gap)
                     moves.append(move)
                     seeds.append(str(seed))
-                    spans.append(interval(plain, qat, target))
+                    spans.append(interval(plain, qat, target, judged=qat_file(key, target)))
                 if not seeds:
                     continue
                 known = [g for g in gaps if g is not None]
@@ -293,6 +338,10 @@ def variant_label(mod: str) -> str:
     """A run key's suffix (`start0.5`, `fraction0.5`, `fraction0.5steps`, `seed1`) as the table says it."""
     if mod.startswith("seed"):
         return f"seed {mod[4:]}"
+    if mod == "separate":
+        return "adapter trained and served apart (gguf-lora)"
+    if mod == "apart":
+        return "no QAT, adapter served apart (gguf-lora)"
     if mod.startswith("float"):
         return f"float loss weight {float(mod[5:]):g}"
     if mod.startswith("start"):
@@ -494,6 +543,9 @@ def main() -> None:
                         "of the QAT runs with --qat-fraction below 1")
     parser.add_argument("--qat-float-weight", type=float, default=0.0, help="training.qat_float_weight of the QAT "
                         "runs (the float weights' share of each step's loss; kept apart from 0)")
+    parser.add_argument("--qat-adapter", choices=["merged", "separate"], default="merged", help="training.qat_adapter "
+                        "of the LoRA QAT runs: `separate` trains the adapter apart and scores the gguf-lora export (base "
+                        "file + llama.cpp LoRA file), and scores the plain LoRA runs' gguf-lora exports too")
     parser.add_argument("--seed", type=int, default=0, help="training.seed of every run (a seed other than 0 is kept "
                         "apart: its runs are compared with the plain run of the same seed)")
     parser.add_argument("--task", choices=list(TASKS), default="countries", help="the held-out set: the example's 40 "
@@ -561,7 +613,7 @@ def main() -> None:
                 print(f"{run.name}: {trained_equals_file(run, target)}", flush=True)
         return
     results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start, args.qat_fraction, args.qat_noise,
-                      args.seed, args.qat_float_weight, args.task, args.rescore)
+                      args.seed, args.qat_float_weight, args.task, args.rescore, args.qat_adapter)
     for other in args.merge:
         results = {**json.loads(other.read_text()), **results}
     print(table(results, json.loads(cost_path.read_text()) if cost_path.exists() else {}))

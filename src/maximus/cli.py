@@ -157,9 +157,14 @@ def _score_deployed(files: list[str] | None, run_dir: Path, cfg, model, tokenize
 
     if files:
         paths = [Path(f) for f in files]
-        missing = [p for p in paths if not p.is_file()]
-        if missing:
-            raise ConfigError(f"--gguf {missing[0]}: no such file", "pass a .gguf file written by maximus export")
+        from maximus.evaluate.deployed import gguf_lora_files
+
+        for path in paths:
+            model_file, adapter = gguf_lora_files(path)
+            if not model_file.is_file() or (adapter is not None and not adapter.is_file()):
+                what = "a directory without model.gguf and adapter.gguf" if path.is_dir() else "no such file"
+                raise ConfigError(f"--gguf {path}: {what}", "pass a .gguf file or a --format gguf-lora directory "
+                                  "written by maximus export")
     elif importlib.util.find_spec("llama_cpp") is not None:
         paths = deployed_files(run_dir)
     else:
@@ -176,17 +181,18 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("run_dir")
     parser.add_argument("--out", required=True, help="target: new, empty, or a previous export (--overwrite); "
                         "a .gguf file for --format gguf")
-    parser.add_argument("--format", default="merged", choices=["merged", "adapter", "gguf", "ollama"])
+    parser.add_argument("--format", default="merged", choices=["merged", "adapter", "gguf", "gguf-lora", "ollama"])
     parser.add_argument("--dtype", default="fp32", choices=["fp32", "bf16", "fp16"], help="merged: weight dtype")
-    parser.add_argument("--quant", default=None, help="gguf / ollama: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; "
+    parser.add_argument("--quant", default=None, help="gguf / gguf-lora (its base) / ollama: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; "
                         "k-quants (q4_k_m ...) with llama-cpp-python installed (default: the run's training.qat target, else f16 for "
                         "gguf, q8_0 for ollama)")
     parser.add_argument("--overwrite", action="store_true", help="replace a previous export at --out (nothing else)")
     parser.add_argument("--progress", metavar="FILE", help="keep FILE (JSON: stage, done, total, text) up to date "
                         "while the export runs (maximus ui shows it)")
     args = parser.parse_args(argv)
-    if args.quant is not None and args.format not in ("gguf", "ollama"):
-        raise ConfigError(f"--quant applies to --format gguf or ollama, not {args.format}", "drop --quant or change --format")
+    if args.quant is not None and args.format not in ("gguf", "gguf-lora", "ollama"):
+        raise ConfigError(f"--quant applies to --format gguf, gguf-lora or ollama, not {args.format}",
+                          "drop --quant or change --format")
     _quiet_libraries()
     from maximus import export
     from maximus.export.progress import ExportProgress
@@ -199,11 +205,12 @@ def _export(argv: list[str]) -> int:
         out = export.export_merged(args.run_dir, args.out, dtype=args.dtype, overwrite=args.overwrite, progress=progress)
         print(f"wrote {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     else:
-        fn = export.export_gguf if args.format == "gguf" else export.export_ollama
+        fn = {"gguf": export.export_gguf, "gguf-lora": export.export_gguf_lora, "ollama": export.export_ollama}[args.format]
         out, notices = fn(args.run_dir, args.out, quant=args.quant, overwrite=args.overwrite, progress=progress)
         for notice in notices:
             print(notice if notice.startswith("warning: ") else f"notice: {notice}")
-        how = f"llama-cli -m {out}" if args.format == "gguf" else f"cd {out} && ollama create NAME -f Modelfile"
+        how = {"gguf": f"llama-cli -m {out}", "gguf-lora": f"llama-cli -m {out / 'model.gguf'} --lora {out / 'adapter.gguf'}",
+               "ollama": f"cd {out} && ollama create NAME -f Modelfile"}[args.format]
         print(f"wrote {out} (run with: {how})")
     return 0
 

@@ -1,5 +1,6 @@
-"""The deployed model: an exported GGUF file scored in llama.cpp (llama-cpp-python), on the same
-held-out rows and examples as the Transformers model.
+"""The deployed model: an exported GGUF file (or a `--format gguf-lora` export: the base file with
+its adapter applied by llama.cpp) scored in llama.cpp (llama-cpp-python), on the same held-out rows
+and examples as the Transformers model.
 
 - loss: the mean next-token cross-entropy of the rows' target tokens (labels), from llama.cpp's
   logits over each document (a packed row is split where its positions restart, as training
@@ -45,7 +46,7 @@ class LlamaCppModel:
     """One GGUF file loaded in llama.cpp with every position's logits kept (CPU). Consecutive
     documents share their common first tokens' cache, as llama.cpp's own prompt cache does."""
 
-    def __init__(self, path: str | Path, *, context: int, threads: int | None = None):
+    def __init__(self, path: str | Path, *, context: int, threads: int | None = None, lora: str | Path | None = None):
         try:
             import llama_cpp
         except ImportError:
@@ -55,7 +56,7 @@ class LlamaCppModel:
         # the batch (prompt) threads too: llama.cpp's default takes every core, whose spinning
         # workers crawl on a machine shared with other jobs
         self.llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                                   logits_all=True, verbose=False)
+                                   logits_all=True, verbose=False, lora_path=None if lora is None else str(lora))
         self.vocab = self.llm.n_vocab()
 
     def _feed(self, ids: list[int]) -> None:
@@ -99,12 +100,25 @@ class LlamaCppModel:
         self.llm.close()
 
 
+def gguf_lora_files(path: str | Path) -> tuple[Path, Path | None]:
+    """(GGUF model file, llama.cpp LoRA file or None) of a deployed export: a GGUF file, or a
+    `--format gguf-lora` directory (`model.gguf` + `adapter.gguf`)."""
+    from maximus.export.gguf_adapter import ADAPTER_FILE, BASE_FILE
+
+    path = Path(path)
+    if path.is_dir():
+        return path / BASE_FILE, path / ADAPTER_FILE
+    return path, None
+
+
 def gguf_quant(path: str | Path) -> str | None:
-    """The `--quant` a Maximus export wrote into the file's metadata (None for another file)."""
+    """The `--quant` a Maximus export wrote into the file's metadata (None for another file); for a
+    gguf-lora directory, its base file's."""
     import gguf
 
     from maximus.export.target import GGUF_MARKER_KEY
 
+    path = gguf_lora_files(path)[0]
     field = gguf.GGUFReader(str(path)).fields.get(GGUF_MARKER_KEY)
     if field is None:
         return None
@@ -117,7 +131,8 @@ def score_gguf(path: str | Path, tokenizer, rows: list[dict], tasks=None, *, con
     `loss` / `perplexity` / `tokens` over `rows`, the task metrics of `tasks`, `file`, `quant`, `seconds`;
     with `per_row`, also `rows`: [loss sum, targets] of each document that has targets, in order."""
     started = time.perf_counter()
-    model = LlamaCppModel(path, context=context, threads=threads)
+    model_file, adapter = gguf_lora_files(path)
+    model = LlamaCppModel(model_file, context=context, threads=threads, lora=adapter)
     try:
         sums = [model.loss_sum(ids, labels) for row in rows for ids, labels in _documents(row)]
         sums = [[s, n] for s, n in sums if n]
@@ -132,16 +147,21 @@ def score_gguf(path: str | Path, tokenizer, rows: list[dict], tasks=None, *, con
     finally:
         model.close()
     result.update(file=str(path), quant=gguf_quant(path), seconds=round(time.perf_counter() - started, 3))
+    if adapter is not None:
+        result["adapter"] = str(adapter)
     return result
 
 
 def deployed_files(run_dir: str | Path) -> list[Path]:
     """The GGUF exports kept in the run directory (`RUN/exports/*.gguf`, an Ollama export's
-    `RUN/exports/*/model.gguf`, where `maximus ui` writes them) that a Maximus export wrote."""
+    `RUN/exports/*/model.gguf`, where `maximus ui` writes them) that a Maximus export wrote; a
+    gguf-lora export (`RUN/exports/*/` with `model.gguf` and `adapter.gguf`) is its directory."""
+    from maximus.export.gguf_adapter import ADAPTER_FILE
     from maximus.export.to_gguf import is_maximus_gguf
 
     root = Path(run_dir) / "exports"
     if not root.is_dir():
         return []
     found = sorted(root.glob("*.gguf")) + sorted(root.glob("*/model.gguf"))
-    return [p for p in found if is_maximus_gguf(p)]
+    return [p.parent if (p.parent / ADAPTER_FILE).is_file() and p.parent != root else p
+            for p in found if is_maximus_gguf(p)]

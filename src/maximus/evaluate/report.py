@@ -98,7 +98,7 @@ def cost_line(before: dict, prompted: dict) -> str | None:
 
 def deployed_label(deployed: dict) -> str:
     """A deployed file's column title: its quant type as the export wrote it (`maximus eval --gguf`)."""
-    return f"deployed {deployed.get('quant') or 'gguf'}"
+    return f"deployed {deployed.get('quant') or 'gguf'}" + (" + lora" if deployed.get("adapter") else "")
 
 
 def summary_lines(before: dict, after: dict, prompted: dict | None, result: dict | None, *,
@@ -109,7 +109,8 @@ def summary_lines(before: dict, after: dict, prompted: dict | None, result: dict
     prompted = prompted or {}
     columns = [("base (before)", before)] + ([(column_label(prompted), prompted)] if prompted else []) + \
         [("tuned (after)", after)] + [(deployed_label(d), d) for d in deployed]
-    lines = [f"{'':<26}" + "".join(f"{title:>16}" for title, _ in columns)]
+    widths = [max(16, len(title) + 2) for title, _ in columns]  # a long title (deployed q4_k_m + lora) widens its column
+    lines = [f"{'':<26}" + "".join(f"{title:>{w}}" for (title, _), w in zip(columns, widths))]
     extra = sorted(k for k in after if k.startswith("reward/")) + \
         sorted((k for k in after if k.startswith("recall@")), key=lambda k: (len(k), k))
     rows = [*FIXED_ROWS[:2], *((m, None) for m in metrics), *FIXED_ROWS[2:3],
@@ -124,7 +125,7 @@ def summary_lines(before: dict, after: dict, prompted: dict | None, result: dict
             failed = key in d.get("metrics_failed", {})
             cells.append("failed" if failed else "-" if value is None else
                          metric_text(key, value) if fmt is None else fmt.format(value))
-        lines.append(f"{'held-out ' + LABELS.get(key, key):<26}" + "".join(f"{c:>16}" for c in cells))
+        lines.append(f"{'held-out ' + LABELS.get(key, key):<26}" + "".join(f"{c:>{w}}" for c, w in zip(cells, widths)))
     for title, d in columns:
         for name, error in d.get("metrics_failed", {}).items():
             lines.append(f"metric {name} failed on {title}: {error}")

@@ -1,12 +1,14 @@
-"""Formats for local runtimes: one GGUF file (llama.cpp, LM Studio) or an Ollama directory
-(the GGUF plus a Modelfile that `ollama create NAME -f Modelfile` uses as it is)."""
+"""Formats for local runtimes: one GGUF file (llama.cpp, LM Studio), an Ollama directory (the GGUF
+plus a Modelfile that `ollama create NAME -f Modelfile` uses as it is), or a quantized base GGUF with
+the adapter beside it as a llama.cpp LoRA file (`gguf-lora`, `maximus.export.gguf_adapter`)."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
 
-from maximus.errors import ExportError
+from maximus.errors import CheckpointError, ExportError
 from maximus.export.ollama import modelfile
 from maximus.export.progress import ExportProgress
 from maximus.export.target import check_directory_target, check_file_target, write_directory, write_file
@@ -23,13 +25,29 @@ def _merged_for_gguf(run_dir: Path, progress: ExportProgress):
     return cfg, model, tokenizer
 
 
+def _adapter_warning(run_dir: Path, fmt: str) -> list[str]:
+    """A warning when `fmt` holds the adapter otherwise than the run's QAT trained for
+    (`training.qat_adapter`)."""
+    training = run_config(run_dir).training
+    if training.qat == "off":
+        return []
+    if training.qat_adapter == "separate" and fmt != "gguf-lora":
+        return [f"warning: {run_dir} trained its adapter beside the rounded base (training.qat_adapter: separate); "
+                f"--format {fmt} merges it and rounds the sum, unlike training (use --format gguf-lora)"]
+    if training.qat_adapter == "merged" and fmt == "gguf-lora":
+        return [f"warning: {run_dir} trained against the rounded merged weights (training.qat_adapter: merged); "
+                "--format gguf-lora keeps the adapter apart, unlike training (use --format gguf)"]
+    return []
+
+
 def quant_for_run(run_dir: Path, quant: str | None, fmt: str) -> tuple[str, list[str]]:
-    """The `--quant` of a GGUF / Ollama export of `run_dir`, and warnings: the run's
-    `training.qat` target when `quant` is None (else f16 for gguf, q8_0 for ollama); a warning when
-    `quant` is not the type the run trained for. ExportError for a QAT target the format cannot
-    hold (int4) when no `quant` is given."""
+    """The `--quant` of a GGUF / Ollama / gguf-lora export of `run_dir`, and warnings: the run's
+    `training.qat` target when `quant` is None (else q8_0 for ollama, f16 for the others); a warning
+    when `quant` is not the type the run trained for, or the format holds the adapter otherwise
+    (`_adapter_warning`). ExportError for a QAT target the format cannot hold (int4) when no `quant`
+    is given."""
     target = run_config(run_dir).training.qat
-    default = "f16" if fmt == "gguf" else "q8_0"
+    default = "q8_0" if fmt == "ollama" else "f16"
     if target == "off":
         return quant or default, []
     from maximus.qat.targets import GGUF_TARGETS
@@ -42,9 +60,9 @@ def quant_for_run(run_dir: Path, quant: str | None, fmt: str) -> tuple[str, list
         return quant, [f"warning: {run_dir} was trained for {target} (training.qat), which --format {fmt} cannot "
                        f"hold; --quant {quant} rounds its weights differently than it trained for"]
     if quant is None or quant == target:
-        return target, []
+        return target, _adapter_warning(run_dir, fmt)
     return quant, [f"warning: {run_dir} was trained for {target} (training.qat); --quant {quant} rounds its weights "
-                   f"differently than it trained for (omit --quant to write {target})"]
+                   f"differently than it trained for (omit --quant to write {target})", *_adapter_warning(run_dir, fmt)]
 
 
 def export_gguf(run_dir: str | Path, out: str | Path, *, quant: str | None = None, overwrite: bool = False,
@@ -96,5 +114,53 @@ def export_ollama(run_dir: str | Path, out: str | Path, *, quant: str | None = N
 
     written = write_directory(out, fill, overwrite=overwrite,
                               meta={"format": "ollama", "run": str(run_dir.absolute()), "quant": quant})
+    progress("done")
+    return written, notices
+
+
+def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None = None, overwrite: bool = False,
+                     progress: ExportProgress | None = None) -> tuple[Path, list[str]]:
+    """Write `out/` = `model.gguf` (the run's base alone, quantized at `quant`) + `adapter.gguf` (its
+    LoRA adapter as a llama.cpp LoRA file, float32; `maximus.export.gguf_adapter`). `quant` defaults
+    to the run's `training.qat` target, else f16. Returns (path, notices).
+
+    Raises ExportError like `export_gguf`, for a fully fine-tuned run (no adapter), and for an
+    adapter a llama.cpp LoRA file cannot hold (DoRA, modules_to_save, an adapted embedding)."""
+    from maximus.export.gguf_adapter import ADAPTER_FILE, BASE_FILE, write_gguf_adapter
+    from maximus.models import load_base_model
+
+    run_dir, out = Path(run_dir), Path(out)
+    if (run_dir / "model").is_dir():
+        raise ExportError(f"{run_dir} is a full fine-tuning run: it has no adapter to keep apart",
+                          "use --format gguf")
+    if not (run_dir / "adapter" / "adapter_config.json").is_file():
+        raise CheckpointError(f"{run_dir} has no adapter/ (adapter_config.json missing)", "was the run finished?")
+    quant, warnings = quant_for_run(run_dir, quant, "gguf-lora")
+    check_quant(quant)
+    check_directory_target(out, overwrite=overwrite)
+    progress = progress or ExportProgress()
+    cfg = run_config(run_dir)
+    if cfg.optimization.kronecker is not None:
+        raise ExportError(f"{run_dir} was trained with Kronecker sketching attention, which llama.cpp does not implement",
+                          "use --format merged or adapter (they keep the sketch modules)")
+    from peft import PeftModel
+    from transformers import AutoTokenizer
+
+    progress("loading")
+    base = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
+    tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
+    source = {"run": str(run_dir.absolute()), "base": cfg.model}
+    notices: list[str] = list(warnings)
+
+    def fill(tmp: Path) -> None:
+        # the base first, alone; then the adapter loads onto that same copy (one model in memory)
+        notices.extend(write_gguf(base, tokenizer, tmp / BASE_FILE, quant=quant, name=Path(str(cfg.model)).name,
+                                  source={**source, "quant": quant, "role": "base"}, progress=progress))
+        model = PeftModel.from_pretrained(base, str(run_dir / "adapter"))
+        write_gguf_adapter(model, tmp / ADAPTER_FILE, marker=json.dumps({"format": "gguf-lora", **source}),
+                           name=run_dir.name)
+
+    written = write_directory(out, fill, overwrite=overwrite,
+                              meta={"format": "gguf-lora", "run": str(run_dir.absolute()), "quant": quant})
     progress("done")
     return written, notices

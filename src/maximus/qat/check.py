@@ -23,6 +23,14 @@ def check_qat(cfg, model_config) -> None:
                           "use plain LoRA (lora.use_dora: false) or training.qat: off")
     if target not in GGUF_TARGETS:
         return
+    if cfg.training.qat_adapter == "separate":
+        if cfg.method == "full":
+            raise ConfigError("training.qat_adapter: separate keeps a LoRA adapter beside the base file, and method full "
+                              "trains no adapter", "use method lora or qlora, or remove training.qat_adapter")
+        if cfg.lora.modules_to_save:
+            raise ConfigError(f"training.qat_adapter: separate writes the adapter as a llama.cpp LoRA file, which holds "
+                              f"no fully trained modules (lora.modules_to_save: {cfg.lora.modules_to_save})",
+                              "remove lora.modules_to_save or use training.qat_adapter: merged")
     if cfg.optimization.kronecker is not None:
         raise ConfigError(f"training.qat: {target} trains for a GGUF export, which a run with Kronecker sketching cannot "
                           "have (llama.cpp has no such attention)", "drop optimization.kronecker_sketching or training.qat")

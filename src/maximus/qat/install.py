@@ -10,7 +10,10 @@ token embedding and the output layer; `maximus.qat.targets` decides each one's t
   quantized merged weight, which is what the export writes (PEFT merges W + s B A, then the file is
   quantized). The adapter's gradient is the straight-through one: the correction is constant;
 - a QLoRA base layer dequantizes its NF4 weight and does the same (the export merges into the
-  full-precision base, so there the deployed weights differ from the trained ones by NF4's rounding).
+  full-precision base, so there the deployed weights differ from the trained ones by NF4's rounding);
+- with `adapter="separate"` (`training.qat_adapter`) a LoRA layer's frozen base reads as `Q(W)`
+  alone, so the layer computes `x Q(W)^T + x (s B A)^T`: the base file rounded, the adapter in
+  float, as llama.cpp applies a LoRA file to a quantized base (`maximus export --format gguf-lora`).
 
 Reading `module.weight` gives the fake-quantized tensor to everyone (PEFT, the lean LoRA kernel,
 the chunked loss that reads the head), while `state_dict`, the optimizer and checkpoints keep the
@@ -226,9 +229,15 @@ def int4_rounding(weight: torch.Tensor) -> torch.Tensor:
     return quantizer(weight.float())
 
 
-def install_qat(model, target: str) -> QatReport:
+def install_qat(model, target: str, *, adapter: str = "merged") -> QatReport:
     """Fake-quantize `model`'s matrices for `target` (a `maximus.qat.targets.QAT_TARGETS` value)
-    in training mode. Returns what was installed; the model's parameters are unchanged."""
+    in training mode. `adapter` (`training.qat_adapter`): ``merged`` rounds each LoRA layer's
+    merged weight, ``separate`` its base alone (a GGUF target only). Returns what was installed;
+    the model's parameters are unchanged."""
+    if adapter not in ("merged", "separate"):
+        raise ValueError(f"adapter must be 'merged' or 'separate', not {adapter!r}")
+    if adapter == "separate" and target not in GGUF_TARGETS:
+        raise ValueError(f"adapter='separate' keeps the adapter beside a GGUF base file; {target} is not a GGUF target")
     from maximus.structure import causal_lm_of
 
     lm = causal_lm_of(model)
@@ -251,7 +260,7 @@ def install_qat(model, target: str) -> QatReport:
         # a tied head and embedding share one parameter: one cache for both
         rounding = shared.get(id(weight)) if owner is None else None
         if rounding is None:
-            rounding = _Rounding(fn, owner)
+            rounding = _Rounding(fn, owner if adapter == "merged" else None)
             report.roundings.append(rounding)
             if owner is None:
                 shared[id(weight)] = rounding

@@ -275,12 +275,14 @@ class Trainer:
 
         from maximus.qat.install import install_qat
 
-        report = install_qat(self.model, target)
+        report = install_qat(self.model, target, adapter=self.cfg.training.qat_adapter)
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(report.types.values()).items()))
         training = self.cfg.training
         start = training.qat_first_step(self.total_steps)
         self.qat_steps = training.qat_steps(self.total_steps)
         self.dist.say(f"quantization-aware training for {target}: {len(report.types)} matrices fake-quantized ({kinds})"
+                      + ("; the adapter trains in float beside the rounded base, as --format gguf-lora serves it "
+                         "(training.qat_adapter: separate)" if training.qat_adapter == "separate" else "")
                       + (f", from step {start} of {self.total_steps} (training.qat_start)" if start > 1 else "")
                       + (self._qat_share(report, start) if training.qat_fraction != 1 else "")
                       + (f"; each step's loss {1 - training.qat_float_weight:g} x rounded + "
