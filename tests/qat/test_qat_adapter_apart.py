@@ -200,3 +200,23 @@ def test_qat_adapter_separate_is_refused_where_it_cannot_apply(tmp_path):
     assert err.value.one_line() == ("training.qat_adapter: separate writes the adapter as a llama.cpp LoRA file, which "
                                     "holds no fully trained modules (lora.modules_to_save: ['lm_head']) (hint: remove "
                                     "lora.modules_to_save or use training.qat_adapter: merged)")
+
+
+def test_planner_counts_no_rounding_per_step_and_the_same_cache(tmp_path):
+    """Under qat_adapter separate a LoRA step's time holds no rounding (the frozen base is rounded
+    once, the adapter never), and the cache of rounded copies is the merged mode's; the config's
+    key reaches the planner's spec."""
+    from maximus.memory.estimate import estimate_peak
+    from maximus.memory.spec_from_config import run_spec
+
+    model_dir = build_tiny_model_dir(tmp_path / "model", "llama", hidden=64)
+
+    def estimate(**kw):
+        return estimate_peak(model_dir, method="lora", dtype="fp32", seq_len=64, device="cpu", **kw)
+
+    plain, merged, apart = estimate(), estimate(qat="q4_0"), estimate(qat="q4_0", qat_adapter="separate")
+    assert apart.compute_tokens_per_s == plain.compute_tokens_per_s > merged.compute_tokens_per_s
+    assert apart.peak_bytes == merged.peak_bytes > plain.peak_bytes
+    cfg = Config.from_dict(tiny_config(model_dir, tmp_path / "d.jsonl", tmp_path / "r",
+                                       training={"qat": "q4_0", "qat_adapter": "separate"}))
+    assert run_spec(cfg, device="cpu").techniques.qat_adapter == "separate"

@@ -195,6 +195,12 @@ def test_lora_forward_uses_the_quantized_merged_weight(tmp_path, method):
     torch.testing.assert_close(layer(x), expected, rtol=1e-5, atol=1e-5)
     model.eval()
     assert not torch.allclose(layer(x), expected, rtol=1e-3, atol=1e-3)
+    # every layer rounds its own merged weight (the swapped class is shared by all 4-bit layers)
+    model.train()
+    for other in (model.get_base_model().model.layers[1].self_attn.k_proj, model.get_base_model().model.layers[0].mlp.down_proj):
+        torch.nn.init.normal_(other.lora_B["default"].weight, std=0.5)
+        h = torch.randn(3, other.in_features)
+        torch.testing.assert_close(other(h), h @ fake_quantized_weight(other).T, rtol=1e-5, atol=1e-5)
 
 
 def test_full_finetune_gradient_is_straight_through():

@@ -109,7 +109,7 @@ def summary_lines(before: dict, after: dict, prompted: dict | None, result: dict
     prompted = prompted or {}
     columns = [("base (before)", before)] + ([(column_label(prompted), prompted)] if prompted else []) + \
         [("tuned (after)", after)] + [(deployed_label(d), d) for d in deployed]
-    widths = [max(16, len(title) + 2) for title, _ in columns]  # a long title (deployed q4_k_m + lora) widens its column
+    widths = [max(16, len(title) + 1) for title, _ in columns]  # a long title (deployed q4_k_m + lora) widens its column
     lines = [f"{'':<26}" + "".join(f"{title:>{w}}" for (title, _), w in zip(columns, widths))]
     extra = sorted(k for k in after if k.startswith("reward/")) + \
         sorted((k for k in after if k.startswith("recall@")), key=lambda k: (len(k), k))

@@ -948,7 +948,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
                   master_weights: str = "fp32", lora_experts: bool = True, grouped_experts: bool = True,
                   modules_to_save: Sequence[str] = (), use_dora: bool = False, lora_dropout: float = 0.0,
                   vision: Any = None, embedding_optimizer: str = "adamw", masked_attention: bool = False,
-                  completion_tokens: int | None = None, qat: str = "off", qat_float_weight: float = 0.0) -> Estimate:
+                  completion_tokens: int | None = None, qat: str = "off", qat_float_weight: float = 0.0,
+                  qat_adapter: str = "merged") -> Estimate:
     """Predict the peak memory of one training step (forward, backward, optimizer step).
 
     Args:
@@ -1025,6 +1026,8 @@ def estimate_peak(model_config: Any, *, method: Method = "lora", dtype: str = "b
         qat_float_weight: `training.qat_float_weight`; above 0 (with `qat`) each micro-batch runs
             twice, so gradients are alive in the second pass (as with `grad_accum` > 1) and the
             step takes twice the compute.
+        qat_adapter: `training.qat_adapter`; ``separate`` (LoRA / QLoRA) rounds the frozen base
+            once for the run, so the step time counts no rounding.
 
     Returns:
         An `Estimate` whose breakdown (weights, adapters, gradients, optimizer, activations,
@@ -1143,6 +1146,7 @@ def _throughput(step: Step, trainable: int, loss_chunk: int | None, tile_fractio
         bandwidth = 20e9  # host-side update
     seconds += 16 * trainable / bandwidth / max(1, step.cand.grad_accum)
     # training.qat rounds again, once per optimizer step, the quantized weights the step changed
+    # (none under qat_adapter separate: a LoRA layer's frozen base is rounded once for the run)
     seconds += qat_round_seconds(shape, step.tech.qat, device=step.device, dtype_bytes=step.b, method=method,
-                                 lora_targets=len(step.targets)) / max(1, step.cand.grad_accum)
+                                 lora_targets=len(step.targets), adapter=step.tech.qat_adapter) / max(1, step.cand.grad_accum)
     return flops, T / seconds

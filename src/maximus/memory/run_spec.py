@@ -183,6 +183,9 @@ class Techniques:
     #: `training.qat_float_weight`: with it each micro-batch runs twice (rounded, then float), so
     #: its gradients are alive during the second pass, as across micro-steps (`passes`).
     qat_float_weight: float = 0.0
+    #: `training.qat_adapter`: ``separate`` rounds a LoRA layer's frozen base alone, once for the
+    #: run (the adapter stays float), so no step rounds again.
+    qat_adapter: str = "merged"
     #: A vision-language model's tower and projector (`maximus.memory.vision_terms.VisionSpec`).
     vision: Any = None
     #: GRPO's sampling (None for the other objectives).
@@ -323,7 +326,7 @@ _TECHNIQUES = {"loss_mode": "loss_mode", "ghost_candidates": "ghost_candidates",
                "objective": "objective", "dpo_reference": "dpo_reference", "completion_tokens": "completion_tokens",
                "matryoshka_dims": "matryoshka_dims", "matryoshka_token_fraction": "matryoshka_token_fraction",
                "offload_params": "offload_params", "vision": "vision", "qat": "qat",
-               "qat_float_weight": "qat_float_weight"}
+               "qat_float_weight": "qat_float_weight", "qat_adapter": "qat_adapter"}
 _SEARCH = {"method": "method", "batch_size": "batch_size", "seq_len": "seq_len", "micro_batch_size": "micro_batch_size",
            "micro_batch_tokens": "micro_batch_tokens", "gradient_checkpointing": "gradient_checkpointing",
            "offload_activations": "offload_activations", "offload_optimizer": "offload_optimizer",

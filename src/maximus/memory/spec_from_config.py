@@ -126,7 +126,7 @@ def _techniques(cfg: Any, model_config: Any, lengths: RowLengths | None) -> Tech
         matryoshka_dims=None if mat is None else tuple(mat.dims),
         matryoshka_token_fraction=0.0625 if mat is None else mat.token_fraction,
         offload_params=opt.offload.params, qat=cfg.training.qat,
-        qat_float_weight=cfg.training.qat_float_weight, vision=_vision(cfg, model_config, lengths),
+        qat_float_weight=cfg.training.qat_float_weight, qat_adapter=cfg.training.qat_adapter, vision=_vision(cfg, model_config, lengths),
         grpo=grpo_settings(cfg) if cfg.objective == "grpo" else None)
 
 

@@ -213,15 +213,16 @@ def step_seconds(shape, work: MicroStep, *, device: str, dtype_bytes: int,
 
 
 def qat_round_seconds(shape, target: str, *, device: str, dtype_bytes: int, method: str = "full",
-                      lora_targets: int = 7) -> float:
+                      lora_targets: int = 7, adapter: str = "merged") -> float:
     """Seconds to round again, after an optimizer step, the weights `training.qat: target` rounds
     that the step changed: with full fine-tuning every decoder linear and, for a GGUF target, the
     embedding (and an untied head; ``int4`` rounds the decoder's linears only); with LoRA / QLoRA
     the merged weights of the first `lora_targets` of q, k, v, o, gate, up, down (a frozen weight's rounding is kept from the first step). q4_k_m takes
     llama.cpp's K-quant search where a matrix's columns divide into blocks of 256 and a legacy
     block type elsewhere (as SmolLM2's 576 columns do); q4_0, q8_0 and int4 round blocks of 32.
-    0 for ``off``."""
-    if target == "off":
+    0 for ``off``, and for LoRA / QLoRA under `adapter` ``separate`` (`training.qat_adapter`: the
+    rounded base is kept from the first step, the adapter is not rounded)."""
+    if target == "off" or (adapter == "separate" and method != "full"):
         return 0.0
     h, i = shape.hidden_size, shape.intermediate_size
     # (rows, columns) of each rounded matrix; a K-quant block runs along the columns

@@ -152,10 +152,11 @@ def _swap_4bit_forward(module: torch.nn.Module, rounding: _Rounding) -> None:
     cls = type(module)
 
     def forward(self, x, *args, **kwargs):
-        if not self.training or not rounding.active:
+        own = self.__dict__["_qat_rounding"]  # each layer's own (the subclass is shared by every layer of the class)
+        if not self.training or not own.active:
             return cls.forward(self, x, *args, **kwargs)
         weight = self.weight
-        value = rounding.rounded(weight, read_weight=lambda: bnb_f.dequantize_4bit(weight.data, weight.quant_state))
+        value = own.rounded(weight, read_weight=lambda: bnb_f.dequantize_4bit(weight.data, weight.quant_state))
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return torch.nn.functional.linear(x, value.to(x.dtype), bias)
 
