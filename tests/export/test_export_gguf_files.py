@@ -153,7 +153,7 @@ def test_k_quant_without_llama_cpp_is_refused(lora_run, tmp_path, capsys, monkey
 
 def test_quant_with_merged_format_is_an_error(lora_run, tmp_path, capsys):
     assert main(["export", str(lora_run), "--quant", "q8_0", "--out", str(tmp_path / "m")]) == 2
-    assert _err(capsys) == ("error: --quant applies to --format gguf or ollama, not merged "
+    assert _err(capsys) == ("error: --quant applies to --format gguf, gguf-lora or ollama, not merged "
                             "(hint: drop --quant or change --format)")
 
 
