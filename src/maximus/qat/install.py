@@ -275,8 +275,9 @@ def install_qat(model, target: str, *, adapter: str = "merged") -> QatReport:
 
 
 def fake_quantized_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The weight `module` (a linear, embedding or PEFT LoRA layer) is trained against, exactly:
-    the fake-quantized (merged) weight, float32; None when QAT did not touch it. For checks."""
+    """The rounded weight `module` (a linear, embedding or PEFT LoRA layer) is trained against,
+    exactly: the fake-quantized (merged) weight, or under ``adapter="separate"`` the rounded base
+    alone (the adapter adds to it in float), float32; None when QAT did not touch it. For checks."""
     holder = module.get_base_layer() if _is_lora_layer(module) else module
     rounding = holder.__dict__.get("_qat_rounding")
     if rounding is None:
