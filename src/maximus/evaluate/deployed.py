@@ -55,8 +55,12 @@ class LlamaCppModel:
         self.path = Path(path)
         # the batch (prompt) threads too: llama.cpp's default takes every core, whose spinning
         # workers crawl on a machine shared with other jobs
-        self.llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
-                                   logits_all=True, verbose=False, lora_path=None if lora is None else str(lora))
+        from llama_cpp._utils import suppress_stdout_stderr
+
+        # the LoRA loader reports each tensor's buffer choice on stderr even when not verbose
+        with suppress_stdout_stderr(disable=lora is None):
+            self.llm = llama_cpp.Llama(str(path), n_ctx=context, n_threads=threads, n_threads_batch=threads,
+                                       logits_all=True, verbose=False, lora_path=None if lora is None else str(lora))
         self.vocab = self.llm.n_vocab()
 
     def _feed(self, ids: list[int]) -> None:
