@@ -6,7 +6,11 @@ fine-tuning, the same number of steps:
 
 - plain: `training.qat: off`, exported at q4_0 and at q4_k_m;
 - QAT: `training.qat: q4_0` and `training.qat: q4_k_m`, each exported at its own type
-  (`--qat-start F`: with `training.qat_start: F`, kept apart in the results).
+  (`--qat-start F`: with `training.qat_start: F`, kept apart in the results);
+- `--qat-adapter separate`: the LoRA QAT runs train their adapter apart (`training.qat_adapter:
+  separate`) and are judged by their `--format gguf-lora` export (the base file with the adapter
+  applied by llama.cpp), against the plain run's merged file; the plain runs are also scored
+  served apart (the format alone, without QAT: the seeds table's "no QAT, adapter served apart").
 
 Every GGUF file is scored in llama.cpp (llama-cpp-python) on the held-out rows: the loss of the
 answer tokens and exact match of greedy answers; the float models (the run's Transformers model,
@@ -19,6 +23,7 @@ recovered and float-model change per seed and their medians (`--seed N` runs), a
     nice python benchmarks/qat.py --steps 20 --out runs/bench-qat
     nice python benchmarks/qat.py --task regions --steps 20 --settings full2x --out runs/bq-2x   # full at lr 1e-4
     nice python benchmarks/qat.py --task regions --steps 20 --settings lora2x --out runs/bq-l2x   # LoRA at lr 2e-3
+    nice python benchmarks/qat.py --task regions --steps 20 --settings lora2x --qat off q4_k_m --qat-adapter separate --out runs/bq-sep
     nice python benchmarks/qat.py --cost --out runs/bench-qat
     nice python benchmarks/qat.py --rates --out runs/bench-qat
     nice python benchmarks/qat.py --adapter-rounding --out runs/bq-l2x   # what the files keep of each LoRA run's change
@@ -86,7 +91,7 @@ def export(run: Path, quant: str, fmt: str = "gguf") -> Path:
 def file_key(path: Path) -> str:
     """The results' name of an export: its quant, with ``+lora`` for a gguf-lora directory (the
     base file at that quant with the adapter applied by llama.cpp)."""
-    return path.name.split("-", 1)[1] if path.suffix == ".gguf" else path.name.split("-", 1)[1] + "+lora"
+    return path.stem.split("-", 1)[1] if path.suffix == ".gguf" else path.name.split("-", 1)[1] + "+lora"
 
 
 def qat_file(key: str, target: str) -> str:
