@@ -62,12 +62,13 @@ def model_path() -> str:
 
 def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0, qat_fraction: float = 1.0,
           qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0, task: str = "countries",
-          qat_adapter: str = "merged") -> None:
+          qat_adapter: str = "merged", init_adapter: Path | None = None) -> None:
     overrides = [*TASKS[task], f"model={model_path()}", f"output_dir={out}", f"training.max_steps={steps}", f"training.qat={qat}",
                  *([f"training.qat_start={qat_start}"] if qat != "off" and qat_start else []),
                  *([f"training.qat_fraction={qat_fraction}", f"training.qat_noise={qat_noise}"] if qat != "off" else []),
                  *([f"training.qat_float_weight={float_weight}"] if qat != "off" and float_weight else []),
                  *([f"training.qat_adapter={qat_adapter}"] if qat != "off" and qat_adapter != "merged" else []),
+                 *([f"init_adapter={Path(init_adapter).absolute()}"] if init_adapter else []),
                  "training.log_every=100", "eval.before=false", "eval.few_shot=0", "eval.metrics=[exact_match]",
                  "logging.progress=none", f"training.seed={seed}", *SETTINGS[setting]]
     subprocess.run([sys.executable, "-m", "maximus.cli", "train", "--config", str(ROOT / "examples/real_chat.yaml"),
@@ -168,7 +169,7 @@ def run_facts(run: Path) -> dict:
 
 
 def run_key(setting: str, qat: str, qat_start: float = 0.0, qat_fraction: float = 1.0, qat_noise: str = "matrices",
-            seed: int = 0, float_weight: float = 0.0, qat_adapter: str = "merged") -> str:
+            seed: int = 0, float_weight: float = 0.0, qat_adapter: str = "merged", init: bool = False) -> str:
     """The results.json key (and run directory) of one run; a QAT run started late, rounding only
     a fraction of its steps, or mixing in the float loss, is its own."""
     suffix = f"-seed{seed}" if seed else ""
@@ -176,12 +177,14 @@ def run_key(setting: str, qat: str, qat_start: float = 0.0, qat_fraction: float 
         return f"{setting}-off{suffix}"
     return f"{setting}-{qat}" + (f"-start{qat_start:g}" if qat_start else "") + \
         (f"-fraction{qat_fraction:g}" + ("steps" if qat_noise == "steps" else "") if qat_fraction != 1 else "") + \
-        (f"-float{float_weight:g}" if float_weight else "") + ("-separate" if qat_adapter == "separate" else "") + suffix
+        (f"-float{float_weight:g}" if float_weight else "") + ("-separate" if qat_adapter == "separate" else "") + \
+        ("-init" if init else "") + suffix
 
 
 def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_start: float = 0.0,
             qat_fraction: float = 1.0, qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0,
-            task: str = "countries", rescore: bool = False, qat_adapter: str = "merged") -> dict:
+            task: str = "countries", rescore: bool = False, qat_adapter: str = "merged",
+            init_adapter: Path | None = None) -> dict:
     """Train, export and score each run not yet in OUT/results.json (with `rescore`, also score again
     a kept run whose results lack the per-document sums). Under `qat_adapter` ``separate`` the QAT
     runs train their adapter apart and are scored as gguf-lora exports, and a kept plain run gains
@@ -192,7 +195,8 @@ def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_sta
         results = json.loads(path.read_text())
     for setting in settings:
         for qat in runs:
-            key = run_key(setting, qat, qat_start, qat_fraction, qat_noise, seed, float_weight, qat_adapter)
+            key = run_key(setting, qat, qat_start, qat_fraction, qat_noise, seed, float_weight, qat_adapter,
+                          init_adapter is not None and qat != "off")
             run = out / key
             apart = qat_adapter == "separate" and SETTINGS[setting][0] != "method=full"
             if qat == "off":
@@ -209,7 +213,8 @@ def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_sta
                 continue
             started = time.time()
             if not (run / "run.json").exists():
-                train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed, float_weight, task, qat_adapter)
+                train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed, float_weight, task, qat_adapter,
+                      init_adapter if qat != "off" else None)
             files = [export(run, q, fmt) for fmt, q in formats]
             kept = results.get(key, {})  # a rescored run keeps its first wall time
             results[key] = {**kept, **score(run, files), **run_facts(run),
@@ -347,6 +352,8 @@ def variant_label(mod: str) -> str:
         return "adapter trained and served apart (gguf-lora)"
     if mod == "apart":
         return "no QAT, adapter served apart (gguf-lora)"
+    if mod == "init":
+        return "started from --init-adapter"
     if mod.startswith("float"):
         return f"float loss weight {float(mod[5:]):g}"
     if mod.startswith("start"):
@@ -551,6 +558,8 @@ def main() -> None:
     parser.add_argument("--qat-adapter", choices=["merged", "separate"], default="merged", help="training.qat_adapter "
                         "of the LoRA QAT runs: `separate` trains the adapter apart and scores the gguf-lora export (base "
                         "file + llama.cpp LoRA file), and scores the plain LoRA runs' gguf-lora exports too")
+    parser.add_argument("--init-adapter", type=Path, help="the QAT runs start from this PEFT adapter (init_adapter; "
+                        "e.g. benchmarks/qat_correction.py --write-adapter); kept apart as `-init`")
     parser.add_argument("--seed", type=int, default=0, help="training.seed of every run (a seed other than 0 is kept "
                         "apart: its runs are compared with the plain run of the same seed)")
     parser.add_argument("--task", choices=list(TASKS), default="countries", help="the held-out set: the example's 40 "
@@ -618,7 +627,7 @@ def main() -> None:
                 print(f"{run.name}: {trained_equals_file(run, target)}", flush=True)
         return
     results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start, args.qat_fraction, args.qat_noise,
-                      args.seed, args.qat_float_weight, args.task, args.rescore, args.qat_adapter)
+                      args.seed, args.qat_float_weight, args.task, args.rescore, args.qat_adapter, args.init_adapter)
     for other in args.merge:
         results = {**json.loads(other.read_text()), **results}
     print(table(results, json.loads(cost_path.read_text()) if cost_path.exists() else {}))
