@@ -62,13 +62,14 @@ def model_path() -> str:
 
 def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0, qat_fraction: float = 1.0,
           qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0, task: str = "countries",
-          qat_adapter: str = "merged", init_adapter: Path | None = None) -> None:
+          qat_adapter: str = "merged", init_adapter: Path | None = None, correction_rank: int = 0) -> None:
     overrides = [*TASKS[task], f"model={model_path()}", f"output_dir={out}", f"training.max_steps={steps}", f"training.qat={qat}",
                  *([f"training.qat_start={qat_start}"] if qat != "off" and qat_start else []),
                  *([f"training.qat_fraction={qat_fraction}", f"training.qat_noise={qat_noise}"] if qat != "off" else []),
                  *([f"training.qat_float_weight={float_weight}"] if qat != "off" and float_weight else []),
                  *([f"training.qat_adapter={qat_adapter}"] if qat != "off" and qat_adapter != "merged" else []),
                  *([f"init_adapter={Path(init_adapter).absolute()}"] if init_adapter else []),
+                 *([f"training.qat_correction_rank={correction_rank}"] if qat != "off" and correction_rank else []),
                  "training.log_every=100", "eval.before=false", "eval.few_shot=0", "eval.metrics=[exact_match]",
                  "logging.progress=none", f"training.seed={seed}", *SETTINGS[setting]]
     subprocess.run([sys.executable, "-m", "maximus.cli", "train", "--config", str(ROOT / "examples/real_chat.yaml"),
@@ -169,7 +170,8 @@ def run_facts(run: Path) -> dict:
 
 
 def run_key(setting: str, qat: str, qat_start: float = 0.0, qat_fraction: float = 1.0, qat_noise: str = "matrices",
-            seed: int = 0, float_weight: float = 0.0, qat_adapter: str = "merged", init: bool = False) -> str:
+            seed: int = 0, float_weight: float = 0.0, qat_adapter: str = "merged", init: bool = False,
+            correction_rank: int = 0) -> str:
     """The results.json key (and run directory) of one run; a QAT run started late, rounding only
     a fraction of its steps, or mixing in the float loss, is its own."""
     suffix = f"-seed{seed}" if seed else ""
@@ -178,13 +180,13 @@ def run_key(setting: str, qat: str, qat_start: float = 0.0, qat_fraction: float 
     return f"{setting}-{qat}" + (f"-start{qat_start:g}" if qat_start else "") + \
         (f"-fraction{qat_fraction:g}" + ("steps" if qat_noise == "steps" else "") if qat_fraction != 1 else "") + \
         (f"-float{float_weight:g}" if float_weight else "") + ("-separate" if qat_adapter == "separate" else "") + \
-        ("-init" if init else "") + suffix
+        ("-init" if init else "") + (f"-corr{correction_rank}" if correction_rank else "") + suffix
 
 
 def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_start: float = 0.0,
             qat_fraction: float = 1.0, qat_noise: str = "matrices", seed: int = 0, float_weight: float = 0.0,
             task: str = "countries", rescore: bool = False, qat_adapter: str = "merged",
-            init_adapter: Path | None = None) -> dict:
+            init_adapter: Path | None = None, correction_rank: int = 0) -> dict:
     """Train, export and score each run not yet in OUT/results.json (with `rescore`, also score again
     a kept run whose results lack the per-document sums). Under `qat_adapter` ``separate`` the QAT
     runs train their adapter apart and are scored as gguf-lora exports, and a kept plain run gains
@@ -196,7 +198,7 @@ def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_sta
     for setting in settings:
         for qat in runs:
             key = run_key(setting, qat, qat_start, qat_fraction, qat_noise, seed, float_weight, qat_adapter,
-                          init_adapter is not None and qat != "off")
+                          init_adapter is not None and qat != "off", correction_rank if qat != "off" else 0)
             run = out / key
             apart = qat_adapter == "separate" and SETTINGS[setting][0] != "method=full"
             if qat == "off":
@@ -214,7 +216,7 @@ def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_sta
             started = time.time()
             if not (run / "run.json").exists():
                 train(run, setting, qat, steps, qat_start, qat_fraction, qat_noise, seed, float_weight, task, qat_adapter,
-                      init_adapter if qat != "off" else None)
+                      init_adapter if qat != "off" else None, correction_rank)
             files = [export(run, q, fmt) for fmt, q in formats]
             kept = results.get(key, {})  # a rescored run keeps its first wall time
             results[key] = {**kept, **score(run, files), **run_facts(run),
@@ -224,6 +226,45 @@ def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_sta
             path.write_text(json.dumps(results, indent=1))
             print(f"{key}: done in {results[key]['wall_s']} s", flush=True)
     return results
+
+
+def post_correction(out: Path, source: Path) -> None:
+    """For each plain LoRA run in OUT/results.json: its adapter served apart with `source`'s
+    correction of the base's rounding (`source`/adapter/qat_correction.safetensors, a
+    `training.qat_correction_rank` run of the same base and data) beside it, the adapter trained
+    without it. A copy of the run's adapter and records (under the run's exports/) gets the file,
+    is exported as gguf-lora at the correction's target and scored; printed against the plain run's
+    merged file, and kept in results.json as the file ``<target>+lora+postN``."""
+    import shutil
+
+    from maximus.qat.correction import CORRECTION_FILE, load_corrections
+
+    _, meta = load_corrections(source / "adapter")
+    target, rank = meta["target"], meta["rank"]
+    path = out / "results.json"
+    results = json.loads(path.read_text())
+    for key, plain in sorted(results.items()):
+        run = out / key
+        if key.split("-")[1] != "off" or not (run / "adapter").is_dir():
+            continue
+        name = f"{target}+lora+post{rank}"
+        if name not in plain["deployed"]:
+            copy = run / "exports" / f"postcorr{rank}-run"
+            if not copy.exists():
+                copy.mkdir(parents=True)
+                for item in ("adapter", "run.json", ".maximus-run.json"):
+                    if (run / item).is_dir():
+                        shutil.copytree(run / item, copy / item)
+                    elif (run / item).is_file():
+                        shutil.copy2(run / item, copy / item)
+                shutil.copy2(source / "adapter" / CORRECTION_FILE, copy / "adapter" / CORRECTION_FILE)
+            plain["deployed"][name] = score(copy, [export(copy, target, "gguf-lora")], fp32=False)["deployed"][f"{target}+lora"]
+            path.write_text(json.dumps({**json.loads(path.read_text()), key: plain}, indent=1))
+        gap, _ = against_plain(plain, plain, target, name)
+        bounds = interval(plain, plain, target, judged=name)
+        print(f"{key}: served apart with the rank-{rank} correction, trained without it: {plain['deployed'][name]['loss']:.3f} "
+              f"(merged {plain['deployed'][target]['loss']:.3f}, float {plain['fp32']['loss']:.3f}): {gap:.0%} of the gap "
+              f"recovered" + (f" [{bounds[0][0]:.0%}, {bounds[0][1]:.0%}]" if bounds else ""), flush=True)
 
 
 def table(results: dict, costs: dict) -> str:
@@ -354,6 +395,8 @@ def variant_label(mod: str) -> str:
         return "no QAT, adapter served apart (gguf-lora)"
     if mod == "init":
         return "started from --init-adapter"
+    if mod.startswith("corr"):
+        return f"a rank-{mod[4:]} correction of the base's rounding beside the adapter"
     if mod.startswith("float"):
         return f"float loss weight {float(mod[5:]):g}"
     if mod.startswith("start"):
@@ -558,6 +601,10 @@ def main() -> None:
     parser.add_argument("--qat-adapter", choices=["merged", "separate"], default="merged", help="training.qat_adapter "
                         "of the LoRA QAT runs: `separate` trains the adapter apart and scores the gguf-lora export (base "
                         "file + llama.cpp LoRA file), and scores the plain LoRA runs' gguf-lora exports too")
+    parser.add_argument("--qat-correction-rank", type=int, default=0, help="training.qat_correction_rank of the QAT "
+                        "runs (with --qat-adapter separate); kept apart as `-corrN`")
+    parser.add_argument("--post-correction", type=Path, help="only score each plain LoRA run in OUT served apart with "
+                        "this run's correction of the base's rounding beside its adapter (trained without it)")
     parser.add_argument("--init-adapter", type=Path, help="the QAT runs start from this PEFT adapter (init_adapter; "
                         "e.g. benchmarks/qat_correction.py --write-adapter); kept apart as `-init`")
     parser.add_argument("--seed", type=int, default=0, help="training.seed of every run (a seed other than 0 is kept "
@@ -620,6 +667,9 @@ def main() -> None:
                           f"{t['noise']:.2f} times its size (on a Gaussian base of the same spread it keeps "
                           f"{t['kept_gaussian']:.2f})", flush=True)
         return
+    if args.post_correction:
+        post_correction(args.out, args.post_correction)
+        return
     if args.check_files:
         for run in sorted(p for p in args.out.iterdir() if (p / "run.json").is_file()):
             target = run.name.split("-")[1]
@@ -627,7 +677,8 @@ def main() -> None:
                 print(f"{run.name}: {trained_equals_file(run, target)}", flush=True)
         return
     results = measure(args.out, args.steps, args.settings, args.qat, args.qat_start, args.qat_fraction, args.qat_noise,
-                      args.seed, args.qat_float_weight, args.task, args.rescore, args.qat_adapter, args.init_adapter)
+                      args.seed, args.qat_float_weight, args.task, args.rescore, args.qat_adapter, args.init_adapter,
+                      args.qat_correction_rank)
     for other in args.merge:
         results = {**json.loads(other.read_text()), **results}
     print(table(results, json.loads(cost_path.read_text()) if cost_path.exists() else {}))

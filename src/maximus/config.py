@@ -330,6 +330,8 @@ class TrainingConfig(_Section):
     qat_adapter: Literal["merged", "separate"] = Field("merged", description="With training.qat (a GGUF target) and a LoRA / QLoRA adapter: how the deployed file holds the adapter, and so what the forward trains against. `merged`: the export merges the adapter into the base and rounds the sum (`maximus export --format gguf | ollama`): the forward sees the quantized merged weight Q(W + s B A). `separate`: the export writes the base quantized alone and the adapter beside it as a float llama.cpp LoRA file (`maximus export --format gguf-lora`; llama.cpp applies it as `-m base.gguf --lora adapter.gguf`): the forward sees Q(W) + s B A, so the adapter trains exactly as it is served and can make up for the base's rounding, which a merged adapter, far smaller than the rounding step, mostly cannot (docs/benchmarks/qat.md). Each export warns when its format is not the one the run trained for.")
     memory_meter: Literal["auto", "every_step", "sampled"] = Field("auto", description="Which steps run under the memory meter. `every_step`: all of them. `sampled`: on the CPU, where the meter sees every op and can nearly double a small model's step, only the steps that can set a new peak (the first two, a step with longer rows or more tokens than every metered one, the first after a re-plan, every 25th and the last; GRPO decides on its sampled rows, and its sampling is always metered); the others log no memory. `auto`: every step on CUDA (the allocator's counters cost nothing), `sampled` elsewhere.")
 
+    qat_correction_rank: int = Field(0, ge=0, description="With training.qat_adapter: separate: the rank N of a frozen correction of the base's own rounding, served beside the adapter. Before the first step the run computes, for every adapted matrix, the rank-N matrix closest to W - Q(W) in the metric of the inputs it sees over the first 64 training rows (as EoRA does); the adapter then trains against Q(W) + the correction, and `maximus export --format gguf-lora` writes both as one llama.cpp LoRA of rank lora.r + N. The run's float model (adapter/) does not include it (adapter/qat_correction.safetensors holds it). Costs one pass over the 64 rows and a factorisation per matrix at the start, and in the file N x (rows + columns) float32 numbers per matrix; nothing per step. 0 = none. See docs/benchmarks/qat.md.")
+
     @field_validator("qat", mode="before")
     @classmethod
     def _yaml_boolean_qat(cls, v):
@@ -350,6 +352,11 @@ class TrainingConfig(_Section):
             raise ConfigError(f"training.qat_adapter {self.qat_adapter} keeps the adapter beside a GGUF base file, and "
                               f"training.qat is {self.qat}", "set training.qat to a GGUF target (q8_0, q4_0, q4_k_m) "
                               "or remove training.qat_adapter")
+        if self.qat_correction_rank and self.qat_adapter != "separate":
+            raise ConfigError(f"training.qat_correction_rank {self.qat_correction_rank} corrects the rounded base beside "
+                              f"the adapter, and training.qat_adapter is {self.qat_adapter}",
+                              "set training.qat_adapter: separate (with training.qat a GGUF target) or remove "
+                              "training.qat_correction_rank")
         if self.qat_float_weight and self.optimizer_in_backward:
             raise ConfigError(f"training.qat_float_weight {self.qat_float_weight} runs two backward passes per step, "
                               "and training.optimizer_in_backward steps the weights inside the first",

@@ -33,9 +33,11 @@ def _is_lora_layer(module) -> bool:
     return hasattr(module, "lora_A") and hasattr(module, "lora_B") and hasattr(module, "get_base_layer")
 
 
-def lora_tensors(peft_model) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
+def lora_tensors(peft_model, correction: dict | None = None) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
     """(base tensor's GGUF name, A (rank x columns), B x scaling (rows x rank)) of every LoRA layer of
-    `peft_model` (a PEFT model with one active adapter), float32, in the model's order.
+    `peft_model` (a PEFT model with one active adapter), float32, in the model's order. A layer with
+    a `correction` ({path in the causal LM: (L, R)}, `maximus.qat.correction`) gets [A; R] and
+    [s B, L]: one LoRA of both ranks, whose product is s B A + L R.
 
     Raises ExportError for what a llama.cpp LoRA file cannot hold: DoRA, fully trained modules
     (modules_to_save), an adapted embedding, a matrix with no place in the architecture."""
@@ -75,6 +77,9 @@ def lora_tensors(peft_model) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
                               "architecture", "use --format merged or adapter")
         a = module.lora_A[name].weight.detach().float()
         b = module.lora_B[name].weight.detach().float() * float(module.scaling[name])
+        if correction and hf_name in correction:
+            left, right = correction[hf_name]
+            a, b = torch.cat([a, right.to(a)]), torch.cat([b, left.to(b)], dim=1)
         if spec.permute_qk and hf_name.endswith("q_proj"):
             b = permute_for_llama_rope(b, heads)
         elif spec.permute_qk and hf_name.endswith("k_proj"):
@@ -82,15 +87,17 @@ def lora_tensors(peft_model) -> Iterator[tuple[str, np.ndarray, np.ndarray]]:
         yield gguf_name, np.ascontiguousarray(a.cpu().numpy()), np.ascontiguousarray(b.cpu().numpy())
 
 
-def write_gguf_adapter(peft_model, path: str | Path, *, marker: str, name: str | None = None) -> int:
-    """Write `peft_model`'s adapter (`lora_tensors`) as the llama.cpp LoRA file `path`, with the
-    export's `marker` (JSON) under `maximus.export`. Returns the number of adapted matrices."""
+def write_gguf_adapter(peft_model, path: str | Path, *, marker: str, name: str | None = None,
+                       correction: dict | None = None) -> int:
+    """Write `peft_model`'s adapter (`lora_tensors`, with the run's `correction` beside it) as the
+    llama.cpp LoRA file `path`, with the export's `marker` (JSON) under `maximus.export`. Returns
+    the number of adapted matrices."""
     import gguf
 
     from maximus.export.target import GGUF_MARKER_KEY
 
     _, arch = gguf_arch(peft_model.config)
-    tensors = list(lora_tensors(peft_model))
+    tensors = list(lora_tensors(peft_model, correction))
     if not tensors:
         raise ExportError("the run's model has no LoRA layer to write", "use --format gguf")
     writer = gguf.GGUFWriter(str(path), gguf.MODEL_ARCH_NAMES[arch])

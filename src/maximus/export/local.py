@@ -152,13 +152,25 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
     source = {"run": str(run_dir.absolute()), "base": cfg.model}
     notices: list[str] = list(warnings)
 
+    from maximus.qat.correction import load_corrections
+
+    correction = load_corrections(run_dir / "adapter")
+    if correction is not None:
+        factors, meta = correction
+        notices.append(f"{ADAPTER_FILE} holds the run's rank-{meta.get('rank')} correction of the base's "
+                       f"{meta.get('target')} rounding beside the adapter (training.qat_correction_rank)")
+        if meta.get("target") != quant:
+            notices.append(f"warning: the correction beside the adapter makes up for the {meta.get('target')} "
+                           f"rounding, and --quant {quant} rounds the base otherwise (omit --quant to write "
+                           f"{meta.get('target')})")
+
     def fill(tmp: Path) -> None:
         # the base first, alone; then the adapter loads onto that same copy (one model in memory)
         notices.extend(write_gguf(base, tokenizer, tmp / BASE_FILE, quant=quant, name=Path(str(cfg.model)).name,
                                   source={**source, "quant": quant, "role": "base"}, progress=progress))
         model = PeftModel.from_pretrained(base, str(run_dir / "adapter"))
         write_gguf_adapter(model, tmp / ADAPTER_FILE, marker=json.dumps({"format": "gguf-lora", **source}),
-                           name=run_dir.name)
+                           name=run_dir.name, correction=correction[0] if correction else None)
 
     written = write_directory(out, fill, overwrite=overwrite,
                               meta={"format": "gguf-lora", "run": str(run_dir.absolute()), "quant": quant})

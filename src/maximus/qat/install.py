@@ -57,6 +57,10 @@ class QatReport:
     types: dict[str, str] = field(default_factory=dict)
     cache_bytes: int = 0
     roundings: list = field(default_factory=list, repr=False)
+    #: under adapter="separate": {LoRA layer path in the causal LM: (its base layer, its rounding)}
+    apart: dict = field(default_factory=dict, repr=False)
+    #: the rank of the rounding corrections beside the adapters (`apply_corrections`), 0 without
+    correction_rank: int = 0
 
     def set_active(self, active: bool | list[bool]) -> None:
         """Whether the forward sees the rounded weights (True from `install_qat`); False reads the
@@ -265,6 +269,8 @@ def install_qat(model, target: str, *, adapter: str = "merged") -> QatReport:
             report.roundings.append(rounding)
             if owner is None:
                 shared[id(weight)] = rounding
+            elif adapter == "separate":
+                report.apart[path] = (holder, rounding)
             report.cache_bytes += weight.numel() * (4 if hasattr(weight, "quant_state") else weight.element_size())
         if hasattr(weight, "quant_state"):
             _swap_4bit_forward(holder, rounding)
@@ -274,20 +280,62 @@ def install_qat(model, target: str, *, adapter: str = "merged") -> QatReport:
     return report
 
 
-def fake_quantized_weight(module: torch.nn.Module) -> torch.Tensor | None:
-    """The rounded weight `module` (a linear, embedding or PEFT LoRA layer) is trained against,
-    exactly: the fake-quantized (merged) weight, or under ``adapter="separate"`` the rounded base
-    alone (the adapter adds to it in float), float32; None when QAT did not touch it. For checks."""
-    holder = module.get_base_layer() if _is_lora_layer(module) else module
-    rounding = holder.__dict__.get("_qat_rounding")
-    if rounding is None:
-        return None
+class _Corrected:
+    """A base weight's rounding plus its frozen low-rank correction: Q(W) + L R."""
+
+    def __init__(self, rounding, left: torch.Tensor, right: torch.Tensor):
+        self.inner, self.left, self.right = rounding, left, right
+
+    def __call__(self, weight: torch.Tensor) -> torch.Tensor:
+        fix = self.left.to(weight.device, torch.float32) @ self.right.to(weight.device, torch.float32)
+        return self.inner(weight) + fix
+
+
+def apply_corrections(report: QatReport, factors: dict, rank: int) -> None:
+    """Each separate LoRA layer named in `factors` ({path: (L, R)}, `maximus.qat.correction`) reads
+    its base as Q(W) + L R from now on (the cache is computed anew once); the factors stay where
+    they are (the CPU), for the run's outputs (`corrections_of`)."""
+    for path, (left, right) in factors.items():
+        _, rounding = report.apart[path]
+        rounding.rounding = _Corrected(rounding.rounding, left, right)
+        rounding.key, rounding.value = None, None
+    report.correction_rank = rank
+
+
+def base_weight(holder: torch.nn.Module) -> torch.Tensor:
+    """The weight a (frozen) base layer holds, as a tensor: a bitsandbytes 4-bit one dequantized."""
     weight = holder._parameters["weight"]
     with torch.no_grad():
         if hasattr(weight, "quant_state"):
             import bitsandbytes.functional as bnb_f
 
-            weight = bnb_f.dequantize_4bit(weight.data, weight.quant_state)
+            return bnb_f.dequantize_4bit(weight.data, weight.quant_state)
+        return weight.detach()
+
+
+def corrections_of(model) -> dict:
+    """{LoRA layer path in the causal LM: (L, R)} of the corrections `apply_corrections` installed."""
+    from maximus.structure import causal_lm_of
+
+    found = {}
+    for path, module in causal_lm_of(model).named_modules():
+        if _is_lora_layer(module):
+            rounding = module.get_base_layer().__dict__.get("_qat_rounding")
+            if rounding is not None and isinstance(rounding.rounding, _Corrected):
+                found[path] = (rounding.rounding.left, rounding.rounding.right)
+    return found
+
+
+def fake_quantized_weight(module: torch.nn.Module) -> torch.Tensor | None:
+    """The rounded weight `module` (a linear, embedding or PEFT LoRA layer) is trained against,
+    exactly: the fake-quantized (merged) weight, or under ``adapter="separate"`` the rounded base
+    alone (plus its correction, `apply_corrections`; the adapter adds to it in float), float32; None when QAT did not touch it. For checks."""
+    holder = module.get_base_layer() if _is_lora_layer(module) else module
+    rounding = holder.__dict__.get("_qat_rounding")
+    if rounding is None:
+        return None
+    weight = base_weight(holder)
+    with torch.no_grad():
         delta, _ = rounding._delta()
         merged = weight.float() if delta is None else weight.float() + delta
         return rounding.rounding(merged)

@@ -94,8 +94,18 @@ def eval_summary(cfg, state: dict, eval_after: dict) -> dict:
     return summary
 
 
+def _qat_corrections(run: OutputsView) -> dict | None:
+    """The run's corrections of the base's rounding (training.qat_correction_rank), for adapter/."""
+    if not run.cfg.training.qat_correction_rank:
+        return None
+    from maximus.qat.install import corrections_of
+
+    return corrections_of(run.model)
+
+
 def save_final_weights(run: OutputsView) -> None:
-    """adapter/ (PEFT) or model/ (full), written beside and renamed into place; a previous one is
+    """adapter/ (PEFT; with its qat_correction.safetensors under training.qat_correction_rank) or
+    model/ (full), written beside and renamed into place; a previous one is
     replaced only while it holds nothing but what a run wrote (`replace_final_weights`)."""
     model = run.model
     name = "adapter" if hasattr(model, "peft_config") else "model"
@@ -116,9 +126,15 @@ def save_final_weights(run: OutputsView) -> None:
                                                            model.named_buffers(remove_duplicate=False))
                                 for k, v in named}}
 
+    corrections = _qat_corrections(run) if name == "adapter" else None
+
     def save(tmp: Path) -> None:
         model.save_pretrained(str(tmp), safe_serialization=True, **extra)
         run.tokenizer.save_pretrained(str(tmp))
+        if corrections:
+            from maximus.qat.correction import save_corrections
+
+            save_corrections(tmp, corrections, target=run.cfg.training.qat, rank=run.cfg.training.qat_correction_rank)
         if is_vision_config(model.config):  # the processor (image processor + template) travels with the weights
             from maximus.vision import load_processor
 

@@ -47,7 +47,7 @@ from typing import Any, Callable
 import torch
 
 from maximus.config import Config
-from maximus.errors import PREEMPTED_EXIT_CODE, MaximusError, Preempted, TrainingError
+from maximus.errors import PREEMPTED_EXIT_CODE, ConfigError, MaximusError, Preempted, TrainingError
 from maximus.families import untested_family_notice
 from maximus.forward import autocast_for
 from maximus.kernels import apply_kernels, cpu_threads
@@ -278,17 +278,43 @@ class Trainer:
         report = install_qat(self.model, target, adapter=self.cfg.training.qat_adapter)
         kinds = ", ".join(f"{n} {k}" for k, n in sorted(Counter(report.types.values()).items()))
         training = self.cfg.training
+        correction = self._qat_correction(report) if training.qat_correction_rank else ""
         start = training.qat_first_step(self.total_steps)
         self.qat_steps = training.qat_steps(self.total_steps)
         self.dist.say(f"quantization-aware training for {target}: {len(report.types)} matrices fake-quantized ({kinds})"
                       + ("; the adapter trains in float beside the rounded base, as --format gguf-lora serves it "
                          "(training.qat_adapter: separate)" if training.qat_adapter == "separate" else "")
+                      + correction
                       + (f", from step {start} of {self.total_steps} (training.qat_start)" if start > 1 else "")
                       + (self._qat_share(report, start) if training.qat_fraction != 1 else "")
                       + (f"; each step's loss {1 - training.qat_float_weight:g} x rounded + "
                          f"{training.qat_float_weight:g} x float weights, two passes per micro-batch "
                          "(training.qat_float_weight)" if training.qat_float_weight else ""))
         return report
+
+    def _qat_correction(self, report) -> str:
+        """`training.qat_correction_rank`: each adapted base reads as Q(W) + its low-rank correction
+        (`maximus.qat.correction`), computed now from the first training rows; the header's words."""
+        import time
+
+        from maximus.qat.correction import CALIBRATION_ROWS, rounding_corrections
+        from maximus.qat.install import apply_corrections
+
+        rank = self.cfg.training.qat_correction_rank
+        if self.streamer is not None:
+            raise ConfigError(f"training.qat_correction_rank {rank} reads every base weight at once, and the plan "
+                              "streams the frozen weights from the host",
+                              "give the run more memory (target_vram) or remove training.qat_correction_rank")
+        rows = self.data.train[:CALIBRATION_ROWS]
+        if not rows or "input_ids" not in rows[0]:
+            raise ConfigError(f"training.qat_correction_rank {rank} needs tokenized training rows to measure the "
+                              f"layers' inputs, and the {self.cfg.objective} objective's rows have none",
+                              "use objective sft, or remove training.qat_correction_rank")
+        started = time.perf_counter()
+        factors = rounding_corrections(self.model, rows, rank, report.apart, self.device)
+        apply_corrections(report, factors, rank)
+        return (f"; a rank-{rank} correction of the base's rounding beside the adapter, from {len(rows)} training "
+                f"rows in {time.perf_counter() - started:.1f} s (training.qat_correction_rank)")
 
     def _qat_share(self, report, start: int) -> str:
         """The header's words for `training.qat_fraction` below 1."""
