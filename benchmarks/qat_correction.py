@@ -28,39 +28,6 @@ from pathlib import Path
 import torch
 
 TARGET = "q4_k_m"
-CALIBRATION_ROWS = 64
-
-
-def input_covariances(model, layers: dict, rows: list[dict]) -> dict:
-    """{path: X^T X (float64) of the inputs each of `layers` sees over `rows`}."""
-    cov = {p: torch.zeros(m.in_features, m.in_features, dtype=torch.float64) for p, m in layers.items()}
-
-    def hook(path):
-        def record(module, inputs, output):
-            x = inputs[0].reshape(-1, inputs[0].shape[-1]).double()
-            cov[path].add_(x.T @ x)
-        return record
-
-    handles = [m.register_forward_hook(hook(p)) for p, m in layers.items()]
-    try:
-        with torch.no_grad():
-            for row in rows:
-                model(input_ids=torch.tensor([row["input_ids"]]))
-    finally:
-        for h in handles:
-            h.remove()
-    return cov
-
-
-def correction_factors(error: torch.Tensor, cov: torch.Tensor, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(L, R) with L @ R the rank-`rank` matrix closest to `error` in || (error - L R) X^T ||, X the
-    inputs whose covariance is `cov`: the SVD of error U S^(1/2) (cov = U S U^T), mapped back."""
-    c = cov / cov.diagonal().mean()
-    s, u = torch.linalg.eigh(c + 1e-6 * torch.eye(c.shape[0], dtype=c.dtype))
-    s = s.clamp_min(1e-10)
-    p, sigma, vh = torch.linalg.svd(error.double() @ u * s.sqrt(), full_matrices=False)
-    root = sigma[:rank].sqrt()
-    return p[:, :rank] * root, (root[:, None] * vh[:rank]) / s.sqrt() @ u.T
 
 
 def main() -> None:
@@ -76,6 +43,7 @@ def main() -> None:
 
     from maximus.data import build_run_datasets
     from maximus.export import load_tuned, run_config
+    from maximus.qat.correction import CALIBRATION_ROWS, correction_factors, input_covariances
     from maximus.qat.install import _gguf_plan, _quantized_modules, gguf_rounding
 
     print(cpu_report(), flush=True)
@@ -90,7 +58,8 @@ def main() -> None:
     adapted = {p: (holder, owner) for p, holder, owner in modules if owner is not None}
     # the inputs of the base alone for a starting adapter, of the tuned model for the scores
     with model.disable_adapter() if args.write_adapter else torch.no_grad():
-        cov = input_covariances(model, {p: h for p, (h, _) in adapted.items()}, data.train[:CALIBRATION_ROWS])
+        cov = input_covariances(model, {p: h for p, (h, _) in adapted.items()}, data.train[:CALIBRATION_ROWS],
+                               torch.device("cpu"))
     base = {p: h.weight.detach().clone() for p, (h, _) in adapted.items()}
     delta = {p: o.get_delta_weight("default").detach().clone() for p, (_, o) in adapted.items()}
     rounded = {p: gguf_rounding(plan[p], fp16_first=True)(base[p]) for p in adapted}
