@@ -658,6 +658,39 @@ def test_export_defaults_to_the_runs_qat_target_and_warns_on_another_quant_as_th
     assert not (api.runs / "int4run" / "exports").exists()
 
 
+def test_export_form_writes_the_adapter_beside_the_base_as_gguf_lora(served, finished):
+    """`gguf-lora` from the API: the run's QAT target by default, the CLI's warnings, an id that
+    names format and quantization (`gguflora-q4_0`), its row in the run's export table and a zip of
+    the pair; a quant on a format without one is refused in one line."""
+    import io
+    import zipfile
+
+    api = served
+    run, _ = finished
+    recorded = json.loads((run / "run.json").read_text())["config"]
+    apart = _run_like(run, "apartrun", training={**recorded["training"], "qat": "q4_0", "qat_adapter": "separate"})
+    status, page = api.call("GET", "/runs/apartrun")
+    assert status == 200 and '<option value="gguf-lora">gguf-lora</option>' in page.decode()
+    assert "quantization (gguf, gguf-lora, ollama)" in page.decode()
+    status, answer = api.post("/api/runs/apartrun/export", {"format": "gguf-lora"})
+    assert (status, answer) == (202, {"run": "apartrun", "export": "gguflora-q4_0",
+                                      "path": str(apart / "exports" / "gguflora-q4_0"), "warnings": []})
+    status, answer = api.post("/api/runs/apartrun/export", {"format": "gguf", "quant": "q4_0"})
+    assert (status, answer["export"], answer["warnings"]) == (202, "gguf-q4_0", [
+        f"warning: {apart} trained its adapter beside the rounded base (training.qat_adapter: separate); --format gguf "
+        "merges it and rounds the sum, unlike training (use --format gguf-lora)"])
+    assert api.jobs.wait("export-gguflora-q4_0", "apartrun", timeout=180) == 0
+    assert api.jobs.wait("export-gguf-q4_0", "apartrun", timeout=180) == 0
+    rows = api.call("GET", "/api/runs/apartrun")[1]["exports"]
+    assert [(r["id"], r["format"], r["quant"], r["status"]) for r in rows] == [
+        ("gguf-q4_0", "gguf", "q4_0", "done"), ("gguflora-q4_0", "gguf-lora", "q4_0", "done")]
+    status, data = api.call("GET", rows[1]["download"])
+    assert status == 200 and sorted(zipfile.ZipFile(io.BytesIO(data)).namelist()) == [
+        ".maximus-export.json", "adapter.gguf", "model.gguf"]
+    assert api.post("/api/runs/apartrun/export", {"format": "adapter", "quant": "q8_0"}) == (
+        400, {"error": "quant applies to format gguf, gguf-lora or ollama, not adapter (hint: drop quant or change format)"})
+
+
 def test_export_progress_names_each_stage_and_counts_every_tensor(finished, tmp_path, monkeypatch):
     """What `maximus export --progress` (and the run page's export table) reports, heard in process:
     the stages in order, and the tensor count up to the number of tensors the GGUF file holds."""

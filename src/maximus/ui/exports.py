@@ -10,33 +10,50 @@ from pathlib import Path
 
 from maximus.ui.jobs import Jobs
 
-__all__ = ["EXPORT_FORMATS", "export_target", "export_rows"]
+__all__ = ["EXPORT_FORMATS", "QUANT_FORMATS", "export_target", "export_rows", "format_of"]
 
-EXPORT_FORMATS = ("merged", "adapter", "gguf", "ollama")
+EXPORT_FORMATS = ("merged", "adapter", "gguf", "gguf-lora", "ollama")
+#: The formats that take a quantization (`--quant`).
+QUANT_FORMATS = ("gguf", "gguf-lora", "ollama")
+
+
+def _id_prefix(fmt: str) -> str:
+    """The export id's first part: the format without its hyphen (``gguflora``), so that the id
+    splits into format and quantization at its first hyphen."""
+    return fmt.replace("-", "")
+
+
+def format_of(export_id: str) -> tuple[str | None, str | None]:
+    """(format, quantization or None) of an export id; (None, None) for an id of no format."""
+    prefix, _, quant = export_id.partition("-")
+    fmt = {_id_prefix(f): f for f in EXPORT_FORMATS}.get(prefix)
+    return (fmt, quant or None) if fmt is not None else (None, None)
 
 
 def export_target(run_dir: Path, fmt: str, quant: str | None) -> tuple[str, Path]:
     """(export id, the path `maximus export` writes) of one format and quantization."""
-    export_id = fmt if quant is None else f"{fmt}-{quant}"
+    export_id = _id_prefix(fmt) if quant is None else f"{_id_prefix(fmt)}-{quant}"
     return export_id, run_dir / "exports" / (f"{export_id}.gguf" if fmt == "gguf" else export_id)
 
 
 def export_rows(jobs: Jobs, name: str, run_dir: Path) -> list[dict]:
     """The run page's export table: one row per export this server started for run `name`."""
     rows = []
-    for fmt in EXPORT_FORMATS:
-        for rec_path in sorted(p for p in jobs.state_dir(name).glob(f"export-{fmt}*.json")
-                               if not p.name.endswith(".progress.json")):
-            export_id = rec_path.stem[len("export-"):]
-            rec = jobs.record(f"export-{export_id}", name) or {}
-            code = rec.get("exit_code")
-            quant = export_id.split("-", 1)[1] if "-" in export_id else None
-            _, out = export_target(run_dir, fmt, quant)
-            tail = jobs.log_tail(f"export-{export_id}", name).strip().splitlines()
-            rows.append({"id": export_id, "format": fmt, "quant": quant, "path": str(out),
-                         "status": "running" if code is None and jobs.alive(f"export-{export_id}", name)
-                         else "done" if code == 0 and out.exists() else "failed",
-                         "exit_code": code, "last_line": tail[-1] if tail else "",
-                         "progress": jobs.export_progress(name, export_id),
-                         "download": f"/runs/{name}/exports/{export_id}" if code == 0 and out.exists() else None})
+    records = sorted((p for p in jobs.state_dir(name).glob("export-*.json") if not p.name.endswith(".progress.json")),
+                     key=lambda p: (EXPORT_FORMATS.index(format_of(p.stem[len("export-"):])[0] or "merged"), p.name))
+    for rec_path in records:
+        export_id = rec_path.stem[len("export-"):]
+        fmt, quant = format_of(export_id)
+        if fmt is None:
+            continue
+        rec = jobs.record(f"export-{export_id}", name) or {}
+        code = rec.get("exit_code")
+        _, out = export_target(run_dir, fmt, quant)
+        tail = jobs.log_tail(f"export-{export_id}", name).strip().splitlines()
+        rows.append({"id": export_id, "format": fmt, "quant": quant, "path": str(out),
+                     "status": "running" if code is None and jobs.alive(f"export-{export_id}", name)
+                     else "done" if code == 0 and out.exists() else "failed",
+                     "exit_code": code, "last_line": tail[-1] if tail else "",
+                     "progress": jobs.export_progress(name, export_id),
+                     "download": f"/runs/{name}/exports/{export_id}" if code == 0 and out.exists() else None})
     return rows

@@ -11,7 +11,7 @@ from pathlib import Path
 from flask import Blueprint, abort, jsonify, send_file
 
 from maximus.errors import ConfigError
-from maximus.ui.exports import EXPORT_FORMATS, export_target
+from maximus.ui.exports import EXPORT_FORMATS, QUANT_FORMATS, export_target, format_of
 from maximus.ui.guard import Run, json_body
 from maximus.ui.jobs import Conflict
 from maximus.ui.state import ui_state
@@ -23,7 +23,7 @@ blueprint = Blueprint("export", __name__)
 
 @blueprint.route("/api/runs/<path:run>/export", methods=["POST"])
 def api_export(run: Run):
-    """Starts `maximus export`. Without a quant, a GGUF / Ollama export writes the run's
+    """Starts `maximus export`. Without a quant, a GGUF / gguf-lora / Ollama export writes the run's
     `training.qat` target (else f16 / q8_0), as the CLI does (`maximus.export.local.quant_for_run`);
     the answer's ``warnings`` are the CLI's, e.g. for a quant other than the one the run trained for."""
     from maximus.export.local import quant_for_run
@@ -34,8 +34,9 @@ def api_export(run: Run):
     fmt, quant = data.get("format"), data.get("quant")
     if fmt not in EXPORT_FORMATS:
         raise ConfigError(f"format must be one of {', '.join(EXPORT_FORMATS)}, got {fmt!r}", 'e.g. "format": "gguf"')
-    if quant is not None and fmt not in ("gguf", "ollama"):
-        raise ConfigError(f"quant applies to format gguf or ollama, not {fmt}", "drop quant or change format")
+    if quant is not None and fmt not in QUANT_FORMATS:
+        raise ConfigError(f"quant applies to format {', '.join(QUANT_FORMATS[:-1])} or {QUANT_FORMATS[-1]}, not {fmt}",
+                          "drop quant or change format")
     if quant is not None:
         if not isinstance(quant, str):
             raise ConfigError(f"quant must be a string, got {quant!r}", 'e.g. "quant": "q8_0"')
@@ -44,7 +45,7 @@ def api_export(run: Run):
         raise Conflict(f"run {name} is not finished", "export a finished run")
     ui_state().guard.finished_config(run)  # the export child loads the model: no code without --allow-code
     warnings: list[str] = []
-    if fmt in ("gguf", "ollama"):
+    if fmt in QUANT_FORMATS:
         quant, warnings = quant_for_run(path, quant or None, fmt)
         check_quant(quant)
     export_id, out = export_target(path, fmt, quant)
@@ -58,10 +59,10 @@ def api_export(run: Run):
 
 @blueprint.route("/runs/<path:run>/exports/<export_id>")
 def download(run: Run, export_id: str):
-    fmt, _, quant = export_id.partition("-")
-    if fmt not in EXPORT_FORMATS or not re.fullmatch(r"[a-z0-9_]*", quant):
+    fmt, quant = format_of(export_id)
+    if fmt is None or not re.fullmatch(r"[a-z0-9_]*", quant or ""):
         abort(404)
-    _, out = export_target(run.path, fmt, quant or None)
+    _, out = export_target(run.path, fmt, quant)
     if out.is_symlink() or not out.exists() or not out.resolve().is_relative_to(run.path):
         abort(404)
     if out.is_file():

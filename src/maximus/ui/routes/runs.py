@@ -13,7 +13,7 @@ from typing import Any
 
 from flask import Blueprint, abort, jsonify, render_template, request, send_file
 
-from maximus.ui.exports import EXPORT_FORMATS, export_rows
+from maximus.ui.exports import EXPORT_FORMATS, QUANT_FORMATS, export_rows
 from maximus.ui.guard import Run
 from maximus.ui.runs import RunInfo, confined_run_dir, list_runs, read_metrics, run_detail
 from maximus.ui.state import ui_state
@@ -42,7 +42,7 @@ def run_page(run: Run) -> str:
     detail = detail_of(run)
     quants = list(QUANTS) + (list(K_QUANTS) if importlib.util.find_spec("llama_cpp") is not None else [])
     recorded = detail["config"] or {}
-    return render_template("run.html", name=run.name, detail=detail, export_formats=EXPORT_FORMATS, quants=quants,
+    return render_template("run.html", name=run.name, detail=detail, export_formats=EXPORT_FORMATS, quant_formats=QUANT_FORMATS, quants=quants,
                            qat_target=(recorded.get("training") or {}).get("qat", "off"),
                            has_run_json=(run.path / "run.json").is_file(),
                            config_text=json.dumps(detail["config"], indent=2) if detail["config"] else "")
