@@ -267,6 +267,30 @@ def post_correction(out: Path, source: Path) -> None:
               f"recovered" + (f" [{bounds[0][0]:.0%}, {bounds[0][1]:.0%}]" if bounds else ""), flush=True)
 
 
+def correction_cost(rank: int, task: str) -> str:
+    """The one-time cost of `training.qat_correction_rank` on the real chat model (LoRA apart,
+    q4_k_m): the calibration forward, each matrix's rounding and factorisations, one thread."""
+    import torch
+
+    from maximus.builtin import resolve
+    from maximus.config import Config
+    from maximus.data import build_run_datasets
+    from maximus.models import load_model
+    from maximus.qat.correction import CALIBRATION_ROWS, rounding_corrections
+    from maximus.qat.install import install_qat
+
+    torch.set_num_threads(1)
+    cfg = resolve(Config.from_yaml(ROOT / "examples/real_chat.yaml", [
+        *TASKS[task], f"model={model_path()}", "output_dir=runs/unused", "training.qat=q4_k_m",
+        "training.qat_adapter=separate", *SETTINGS["lora2x"]]))
+    model, tokenizer = load_model(cfg, device=torch.device("cpu"), method="lora")
+    data = build_run_datasets(cfg, tokenizer, objective="sft")
+    report = install_qat(model, "q4_k_m", adapter="separate")
+    started = time.perf_counter()
+    factors = rounding_corrections(model, data.train[:CALIBRATION_ROWS], rank, report.apart, torch.device("cpu"))
+    return f"{len(factors)} matrices, rank {rank}: {time.perf_counter() - started:.1f} s, one thread"
+
+
 def table(results: dict, costs: dict) -> str:
     """The Markdown table; the step column is `costs` (`step_cost`, CPU seconds of one thread, measured
     in one process), since the runs' wall-clock step times follow the shared machine's load."""
@@ -603,6 +627,8 @@ def main() -> None:
                         "file + llama.cpp LoRA file), and scores the plain LoRA runs' gguf-lora exports too")
     parser.add_argument("--qat-correction-rank", type=int, default=0, help="training.qat_correction_rank of the QAT "
                         "runs (with --qat-adapter separate); kept apart as `-corrN`")
+    parser.add_argument("--correction-cost", type=int, metavar="RANK", help="only time the one-time calibration of "
+                        "training.qat_correction_rank RANK (LoRA apart, q4_k_m), one thread")
     parser.add_argument("--post-correction", type=Path, help="only score each plain LoRA run in OUT served apart with "
                         "this run's correction of the base's rounding beside its adapter (trained without it)")
     parser.add_argument("--init-adapter", type=Path, help="the QAT runs start from this PEFT adapter (init_adapter; "
@@ -666,6 +692,9 @@ def main() -> None:
                           f"{t['base_error']:.2e}; the file keeps {t['kept']:.2f} of the change, with rounding noise "
                           f"{t['noise']:.2f} times its size (on a Gaussian base of the same spread it keeps "
                           f"{t['kept_gaussian']:.2f})", flush=True)
+        return
+    if args.correction_cost:
+        print(correction_cost(args.correction_cost, args.task), flush=True)
         return
     if args.post_correction:
         post_correction(args.out, args.post_correction)
