@@ -4,6 +4,7 @@ checkpoints, generated datasets and small run configs. Import as `from tiny impo
 from __future__ import annotations
 
 import json
+import os
 import random
 from pathlib import Path
 
@@ -100,6 +101,24 @@ training:
   batch_size: 4
   epochs: 3
 """
+
+
+def llama_cpp_or_skip():
+    """llama-cpp-python (llama.cpp itself, the GGUF export's checker), imported for a test module:
+    where it is not installed the module skips, except in CI (CI=true: .ci/run installs it), where
+    the ImportError is the failure. Such a module also sets `pytestmark = LLAMA_CPP_MARKS`."""
+    try:
+        import llama_cpp
+    except ImportError:
+        if os.environ.get("CI") == "true":
+            raise
+        pytest.skip("llama-cpp-python is not installed (pip install -e '.[llamacpp]' builds it)", allow_module_level=True)
+    return llama_cpp
+
+
+#: A llama.cpp test module's marks: `llama_cpp` (tests/conftest.py fails a CI run none of them
+#: passed) and one torch thread (`one_thread`).
+LLAMA_CPP_MARKS = [pytest.mark.llama_cpp, pytest.mark.usefixtures("one_thread")]
 
 
 @pytest.fixture(scope="module")

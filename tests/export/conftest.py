@@ -1,7 +1,6 @@
 """A finished tiny LoRA run shared by the export tests (trained once per session, a few seconds)."""
 from __future__ import annotations
 
-import os
 from pathlib import Path
 
 import pytest
@@ -18,24 +17,6 @@ HELD_OUT = [
     "<|im_start|>user\nHi there<|im_end|>\n", "multiple     spaces     inside", "end with punctuation...",
 ]
 PROMPTS = ["Reverse: red gold stone\nAnswer:", "The capital of France is", "Once upon a time"]
-
-
-def llama_cpp_or_skip():
-    """llama-cpp-python (llama.cpp itself, the GGUF export's checker), imported for a test module:
-    where it is not installed the module skips, except in CI (CI=true: .ci/run installs it), where
-    the ImportError is the failure. Such a module also sets `pytestmark = LLAMA_CPP_MARKS`."""
-    try:
-        import llama_cpp
-    except ImportError:
-        if os.environ.get("CI") == "true":
-            raise
-        pytest.skip("llama-cpp-python is not installed (pip install -e '.[llamacpp]' builds it)", allow_module_level=True)
-    return llama_cpp
-
-
-#: A llama.cpp test module's marks: `llama_cpp` (tests/conftest.py fails a CI run none of them
-#: passed) and one torch thread (tests/tiny.py).
-LLAMA_CPP_MARKS = [pytest.mark.llama_cpp, pytest.mark.usefixtures("one_thread")]
 
 
 def train_tiny_run(model_dir: Path, out: Path, steps: int = 3, **sections) -> Path:

@@ -25,8 +25,8 @@ import torch
 
 from maximus.cli import main
 
-from conftest import HELD_OUT, LLAMA_CPP_MARKS, PROMPTS, llama_cpp_or_skip, train_tiny_run
-from tiny import build_family_model_dir, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
+from conftest import HELD_OUT, PROMPTS, train_tiny_run
+from tiny import LLAMA_CPP_MARKS, build_family_model_dir, llama_cpp_or_skip, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
 llama_cpp = llama_cpp_or_skip()
 pytestmark = LLAMA_CPP_MARKS

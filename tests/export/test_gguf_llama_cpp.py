@@ -23,8 +23,8 @@ import torch
 from maximus.cli import main
 from maximus.export.gguf_vocab import LLAMA3_SPLIT, QWEN2_SPLIT
 
-from conftest import HELD_OUT, LLAMA_CPP_MARKS, PROMPTS, llama_cpp_or_skip, train_tiny_run
-from tiny import _WORDS, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
+from conftest import HELD_OUT, PROMPTS, train_tiny_run
+from tiny import _WORDS, LLAMA_CPP_MARKS, llama_cpp_or_skip, one_thread  # noqa: F401  (one_thread: a fixture, used through pytestmark)
 
 llama_cpp = llama_cpp_or_skip()
 pytestmark = LLAMA_CPP_MARKS

@@ -11,13 +11,9 @@ import pytest
 import torch
 
 from maximus.qat.ggml_rounding import fake_quantize
+from tiny import llama_cpp_or_skip
 
-try:
-    import llama_cpp
-except ImportError:
-    if os.environ.get("CI") == "true":
-        raise
-    pytest.skip("llama-cpp-python is not installed", allow_module_level=True)
+llama_cpp = llama_cpp_or_skip()
 
 pytestmark = [pytest.mark.llama_cpp]
 

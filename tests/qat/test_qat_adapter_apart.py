@@ -5,7 +5,6 @@ Transformers model's); the warnings when a format holds the adapter otherwise, a
 from __future__ import annotations
 
 import json
-import os
 
 import numpy as np
 import pytest
@@ -15,16 +14,12 @@ from maximus.cli import main
 from maximus.config import Config
 from maximus.errors import ConfigError
 from maximus.qat.install import fake_quantized_weight, gguf_rounding, install_qat
-from tiny import build_tiny_model_dir, one_thread, tiny_config, write_prompt_completion  # noqa: F401  (one_thread: a fixture)
+from tiny import (LLAMA_CPP_MARKS, build_tiny_model_dir, llama_cpp_or_skip, one_thread,  # noqa: F401  (one_thread: a fixture)
+                  tiny_config, write_prompt_completion)
 
-try:
-    import llama_cpp  # noqa: F401  (the export's K-quants and the scoring run in llama.cpp)
-except ImportError:
-    if os.environ.get("CI") == "true":
-        raise
-    pytest.skip("llama-cpp-python is not installed", allow_module_level=True)
+llama_cpp_or_skip()  # the export's K-quants and the scoring run in llama.cpp
 
-pytestmark = [pytest.mark.llama_cpp, pytest.mark.usefixtures("one_thread")]
+pytestmark = LLAMA_CPP_MARKS
 
 
 def _train(root, target="q4_0", method="lora", steps=2, **training):

@@ -5,7 +5,6 @@ adapted base as Q(W) + L R; the run keeps the factors in adapter/ (its float mod
 serves the pair as Transformers computes it; and the key is refused where it cannot apply."""
 from __future__ import annotations
 
-import os
 
 import numpy as np
 import pytest
@@ -18,16 +17,12 @@ from maximus.qat.correction import (CALIBRATION_ROWS, CORRECTION_FILE, correctio
                                     load_corrections)
 from maximus.qat.install import apply_corrections, fake_quantized_weight, gguf_rounding, install_qat
 from maximus.qat.targets import rounds_to_fp16_first
-from tiny import build_tiny_model_dir, one_thread, tiny_config, write_prompt_completion  # noqa: F401  (one_thread: a fixture)
+from tiny import (LLAMA_CPP_MARKS, build_tiny_model_dir, llama_cpp_or_skip, one_thread,  # noqa: F401  (one_thread: a fixture)
+                  tiny_config, write_prompt_completion)
 
-try:
-    import llama_cpp  # noqa: F401  (the export's scoring runs in llama.cpp)
-except ImportError:
-    if os.environ.get("CI") == "true":
-        raise
-    pytest.skip("llama-cpp-python is not installed", allow_module_level=True)
+llama_cpp_or_skip()  # the export's scoring runs in llama.cpp
 
-pytestmark = [pytest.mark.llama_cpp, pytest.mark.usefixtures("one_thread")]
+pytestmark = LLAMA_CPP_MARKS
 
 RANK = 4
 
@@ -233,7 +228,7 @@ def test_a_qlora_base_reads_its_dequantized_rounding_plus_the_correction(tmp_pat
     report = install_qat(model, "q4_0", adapter="separate")
     g = torch.Generator().manual_seed(0)
     left, right = torch.randn(64, 3, generator=g), torch.randn(3, 64, generator=g)
-    apply_corrections(report, {"model.layers.0.self_attn.q_proj": (left, right)}, 3)
+    apply_corrections(report, {"model.layers.0.self_attn.q_proj": (left, right)})
     assert torch.equal(fake_quantized_weight(layer), rounded + left @ right)
     model.train()
     x = torch.randn(2, 64)

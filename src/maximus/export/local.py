@@ -154,9 +154,8 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
 
     from maximus.qat.correction import load_corrections
 
-    correction = load_corrections(run_dir / "adapter")
-    if correction is not None:
-        factors, meta = correction
+    factors, meta = load_corrections(run_dir / "adapter") or (None, {})
+    if factors is not None:
         notices.append(f"{ADAPTER_FILE} holds the run's rank-{meta.get('rank')} correction of the base's "
                        f"{meta.get('target')} rounding beside the adapter (training.qat_correction_rank)")
         if meta.get("target") != quant:
@@ -170,7 +169,7 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
                                   source={**source, "quant": quant, "role": "base"}, progress=progress))
         model = PeftModel.from_pretrained(base, str(run_dir / "adapter"))
         write_gguf_adapter(model, tmp / ADAPTER_FILE, marker=json.dumps({"format": "gguf-lora", **source}),
-                           name=run_dir.name, correction=correction[0] if correction else None)
+                           name=run_dir.name, correction=factors)
 
     written = write_directory(out, fill, overwrite=overwrite,
                               meta={"format": "gguf-lora", "run": str(run_dir.absolute()), "quant": quant})

@@ -59,8 +59,6 @@ class QatReport:
     roundings: list = field(default_factory=list, repr=False)
     #: under adapter="separate": {LoRA layer path in the causal LM: (its base layer, its rounding)}
     apart: dict = field(default_factory=dict, repr=False)
-    #: the rank of the rounding corrections beside the adapters (`apply_corrections`), 0 without
-    correction_rank: int = 0
 
     def set_active(self, active: bool | list[bool]) -> None:
         """Whether the forward sees the rounded weights (True from `install_qat`); False reads the
@@ -151,8 +149,6 @@ def _swap_class(module: torch.nn.Module, rounding: _Rounding) -> None:
 
 def _swap_4bit_forward(module: torch.nn.Module, rounding: _Rounding) -> None:
     """A bitsandbytes 4-bit base layer: dequantize, merge, round, matmul (training mode only)."""
-    import bitsandbytes.functional as bnb_f
-
     cls = type(module)
 
     def forward(self, x, *args, **kwargs):
@@ -160,7 +156,7 @@ def _swap_4bit_forward(module: torch.nn.Module, rounding: _Rounding) -> None:
         if not self.training or not own.active:
             return cls.forward(self, x, *args, **kwargs)
         weight = self.weight
-        value = own.rounded(weight, read_weight=lambda: bnb_f.dequantize_4bit(weight.data, weight.quant_state))
+        value = own.rounded(weight, read_weight=lambda: base_weight(self))
         bias = self.bias.to(x.dtype) if self.bias is not None else None
         return torch.nn.functional.linear(x, value.to(x.dtype), bias)
 
@@ -291,7 +287,7 @@ class _Corrected:
         return self.inner(weight) + fix
 
 
-def apply_corrections(report: QatReport, factors: dict, rank: int) -> None:
+def apply_corrections(report: QatReport, factors: dict) -> None:
     """Each separate LoRA layer named in `factors` ({path: (L, R)}, `maximus.qat.correction`) reads
     its base as Q(W) + L R from now on (the cache is computed anew once); the factors stay where
     they are (the CPU), for the run's outputs (`corrections_of`)."""
@@ -299,7 +295,6 @@ def apply_corrections(report: QatReport, factors: dict, rank: int) -> None:
         _, rounding = report.apart[path]
         rounding.rounding = _Corrected(rounding.rounding, left, right)
         rounding.key, rounding.value = None, None
-    report.correction_rank = rank
 
 
 def base_weight(holder: torch.nn.Module) -> torch.Tensor:

@@ -312,7 +312,7 @@ class Trainer:
                               "use objective sft, or remove training.qat_correction_rank")
         started = time.perf_counter()
         factors = rounding_corrections(self.model, rows, rank, report.apart, self.device)
-        apply_corrections(report, factors, rank)
+        apply_corrections(report, factors)
         return (f"; a rank-{rank} correction of the base's rounding beside the adapter, from {len(rows)} training "
                 f"rows in {time.perf_counter() - started:.1f} s (training.qat_correction_rank)")
 
