@@ -60,22 +60,29 @@ def corrected_run(tmp_path_factory):
     return _train(tmp_path_factory.mktemp("corrected"))
 
 
-def test_training_reads_the_rounded_base_plus_the_correction_of_the_first_rows(corrected_run):
-    """Each adapted base reads as Q(W) + L R, with (L, R) the correction of W - Q(W) in the metric of
-    the base's own inputs (adapters off) over the first CALIBRATION_ROWS training rows; the run keeps
-    the factors in adapter/, and its float model (the PEFT adapter) does not hold them."""
-    trainer = corrected_run
-    model = trainer.model
-    saved, meta = load_corrections(trainer.run_dir / "adapter")
-    assert meta == {"target": "q4_0", "rank": RANK}
-    lm = model.get_base_model()
-    layers = {p: m for p, m in lm.named_modules() if hasattr(m, "lora_A")}
-    assert sorted(saved) == sorted(layers) and len(layers) == 2 * 7
-    rows = trainer.data.train[:CALIBRATION_ROWS]
+@pytest.fixture(scope="module")
+def calibration(corrected_run):
+    """({path: LoRA layer}, {path: X^T X of its base's inputs over the first CALIBRATION_ROWS
+    training rows, adapters off}), measured again on the trained run."""
+    model = corrected_run.model
+    layers = {p: m for p, m in model.get_base_model().named_modules() if hasattr(m, "lora_A")}
+    rows = corrected_run.data.train[:CALIBRATION_ROWS]
     model.eval()
     with model.disable_adapter():
         cov = input_covariances(model, {p: m.get_base_layer() for p, m in layers.items()}, rows, torch.device("cpu"))
     model.train()
+    return layers, cov
+
+
+def test_training_reads_the_rounded_base_plus_the_correction_of_the_first_rows(corrected_run, calibration):
+    """Each adapted base reads as Q(W) + L R, with (L, R) the correction of W - Q(W) in the metric of
+    the base's own inputs (adapters off) over the first CALIBRATION_ROWS training rows; the run keeps
+    the factors in adapter/, and its float model (the PEFT adapter) does not hold them."""
+    trainer = corrected_run
+    layers, cov = calibration
+    saved, meta = load_corrections(trainer.run_dir / "adapter")
+    assert meta == {"target": "q4_0", "rank": RANK}
+    assert sorted(saved) == sorted(layers) and len(layers) == 2 * 7
     for path, layer in layers.items():
         weight = layer.get_base_layer()._parameters["weight"].detach().float()
         rounded = gguf_rounding(trainer.qat.types[path], rounds_to_fp16_first("q4_0"))(weight)
@@ -89,19 +96,12 @@ def test_training_reads_the_rounded_base_plus_the_correction_of_the_first_rows(c
     assert (trainer.run_dir / "adapter" / CORRECTION_FILE).is_file()
 
 
-def test_the_correction_moves_the_served_model_toward_the_float_one(corrected_run):
+def test_the_correction_moves_the_served_model_toward_the_float_one(corrected_run, calibration):
     """On the calibration rows, each adapted layer's output with Q(W) + L R is closer to the float
     base's than with Q(W) alone, in every layer (what the correction is for)."""
     trainer = corrected_run
+    layers, cov = calibration
     saved, _ = load_corrections(trainer.run_dir / "adapter")
-    lm = trainer.model.get_base_model()
-    layers = {p: m for p, m in lm.named_modules() if hasattr(m, "lora_A")}
-    rows = trainer.data.train[:CALIBRATION_ROWS]
-    trainer.model.eval()
-    with trainer.model.disable_adapter():
-        cov = input_covariances(trainer.model, {p: m.get_base_layer() for p, m in layers.items()}, rows,
-                                torch.device("cpu"))
-    trainer.model.train()
     for path, layer in layers.items():
         weight = layer.get_base_layer()._parameters["weight"].detach().float()
         error = weight - gguf_rounding(trainer.qat.types[path], rounds_to_fp16_first("q4_0"))(weight)
