@@ -76,16 +76,20 @@ def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0,
                     *overrides], check=True, cwd=ROOT)
 
 
-def export_path(run: Path, quant: str, fmt: str = "gguf") -> Path:
+def export_path(run: Path, quant: str, fmt: str = "gguf", correction_rank: int = 0) -> Path:
     """Where `export` writes the run's `--format gguf` file (or `gguf-lora` directory) at `quant`."""
-    return run / "exports" / (f"gguf-{quant}.gguf" if fmt == "gguf" else f"gguflora-{quant}")
+    if fmt == "gguf":
+        return run / "exports" / f"gguf-{quant}.gguf"
+    return run / "exports" / (f"gguflora-{quant}" + (f"+post{correction_rank}" if correction_rank else ""))
 
 
-def export(run: Path, quant: str, fmt: str = "gguf") -> Path:
-    """The run's `--format gguf` file (or `gguf-lora` directory) at `quant`, written once."""
-    out = export_path(run, quant, fmt)
+def export(run: Path, quant: str, fmt: str = "gguf", correction_rank: int = 0) -> Path:
+    """The run's `--format gguf` file (or `gguf-lora` directory, with `--correction-rank`) at `quant`,
+    written once."""
+    out = export_path(run, quant, fmt, correction_rank)
     if not out.exists():
         subprocess.run([sys.executable, "-m", "maximus.cli", "export", str(run), "--format", fmt, "--quant", quant,
+                        *(["--correction-rank", str(correction_rank)] if correction_rank else []),
                         "--out", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return out
 
@@ -93,7 +97,10 @@ def export(run: Path, quant: str, fmt: str = "gguf") -> Path:
 def file_key(path: Path) -> str:
     """The results' name of an export: its quant, with ``+lora`` for a gguf-lora directory (the
     base file at that quant with the adapter applied by llama.cpp)."""
-    return path.stem.split("-", 1)[1] if path.suffix == ".gguf" else path.name.split("-", 1)[1] + "+lora"
+    if path.suffix == ".gguf":
+        return path.stem.split("-", 1)[1]
+    quant, _, post = path.name.split("-", 1)[1].partition("+")
+    return f"{quant}+lora" + (f"+{post}" if post else "")
 
 
 def qat_file(key: str, target: str) -> str:
@@ -228,19 +235,12 @@ def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_sta
     return results
 
 
-def post_correction(out: Path, source: Path) -> None:
-    """For each plain LoRA run in OUT/results.json: its adapter served apart with `source`'s
-    correction of the base's rounding (`source`/adapter/qat_correction.safetensors, a
-    `training.qat_correction_rank` run of the same base and data) beside it, the adapter trained
-    without it. A copy of the run's adapter and records (under the run's exports/) gets the file,
-    is exported as gguf-lora at the correction's target and scored; printed against the plain run's
-    merged file, and kept in results.json as the file ``<target>+lora+postN``."""
-    import shutil
-
-    from maximus.qat.correction import CORRECTION_FILE, load_corrections
-
-    _, meta = load_corrections(source / "adapter")
-    target, rank = meta["target"], meta["rank"]
+def post_correction(out: Path, target: str, rank: int) -> None:
+    """For each plain LoRA run in OUT/results.json: its adapter served apart with a rank-`rank`
+    correction of the base's `target` rounding beside it, computed at export from the run's first
+    training rows (`maximus export --format gguf-lora --correction-rank`), the adapter trained
+    without it. Printed against the plain run's merged file, and kept in results.json as the file
+    ``<target>+lora+postN``."""
     path = out / "results.json"
     results = json.loads(path.read_text())
     for key, plain in sorted(results.items()):
@@ -249,16 +249,10 @@ def post_correction(out: Path, source: Path) -> None:
             continue
         name = f"{target}+lora+post{rank}"
         if name not in plain["deployed"]:
-            copy = run / "exports" / f"postcorr{rank}-run"
-            if not copy.exists():
-                copy.mkdir(parents=True)
-                for item in ("adapter", "run.json", ".maximus-run.json"):
-                    if (run / item).is_dir():
-                        shutil.copytree(run / item, copy / item)
-                    elif (run / item).is_file():
-                        shutil.copy2(run / item, copy / item)
-                shutil.copy2(source / "adapter" / CORRECTION_FILE, copy / "adapter" / CORRECTION_FILE)
-            plain["deployed"][name] = score(copy, [export(copy, target, "gguf-lora")], fp32=False)["deployed"][f"{target}+lora"]
+            started = time.perf_counter()
+            written = export(run, target, "gguf-lora", correction_rank=rank)
+            print(f"{key}: exported with --correction-rank {rank} in {time.perf_counter() - started:.0f} s", flush=True)
+            plain["deployed"][name] = score(run, [written], fp32=False)["deployed"][name]
             path.write_text(json.dumps({**json.loads(path.read_text()), key: plain}, indent=1))
         gap, _ = against_plain(plain, plain, target, name)
         bounds = interval(plain, plain, target, judged=name)
@@ -629,8 +623,9 @@ def main() -> None:
                         "runs (with --qat-adapter separate); kept apart as `-corrN`")
     parser.add_argument("--correction-cost", type=int, metavar="RANK", help="only time the one-time calibration of "
                         "training.qat_correction_rank RANK (LoRA apart, q4_k_m), one thread")
-    parser.add_argument("--post-correction", type=Path, help="only score each plain LoRA run in OUT served apart with "
-                        "this run's correction of the base's rounding beside its adapter (trained without it)")
+    parser.add_argument("--post-correction", type=int, metavar="RANK", help="only score each plain LoRA run in OUT "
+                        "served apart with a rank-RANK correction of the base's rounding at the --qat target beside "
+                        "its adapter, computed at export (maximus export --correction-rank; trained without it)")
     parser.add_argument("--init-adapter", type=Path, help="the QAT runs start from this PEFT adapter (init_adapter; "
                         "e.g. benchmarks/qat_correction.py --write-adapter); kept apart as `-init`")
     parser.add_argument("--seed", type=int, default=0, help="training.seed of every run (a seed other than 0 is kept "
@@ -697,7 +692,7 @@ def main() -> None:
         print(correction_cost(args.correction_cost, args.task), flush=True)
         return
     if args.post_correction:
-        post_correction(args.out, args.post_correction)
+        post_correction(args.out, next(t for t in args.qat if t != "off"), args.post_correction)
         return
     if args.check_files:
         for run in sorted(p for p in args.out.iterdir() if (p / "run.json").is_file()):

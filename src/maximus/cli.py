@@ -186,6 +186,10 @@ def _export(argv: list[str]) -> int:
     parser.add_argument("--quant", default=None, help="gguf / gguf-lora (its base) / ollama: f32, f16, bf16, q8_0, q5_1, q5_0, q4_1, q4_0; "
                         "k-quants (q4_k_m ...) with llama-cpp-python installed (default: the run's training.qat target, else f16 for "
                         "gguf, q8_0 for ollama)")
+    parser.add_argument("--correction-rank", type=int, default=0, metavar="N", help="gguf-lora: also write, beside "
+                        "the adapter, the rank-N correction of the base's --quant rounding (q8_0, q4_0, q4_k_m) in the "
+                        "metric of the inputs over the run's first 64 training rows; the adapter file grows by "
+                        "N x (rows + columns) numbers per adapted matrix")
     parser.add_argument("--overwrite", action="store_true", help="replace a previous export at --out (nothing else)")
     parser.add_argument("--progress", metavar="FILE", help="keep FILE (JSON: stage, done, total, text) up to date "
                         "while the export runs (maximus ui shows it)")
@@ -193,6 +197,12 @@ def _export(argv: list[str]) -> int:
     if args.quant is not None and args.format not in ("gguf", "gguf-lora", "ollama"):
         raise ConfigError(f"--quant applies to --format gguf, gguf-lora or ollama, not {args.format}",
                           "drop --quant or change --format")
+    if args.correction_rank and args.format != "gguf-lora":
+        raise ConfigError(f"--correction-rank rides in the adapter file beside the base, which only --format gguf-lora "
+                          f"writes, not --format {args.format}", "use --format gguf-lora or drop --correction-rank")
+    if args.correction_rank < 0:
+        raise ConfigError(f"--correction-rank must be a rank of 1 or more, not {args.correction_rank}",
+                          "drop it for no correction")
     _quiet_libraries()
     from maximus import export
     from maximus.export.progress import ExportProgress
@@ -206,7 +216,8 @@ def _export(argv: list[str]) -> int:
         print(f"wrote {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     else:
         fn = {"gguf": export.export_gguf, "gguf-lora": export.export_gguf_lora, "ollama": export.export_ollama}[args.format]
-        out, notices = fn(args.run_dir, args.out, quant=args.quant, overwrite=args.overwrite, progress=progress)
+        extra = {"correction_rank": args.correction_rank} if args.correction_rank else {}
+        out, notices = fn(args.run_dir, args.out, quant=args.quant, overwrite=args.overwrite, progress=progress, **extra)
         for notice in notices:
             print(notice if notice.startswith("warning: ") else f"notice: {notice}")
         how = {"gguf": f"llama-cli -m {out}", "gguf-lora": f"llama-cli -m {out / 'model.gguf'} --lora {out / 'adapter.gguf'}",

@@ -234,3 +234,77 @@ def test_a_qlora_base_reads_its_dequantized_rounding_plus_the_correction(tmp_pat
     x = torch.randn(2, 64)
     a, b, s = layer.lora_A["default"].weight, layer.lora_B["default"].weight, layer.scaling["default"]
     torch.testing.assert_close(layer(x), x @ (rounded + left @ right).T + s * (x @ a.T) @ b.T, rtol=1e-4, atol=1e-4)
+
+
+@pytest.fixture(scope="module")
+def plain_run(tmp_path_factory):
+    """A LoRA run on the same tiny base and data as `corrected_run`, trained without QAT."""
+    return _train(tmp_path_factory.mktemp("plain"), qat="off", qat_adapter="merged", qat_correction_rank=0)
+
+
+def test_export_correction_rank_calibrates_a_plain_run_as_training_would(plain_run, corrected_run, tmp_path, capsys):
+    """`--correction-rank N` on a run trained without a correction writes the plain adapter with the
+    correction the trainer computes for the same base and the first training rows beside it: A and
+    s B bit for bit, L R as the corrected run saved it, beside the same rounded base."""
+    import gguf
+
+    run = plain_run.run_dir
+    out = tmp_path / "post"
+    capsys.readouterr()
+    assert main(["export", str(run), "--format", "gguf-lora", "--quant", "q4_0", "--correction-rank", str(RANK),
+                 "--out", str(out)]) == 0
+    assert capsys.readouterr().out.splitlines()[0] == (
+        f"notice: adapter.gguf holds a rank-{RANK} correction of the base's q4_0 rounding beside the adapter, "
+        f"calibrated now on the run's first {min(CALIBRATION_ROWS, len(plain_run.data.train))} training rows "
+        "(--correction-rank; the adapter trained without it)")
+    saved, _ = load_corrections(corrected_run.run_dir / "adapter")
+    in_lora = {t.name: np.asarray(t.data, np.float32) for t in gguf.GGUFReader(str(out / "adapter.gguf")).tensors}
+    lm = plain_run.model.get_base_model()
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.LLAMA, lm.config.num_hidden_layers)
+    v_proj = 0
+    for path, module in lm.named_modules():
+        if not hasattr(module, "lora_A") or not path.endswith("v_proj"):  # v, o, up, down: no RoPE row order
+            continue
+        v_proj += 1
+        name = names.get_name(path + ".weight", try_suffixes=(".weight",))
+        r = plain_run.cfg.lora.r
+        a = in_lora[name + ".lora_a"].reshape(r + RANK, -1)
+        b = in_lora[name + ".lora_b"].reshape(-1, r + RANK)
+        assert np.array_equal(a[:r], module.lora_A["default"].weight.detach().numpy()), name
+        assert np.array_equal(b[:, :r], (module.lora_B["default"].weight.detach() * module.scaling["default"]).numpy())
+        left, right = saved[path]
+        torch.testing.assert_close(torch.from_numpy(b[:, r:] @ a[r:]), left @ right, rtol=1e-3, atol=1e-6)
+    assert v_proj == 2
+    base = {t.name: t for t in gguf.GGUFReader(str(out / "model.gguf")).tensors}
+    theirs = {t.name: t for t in gguf.GGUFReader(str(_export_apart(corrected_run, tmp_path) / "model.gguf")).tensors}
+    assert sorted(base) == sorted(theirs)
+    assert all(np.array_equal(base[n].data, theirs[n].data) for n in base)
+    import json
+    assert json.loads((out / ".maximus-export.json").read_text())["correction_rank"] == RANK
+
+
+def _export_apart(trainer, tmp_path):
+    out = tmp_path / "theirs"
+    assert main(["export", str(trainer.run_dir), "--format", "gguf-lora", "--out", str(out)]) == 0
+    return out
+
+
+def test_export_correction_rank_is_refused_where_it_cannot_apply(plain_run, corrected_run, tmp_path, capsys):
+    plain, corrected = plain_run.run_dir, corrected_run.run_dir
+    capsys.readouterr()
+    for argv, line in [
+        ([str(plain), "--format", "gguf", "--correction-rank", "8"],
+         "error: --correction-rank rides in the adapter file beside the base, which only --format gguf-lora writes, "
+         "not --format gguf (hint: use --format gguf-lora or drop --correction-rank)"),
+        ([str(plain), "--format", "gguf-lora", "--correction-rank", "-2"],
+         "error: --correction-rank must be a rank of 1 or more, not -2 (hint: drop it for no correction)"),
+        ([str(plain), "--format", "gguf-lora", "--correction-rank", "8"],
+         "error: --correction-rank 8 corrects the base's rounding, and Maximus models the rounding of q8_0, q4_0, "
+         "q4_k_m, not --quant f16 (hint: pass --quant q4_k_m, q4_0 or q8_0, or drop --correction-rank)"),
+        ([str(corrected), "--format", "gguf-lora", "--correction-rank", "8"],
+         f"error: {corrected} already carries its rank-{RANK} correction of the base's q4_0 rounding "
+         "(training.qat_correction_rank), and --correction-rank 8 would replace what the adapter trained against "
+         "(hint: drop --correction-rank)")]:
+        assert main(["export", *argv, "--out", str(tmp_path / "x")]) == 2, argv
+        assert capsys.readouterr().err.strip().splitlines()[-1] == line
+        assert not (tmp_path / "x").exists()

@@ -119,13 +119,21 @@ def export_ollama(run_dir: str | Path, out: str | Path, *, quant: str | None = N
 
 
 def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None = None, overwrite: bool = False,
-                     progress: ExportProgress | None = None) -> tuple[Path, list[str]]:
+                     progress: ExportProgress | None = None, correction_rank: int = 0) -> tuple[Path, list[str]]:
     """Write `out/` = `model.gguf` (the run's base alone, quantized at `quant`) + `adapter.gguf` (its
     LoRA adapter as a llama.cpp LoRA file, float32; `maximus.export.gguf_adapter`). `quant` defaults
     to the run's `training.qat` target, else f16. Returns (path, notices).
 
-    Raises ExportError like `export_gguf`, for a fully fine-tuned run (no adapter), and for an
-    adapter a llama.cpp LoRA file cannot hold (DoRA, modules_to_save, an adapted embedding)."""
+    The adapter file carries the run's correction of the base's rounding
+    (`training.qat_correction_rank`), or with `correction_rank` N one computed now: the rank-N
+    correction of each adapted matrix's rounding at `quant`, in the metric of its inputs over the
+    run's first training rows (`maximus.qat.correction`), which the adapter did not train against.
+
+    Raises ExportError like `export_gguf`, for a fully fine-tuned run (no adapter), for an
+    adapter a llama.cpp LoRA file cannot hold (DoRA, modules_to_save, an adapted embedding), and
+    for a `correction_rank` with a run that has its own correction or a `quant` whose rounding
+    Maximus does not model (any but `maximus.qat.targets.GGUF_TARGETS`); ConfigError for a
+    `correction_rank` with training rows that are not tokens (a preference objective's)."""
     from maximus.export.gguf_adapter import ADAPTER_FILE, BASE_FILE, write_gguf_adapter
     from maximus.models import load_base_model
 
@@ -146,16 +154,20 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
     from peft import PeftModel
     from transformers import AutoTokenizer
 
-    progress("loading")
-    base = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
-    tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
-    source = {"run": str(run_dir.absolute()), "base": cfg.model}
-    notices: list[str] = list(warnings)
-
     from maximus.qat.correction import load_corrections
 
+    progress("loading")
+    tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
     factors, meta = load_corrections(run_dir / "adapter") or (None, {})
-    if factors is not None:
+    rows = _calibration_rows(run_dir, cfg, tokenizer, quant, correction_rank, meta) if correction_rank else None
+    base = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
+    source = {"run": str(run_dir.absolute()), "base": cfg.model}
+    notices: list[str] = list(warnings)
+    if rows is not None:
+        notices.append(f"{ADAPTER_FILE} holds a rank-{correction_rank} correction of the base's {quant} rounding "
+                       f"beside the adapter, calibrated now on the run's first {len(rows)} training rows "
+                       "(--correction-rank; the adapter trained without it)")
+    elif factors is not None:
         notices.append(f"{ADAPTER_FILE} holds the run's rank-{meta.get('rank')} correction of the base's "
                        f"{meta.get('target')} rounding beside the adapter (training.qat_correction_rank)")
         if meta.get("target") != quant:
@@ -168,10 +180,44 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
         notices.extend(write_gguf(base, tokenizer, tmp / BASE_FILE, quant=quant, name=Path(str(cfg.model)).name,
                                   source={**source, "quant": quant, "role": "base"}, progress=progress))
         model = PeftModel.from_pretrained(base, str(run_dir / "adapter"))
+        correction = factors
+        if rows is not None:
+            progress("calibrating")
+            correction = _corrections_now(model, rows, quant, correction_rank)
         write_gguf_adapter(model, tmp / ADAPTER_FILE, marker=json.dumps({"format": "gguf-lora", **source}),
-                           name=run_dir.name, correction=factors)
+                           name=run_dir.name, correction=correction)
 
+    record = {"format": "gguf-lora", "run": str(run_dir.absolute()), "quant": quant}
     written = write_directory(out, fill, overwrite=overwrite,
-                              meta={"format": "gguf-lora", "run": str(run_dir.absolute()), "quant": quant})
+                              meta={**record, "correction_rank": correction_rank} if correction_rank else record)
     progress("done")
     return written, notices
+
+
+def _calibration_rows(run_dir: Path, cfg, tokenizer, quant: str, rank: int, meta: dict) -> list[dict]:
+    """The training rows `--correction-rank` calibrates on (`maximus.qat.correction.calibration_rows`),
+    after the checks that need no model."""
+    from maximus.data import build_run_datasets
+    from maximus.qat.correction import calibration_rows
+    from maximus.qat.targets import GGUF_TARGETS
+
+    if meta:
+        raise ExportError(f"{run_dir} already carries its rank-{meta.get('rank')} correction of the base's "
+                          f"{meta.get('target')} rounding (training.qat_correction_rank), and --correction-rank "
+                          f"{rank} would replace what the adapter trained against", "drop --correction-rank")
+    if quant not in GGUF_TARGETS:
+        raise ExportError(f"--correction-rank {rank} corrects the base's rounding, and Maximus models the rounding "
+                          f"of {', '.join(GGUF_TARGETS)}, not --quant {quant}",
+                          "pass --quant q4_k_m, q4_0 or q8_0, or drop --correction-rank")
+    return calibration_rows(build_run_datasets(cfg, tokenizer).train, cfg.objective,
+                            asked=f"--correction-rank {rank}", drop="drop --correction-rank")
+
+
+def _corrections_now(model, rows: list[dict], quant: str, rank: int) -> dict:
+    """{path: (L, R)}: the rank-`rank` correction of each adapted matrix's `quant` rounding of
+    `model` (a PEFT model, float32, CPU), in the metric of its inputs over `rows`."""
+    from maximus.qat.correction import rounding_corrections
+    from maximus.qat.install import install_qat
+
+    report = install_qat(model, quant, adapter="separate")
+    return rounding_corrections(model, rows, rank, report.apart, torch.device("cpu"))

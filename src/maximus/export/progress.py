@@ -8,6 +8,8 @@ An export goes through these stages (a format skips the ones it has no use for):
 - ``tensors``: GGUF only, each tensor converted (and quantized) into the file, ``done`` of ``total``;
 - ``writing``: the files written into a temporary sibling of the target;
 - ``quantizing``: a K-quant GGUF, by llama.cpp's own quantiser from the f16 file;
+- ``calibrating``: gguf-lora with `--correction-rank`, the correction of the base's rounding measured
+  on the run's first training rows;
 - ``checking``: the result read back (a GGUF: its tensor count and marker) and the target checked
   again before the result is renamed into place;
 - ``done``.
@@ -24,9 +26,10 @@ from maximus.files import write_json
 
 __all__ = ["ExportProgress", "STAGES", "progress_text"]
 
-STAGES = ("loading", "merging", "tensors", "writing", "quantizing", "checking", "done")
+STAGES = ("loading", "merging", "tensors", "writing", "quantizing", "calibrating", "checking", "done")
 _TEXT = {"loading": "loading the model", "merging": "merging the adapter", "tensors": "writing tensors",
-         "writing": "writing the files", "quantizing": "quantizing with llama.cpp", "checking": "checking the result",
+         "writing": "writing the files", "quantizing": "quantizing with llama.cpp",
+         "calibrating": "calibrating the correction of the base's rounding", "checking": "checking the result",
          "done": "done"}
 MIN_INTERVAL_SECONDS = 0.1  # tensor counts are written at most this often (and always the last one)
 

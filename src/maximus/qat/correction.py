@@ -42,6 +42,18 @@ def correction_factors(error: torch.Tensor, cov: torch.Tensor, rank: int) -> tup
     return p[:, :rank] * root, (root[:, None] * vh[:rank]) / s.sqrt() @ u.T
 
 
+def calibration_rows(train: list[dict], objective: str, *, asked: str, drop: str) -> list[dict]:
+    """The first `CALIBRATION_ROWS` of a run's training rows, whose inputs set each layer's metric.
+    ConfigError when they are not token rows (`asked`: what needs them; `drop`: how to do without)."""
+    from maximus.errors import ConfigError
+
+    rows = train[:CALIBRATION_ROWS]
+    if not rows or "input_ids" not in rows[0]:
+        raise ConfigError(f"{asked} needs tokenized training rows to measure the layers' inputs, and the "
+                          f"{objective} objective's rows have none", f"use objective sft, or {drop}")
+    return rows
+
+
 def _passes(layers: dict[str, torch.nn.Module]) -> list[list[str]]:
     """The layers split into groups whose float32 covariances fit `PASS_BYTES`, in order."""
     groups, group, size = [], [], 0

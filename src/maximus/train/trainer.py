@@ -297,7 +297,7 @@ class Trainer:
         (`maximus.qat.correction`), computed now from the first training rows; the header's words."""
         import time
 
-        from maximus.qat.correction import CALIBRATION_ROWS, rounding_corrections
+        from maximus.qat.correction import calibration_rows, rounding_corrections
         from maximus.qat.install import apply_corrections
 
         rank = self.cfg.training.qat_correction_rank
@@ -305,11 +305,8 @@ class Trainer:
             raise ConfigError(f"training.qat_correction_rank {rank} reads every base weight at once, and the plan "
                               "streams the frozen weights from the host",
                               "give the run more memory (target_vram) or remove training.qat_correction_rank")
-        rows = self.data.train[:CALIBRATION_ROWS]
-        if not rows or "input_ids" not in rows[0]:
-            raise ConfigError(f"training.qat_correction_rank {rank} needs tokenized training rows to measure the "
-                              f"layers' inputs, and the {self.cfg.objective} objective's rows have none",
-                              "use objective sft, or remove training.qat_correction_rank")
+        rows = calibration_rows(self.data.train, self.cfg.objective, asked=f"training.qat_correction_rank {rank}",
+                                drop="remove training.qat_correction_rank")
         started = time.perf_counter()
         factors = rounding_corrections(self.model, rows, rank, report.apart, self.device)
         apply_corrections(report, factors)
