@@ -76,20 +76,22 @@ def train(out: Path, setting: str, qat: str, steps: int, qat_start: float = 0.0,
                     *overrides], check=True, cwd=ROOT)
 
 
-def export_path(run: Path, quant: str, fmt: str = "gguf", correction_rank: int = 0) -> Path:
+def export_path(run: Path, quant: str, fmt: str = "gguf", correction_rank: int = 0, adapter_dtype: str = "f32") -> Path:
     """Where `export` writes the run's `--format gguf` file (or `gguf-lora` directory) at `quant`."""
     if fmt == "gguf":
         return run / "exports" / f"gguf-{quant}.gguf"
-    return run / "exports" / (f"gguflora-{quant}" + (f"+post{correction_rank}" if correction_rank else ""))
+    return run / "exports" / (f"gguflora-{quant}" + (f"+post{correction_rank}" if correction_rank else "")
+                              + (f"+{adapter_dtype}" if adapter_dtype != "f32" else ""))
 
 
-def export(run: Path, quant: str, fmt: str = "gguf", correction_rank: int = 0) -> Path:
-    """The run's `--format gguf` file (or `gguf-lora` directory, with `--correction-rank`) at `quant`,
-    written once."""
-    out = export_path(run, quant, fmt, correction_rank)
+def export(run: Path, quant: str, fmt: str = "gguf", correction_rank: int = 0, adapter_dtype: str = "f32") -> Path:
+    """The run's `--format gguf` file (or `gguf-lora` directory, with `--correction-rank` and
+    `--adapter-dtype`) at `quant`, written once."""
+    out = export_path(run, quant, fmt, correction_rank, adapter_dtype)
     if not out.exists():
         subprocess.run([sys.executable, "-m", "maximus.cli", "export", str(run), "--format", fmt, "--quant", quant,
                         *(["--correction-rank", str(correction_rank)] if correction_rank else []),
+                        *(["--adapter-dtype", adapter_dtype] if adapter_dtype != "f32" else []),
                         "--out", str(out)], check=True, cwd=ROOT, stdout=subprocess.DEVNULL)
     return out
 
@@ -235,28 +237,29 @@ def measure(out: Path, steps: int, settings: list[str], runs: list[str], qat_sta
     return results
 
 
-def post_correction(out: Path, target: str, rank: int) -> None:
+def post_correction(out: Path, target: str, rank: int, adapter_dtype: str = "f32") -> None:
     """For each plain LoRA run in OUT/results.json: its adapter served apart with a rank-`rank`
     correction of the base's `target` rounding beside it, computed at export from the run's first
     training rows (`maximus export --format gguf-lora --correction-rank`), the adapter trained
-    without it. Printed against the plain run's merged file, and kept in results.json as the file
-    ``<target>+lora+postN``."""
+    without it, the LoRA file in `adapter_dtype`. Printed against the plain run's merged file, and
+    kept in results.json as the file ``<target>+lora+postN`` (``+f16`` for an f16 LoRA file)."""
     path = out / "results.json"
     results = json.loads(path.read_text())
     for key, plain in sorted(results.items()):
         run = out / key
         if key.split("-")[1] != "off" or not (run / "adapter").is_dir():
             continue
-        name = f"{target}+lora+post{rank}"
+        name = f"{target}+lora+post{rank}" + (f"+{adapter_dtype}" if adapter_dtype != "f32" else "")
         if name not in plain["deployed"]:
             started = time.perf_counter()
-            written = export(run, target, "gguf-lora", correction_rank=rank)
+            written = export(run, target, "gguf-lora", correction_rank=rank, adapter_dtype=adapter_dtype)
             print(f"{key}: exported with --correction-rank {rank} in {time.perf_counter() - started:.0f} s", flush=True)
             plain["deployed"][name] = score(run, [written], fp32=False)["deployed"][name]
             path.write_text(json.dumps({**json.loads(path.read_text()), key: plain}, indent=1))
         gap, _ = against_plain(plain, plain, target, name)
         bounds = interval(plain, plain, target, judged=name)
-        print(f"{key}: served apart with the rank-{rank} correction, trained without it: {plain['deployed'][name]['loss']:.3f} "
+        print(f"{key}: served apart with the rank-{rank} correction ({adapter_dtype}), trained without it: "
+              f"{plain['deployed'][name]['loss']:.4f} "
               f"(merged {plain['deployed'][target]['loss']:.3f}, float {plain['fp32']['loss']:.3f}): {gap:.0%} of the gap "
               f"recovered" + (f" [{bounds[0][0]:.0%}, {bounds[0][1]:.0%}]" if bounds else ""), flush=True)
 
@@ -626,6 +629,8 @@ def main() -> None:
     parser.add_argument("--post-correction", type=int, metavar="RANK", help="only score each plain LoRA run in OUT "
                         "served apart with a rank-RANK correction of the base's rounding at the --qat target beside "
                         "its adapter, computed at export (maximus export --correction-rank; trained without it)")
+    parser.add_argument("--adapter-dtype", choices=["f32", "f16"], default="f32", help="with --post-correction: "
+                        "the LoRA file's type (maximus export --adapter-dtype)")
     parser.add_argument("--init-adapter", type=Path, help="the QAT runs start from this PEFT adapter (init_adapter; "
                         "e.g. benchmarks/qat_correction.py --write-adapter); kept apart as `-init`")
     parser.add_argument("--seed", type=int, default=0, help="training.seed of every run (a seed other than 0 is kept "
@@ -692,7 +697,7 @@ def main() -> None:
         print(correction_cost(args.correction_cost, args.task), flush=True)
         return
     if args.post_correction:
-        post_correction(args.out, next(t for t in args.qat if t != "off"), args.post_correction)
+        post_correction(args.out, next(t for t in args.qat if t != "off"), args.post_correction, args.adapter_dtype)
         return
     if args.check_files:
         for run in sorted(p for p in args.out.iterdir() if (p / "run.json").is_file()):

@@ -35,6 +35,8 @@ def main() -> None:
     parser.add_argument("run", type=Path, help="a finished plain LoRA run")
     parser.add_argument("--rows", type=int, default=200, help="held-out rows scored")
     parser.add_argument("--ranks", type=int, nargs="+", default=[16, 64])
+    parser.add_argument("--calibration-rows", type=int, nargs="+", default=None, help="training rows whose inputs "
+                        "set the metric (default: the product's CALIBRATION_ROWS); several compare them")
     parser.add_argument("--write-adapter", type=Path, help="only write the rank-r correction as a PEFT adapter")
     args = parser.parse_args()
     sys.path.insert(0, str(Path(__file__).parent))
@@ -57,9 +59,13 @@ def main() -> None:
     plan = _gguf_plan(lm, TARGET, modules)
     adapted = {p: (holder, owner) for p, holder, owner in modules if owner is not None}
     # the inputs of the base alone for a starting adapter, of the tuned model for the scores
-    with model.disable_adapter() if args.write_adapter else torch.no_grad():
-        cov = input_covariances(model, {p: h for p, (h, _) in adapted.items()}, data.train[:CALIBRATION_ROWS],
-                               torch.device("cpu"))
+    counts = args.calibration_rows or [CALIBRATION_ROWS]
+    covs = {}
+    for count in counts:
+        with model.disable_adapter() if args.write_adapter else torch.no_grad():
+            covs[count] = input_covariances(model, {p: h for p, (h, _) in adapted.items()}, data.train[:count],
+                                            torch.device("cpu"))
+    cov = covs[counts[0]]
     base = {p: h.weight.detach().clone() for p, (h, _) in adapted.items()}
     delta = {p: o.get_delta_weight("default").detach().clone() for p, (_, o) in adapted.items()}
     rounded = {p: gguf_rounding(plan[p], fp16_first=True)(base[p]) for p in adapted}
@@ -91,10 +97,13 @@ def main() -> None:
     found = {"float": loss(lambda p: base[p]),
              "merged": loss(lambda p: gguf_rounding(plan[p], fp16_first=True)(base[p] + delta[p]) - delta[p]),
              "apart": loss(lambda p: rounded[p])}
-    for rank in args.ranks:
-        fix = {p: (lambda f: f[0] @ f[1])(correction_factors(base[p] - rounded[p], cov[p], rank)).float() for p in adapted}
-        found[f"apart + correction {rank}"] = loss(lambda p: rounded[p] + fix[p])
-        found[f"float + correction {rank}"] = loss(lambda p: base[p] + fix[p])
+    for count, cov in covs.items():
+        rows = "" if len(covs) == 1 else f", {count} rows"
+        for rank in args.ranks:
+            fix = {p: (lambda f: f[0] @ f[1])(correction_factors(base[p] - rounded[p], cov[p], rank)).float()
+                   for p in adapted}
+            found[f"apart + correction {rank}{rows}"] = loss(lambda p: rounded[p] + fix[p])
+            found[f"float + correction {rank}{rows}"] = loss(lambda p: base[p] + fix[p])
     gap = found["merged"] - found["float"]
     for name, value in found.items():
         note = ""

@@ -190,6 +190,8 @@ def _export(argv: list[str]) -> int:
                         "the adapter, the rank-N correction of the base's --quant rounding (q8_0, q4_0, q4_k_m) in the "
                         "metric of the inputs over the run's first 64 training rows; the adapter file grows by "
                         "N x (rows + columns) numbers per adapted matrix")
+    parser.add_argument("--adapter-dtype", default=None, choices=["f32", "f16"], help="gguf-lora: the type of the "
+                        "LoRA file's A and B (default f32; f16 halves the file)")
     parser.add_argument("--overwrite", action="store_true", help="replace a previous export at --out (nothing else)")
     parser.add_argument("--progress", metavar="FILE", help="keep FILE (JSON: stage, done, total, text) up to date "
                         "while the export runs (maximus ui shows it)")
@@ -197,9 +199,10 @@ def _export(argv: list[str]) -> int:
     if args.quant is not None and args.format not in ("gguf", "gguf-lora", "ollama"):
         raise ConfigError(f"--quant applies to --format gguf, gguf-lora or ollama, not {args.format}",
                           "drop --quant or change --format")
-    if args.correction_rank and args.format != "gguf-lora":
-        raise ConfigError(f"--correction-rank rides in the adapter file beside the base, which only --format gguf-lora "
-                          f"writes, not --format {args.format}", "use --format gguf-lora or drop --correction-rank")
+    for flag, given in (("--correction-rank", args.correction_rank), ("--adapter-dtype", args.adapter_dtype)):
+        if given and args.format != "gguf-lora":
+            raise ConfigError(f"{flag} applies to the adapter file beside the base, which only --format gguf-lora "
+                              f"writes, not --format {args.format}", f"use --format gguf-lora or drop {flag}")
     if args.correction_rank < 0:
         raise ConfigError(f"--correction-rank must be a rank of 1 or more, not {args.correction_rank}",
                           "drop it for no correction")
@@ -216,7 +219,7 @@ def _export(argv: list[str]) -> int:
         print(f"wrote {out} (load with AutoModelForCausalLM.from_pretrained({str(out)!r}))")
     else:
         fn = {"gguf": export.export_gguf, "gguf-lora": export.export_gguf_lora, "ollama": export.export_ollama}[args.format]
-        extra = {"correction_rank": args.correction_rank} if args.correction_rank else {}
+        extra = {k: v for k, v in (("correction_rank", args.correction_rank), ("adapter_dtype", args.adapter_dtype)) if v}
         out, notices = fn(args.run_dir, args.out, quant=args.quant, overwrite=args.overwrite, progress=progress, **extra)
         for notice in notices:
             print(notice if notice.startswith("warning: ") else f"notice: {notice}")

@@ -3,8 +3,8 @@
 `maximus export RUN --format gguf-lora --out DIR` writes `DIR/model.gguf` (the base model alone,
 quantized at `--quant` like `--format gguf`) and `DIR/adapter.gguf`, which llama.cpp applies at
 load time (`llama-cli -m DIR/model.gguf --lora DIR/adapter.gguf`; llama-cpp-python's `lora_path`):
-each adapted matrix computes `x Q(W)^T + x (s B A)^T`, the base rounded, the adapter in float32.
-That is the forward a `training.qat_adapter: separate` run trains against.
+each adapted matrix computes `x Q(W)^T + x (s B A)^T`, the base rounded, the adapter in float32
+(or f16, `--adapter-dtype`). That is the forward a `training.qat_adapter: separate` run trains against.
 
 The adapter file is what llama.cpp's `convert_lora_to_gguf.py` writes: `general.type` ``adapter``,
 `adapter.type` ``lora``, and per adapted matrix `<base tensor>.lora_a` (rank x columns) and
@@ -87,11 +87,16 @@ def lora_tensors(peft_model, correction: dict | None = None) -> Iterator[tuple[s
         yield gguf_name, np.ascontiguousarray(a.cpu().numpy()), np.ascontiguousarray(b.cpu().numpy())
 
 
+#: The types `write_gguf_adapter` writes A and B in (`maximus export --adapter-dtype`).
+ADAPTER_DTYPES = {"f32": np.float32, "f16": np.float16}
+
+
 def write_gguf_adapter(peft_model, path: str | Path, *, marker: str, name: str | None = None,
-                       correction: dict | None = None) -> int:
+                       correction: dict | None = None, dtype: str = "f32") -> int:
     """Write `peft_model`'s adapter (`lora_tensors`, with the run's `correction` beside it) as the
-    llama.cpp LoRA file `path`, with the export's `marker` (JSON) under `maximus.export`. Returns
-    the number of adapted matrices."""
+    llama.cpp LoRA file `path`, A and B in `dtype` (an `ADAPTER_DTYPES` key: f16 rounds them to
+    nearest, half the file), with the export's `marker` (JSON) under `maximus.export`. Returns the
+    number of adapted matrices."""
     import gguf
 
     from maximus.export.target import GGUF_MARKER_KEY
@@ -107,8 +112,8 @@ def write_gguf_adapter(peft_model, path: str | Path, *, marker: str, name: str |
     writer.add_name(name or "adapter")
     writer.add_string(GGUF_MARKER_KEY, marker)
     for gguf_name, a, b in tensors:
-        writer.add_tensor(f"{gguf_name}.lora_a", a)
-        writer.add_tensor(f"{gguf_name}.lora_b", b)
+        writer.add_tensor(f"{gguf_name}.lora_a", a.astype(ADAPTER_DTYPES[dtype]))
+        writer.add_tensor(f"{gguf_name}.lora_b", b.astype(ADAPTER_DTYPES[dtype]))
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

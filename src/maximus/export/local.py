@@ -119,10 +119,11 @@ def export_ollama(run_dir: str | Path, out: str | Path, *, quant: str | None = N
 
 
 def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None = None, overwrite: bool = False,
-                     progress: ExportProgress | None = None, correction_rank: int = 0) -> tuple[Path, list[str]]:
+                     progress: ExportProgress | None = None, correction_rank: int = 0,
+                     adapter_dtype: str = "f32") -> tuple[Path, list[str]]:
     """Write `out/` = `model.gguf` (the run's base alone, quantized at `quant`) + `adapter.gguf` (its
-    LoRA adapter as a llama.cpp LoRA file, float32; `maximus.export.gguf_adapter`). `quant` defaults
-    to the run's `training.qat` target, else f16. Returns (path, notices).
+    LoRA adapter as a llama.cpp LoRA file in `adapter_dtype`, f32 or f16; `maximus.export.gguf_adapter`).
+    `quant` defaults to the run's `training.qat` target, else f16. Returns (path, notices).
 
     The adapter file carries the run's correction of the base's rounding
     (`training.qat_correction_rank`), or with `correction_rank` N one computed now: the rank-N
@@ -185,9 +186,12 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
             progress("calibrating")
             correction = _corrections_now(model, rows, quant, correction_rank)
         write_gguf_adapter(model, tmp / ADAPTER_FILE, marker=json.dumps({"format": "gguf-lora", **source}),
-                           name=run_dir.name, correction=correction)
+                           name=run_dir.name, correction=correction, dtype=adapter_dtype)
 
-    record = {"format": "gguf-lora", "run": str(run_dir.absolute()), "quant": quant}
+    if adapter_dtype != "f32" and cfg.training.qat_adapter == "separate" and cfg.training.qat != "off":
+        notices.append(f"{ADAPTER_FILE} holds the adapter{' and its correction' if factors is not None else ''} in "
+                       f"{adapter_dtype}, rounded from the float32 it trained as (--adapter-dtype)")
+    record = {"format": "gguf-lora", "run": str(run_dir.absolute()), "quant": quant, "adapter_dtype": adapter_dtype}
     written = write_directory(out, fill, overwrite=overwrite,
                               meta={**record, "correction_rank": correction_rank} if correction_rank else record)
     progress("done")
