@@ -691,6 +691,45 @@ def test_export_form_writes_the_adapter_beside_the_base_as_gguf_lora(served, fin
         400, {"error": "quant applies to format gguf, gguf-lora or ollama, not adapter (hint: drop quant or change format)"})
 
 
+def test_export_form_adds_the_correction_of_the_bases_rounding_to_a_gguf_lora_export(served, finished):
+    """`correction_rank` (gguf-lora, `--correction-rank`): the id names it (`gguflora-q4_0-corr4`),
+    the adapter file holds rank r + N, the run's export table shows it; refused in one line for
+    another format, a rank that is not a whole number of 1 or more, and a quant whose rounding
+    Maximus does not model (the f16 default of a run trained without QAT), before anything starts."""
+    import gguf
+
+    api = served
+    run, _ = finished
+    recorded = json.loads((run / "run.json").read_text())["config"]
+    plain = _run_like(run, "corrrun", training={**recorded["training"]})
+    status, page = api.call("GET", "/runs/corrrun")
+    assert status == 200 and 'id="export-correction"' in page.decode()
+    status, answer = api.post("/api/runs/corrrun/export", {"format": "gguf-lora", "quant": "q4_0", "correction_rank": 4})
+    out = plain / "exports" / "gguflora-q4_0-corr4"
+    assert (status, answer) == (202, {"run": "corrrun", "export": "gguflora-q4_0-corr4", "path": str(out), "warnings": []})
+    assert api.jobs.wait("export-gguflora-q4_0-corr4", "corrrun", timeout=180) == 0
+    rows = api.call("GET", "/api/runs/corrrun")[1]["exports"]
+    assert [(r["id"], r["format"], r["quant"], r["correction_rank"], r["status"]) for r in rows] == [
+        ("gguflora-q4_0-corr4", "gguf-lora", "q4_0", 4, "done")]
+    ranks = {t.shape[-1] for t in gguf.GGUFReader(str(out / "adapter.gguf")).tensors if t.name.endswith(".lora_a")}
+    assert ranks == {recorded["lora"]["r"] + 4}
+    assert api.call("GET", rows[0]["download"])[0] == 200
+    for body, error in [
+        ({"format": "gguf", "correction_rank": 4},
+         "correction_rank applies to format gguf-lora (the adapter file beside the base), not gguf (hint: drop "
+         "correction_rank or use format gguf-lora)"),
+        ({"format": "gguf-lora", "quant": "q4_0", "correction_rank": "4"},
+         "correction_rank must be a whole number of 1 or more, got '4' (hint: e.g. \"correction_rank\": 64)"),
+        ({"format": "gguf-lora", "quant": "q4_0", "correction_rank": 0},
+         "correction_rank must be a whole number of 1 or more, got 0 (hint: e.g. \"correction_rank\": 64)"),
+        ({"format": "gguf-lora", "correction_rank": 4},
+         "--correction-rank 4 corrects the base's rounding, and Maximus models the rounding of q8_0, q4_0, q4_k_m, "
+         "not --quant f16 (hint: pass --quant q4_k_m, q4_0 or q8_0, or drop --correction-rank)")]:
+        assert api.post("/api/runs/corrrun/export", body) == (400, {"error": error}), body
+    assert api.call("GET", "/runs/corrrun/exports/gguflora-q4_0-corr0")[0] == 404
+    assert api.call("GET", "/runs/corrrun/exports/gguf-q4_0-corr4")[0] == 404
+
+
 def test_export_progress_names_each_stage_and_counts_every_tensor(finished, tmp_path, monkeypatch):
     """What `maximus export --progress` (and the run page's export table) reports, heard in process:
     the stages in order, and the tensor count up to the number of tensors the GGUF file holds."""

@@ -160,7 +160,7 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
     progress("loading")
     tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
     factors, meta = load_corrections(run_dir / "adapter") or (None, {})
-    rows = _calibration_rows(run_dir, cfg, tokenizer, quant, correction_rank, meta) if correction_rank else None
+    rows = _calibration_rows(run_dir, cfg, tokenizer, quant, correction_rank) if correction_rank else None
     base = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
     source = {"run": str(run_dir.absolute()), "base": cfg.model}
     notices: list[str] = list(warnings)
@@ -198,14 +198,14 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
     return written, notices
 
 
-def _calibration_rows(run_dir: Path, cfg, tokenizer, quant: str, rank: int, meta: dict) -> list[dict]:
-    """The training rows `--correction-rank` calibrates on (`maximus.qat.correction.calibration_rows`),
-    after the checks that need no model."""
-    from maximus.data import build_run_datasets
-    from maximus.qat.correction import calibration_rows
+def check_correction_rank(run_dir: Path, quant: str, rank: int) -> None:
+    """ExportError where `--correction-rank` cannot apply to a gguf-lora export of `run_dir` at
+    `quant`: a run that carries its own correction, a `quant` whose rounding is not modelled."""
+    from maximus.qat.correction import load_corrections
     from maximus.qat.targets import GGUF_TARGETS
 
-    if meta:
+    _, meta = load_corrections(Path(run_dir) / "adapter") or (None, None)
+    if meta is not None:
         raise ExportError(f"{run_dir} already carries its rank-{meta.get('rank')} correction of the base's "
                           f"{meta.get('target')} rounding (training.qat_correction_rank), and --correction-rank "
                           f"{rank} would replace what the adapter trained against", "drop --correction-rank")
@@ -213,6 +213,15 @@ def _calibration_rows(run_dir: Path, cfg, tokenizer, quant: str, rank: int, meta
         raise ExportError(f"--correction-rank {rank} corrects the base's rounding, and Maximus models the rounding "
                           f"of {', '.join(GGUF_TARGETS)}, not --quant {quant}",
                           "pass --quant q4_k_m, q4_0 or q8_0, or drop --correction-rank")
+
+
+def _calibration_rows(run_dir: Path, cfg, tokenizer, quant: str, rank: int) -> list[dict]:
+    """The training rows `--correction-rank` calibrates on (`maximus.qat.correction.calibration_rows`),
+    after the checks that need no model."""
+    from maximus.data import build_run_datasets
+    from maximus.qat.correction import calibration_rows
+
+    check_correction_rank(run_dir, quant, rank)
     return calibration_rows(build_run_datasets(cfg, tokenizer).train, cfg.objective,
                             asked=f"--correction-rank {rank}", drop="drop --correction-rank")
 

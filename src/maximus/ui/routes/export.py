@@ -25,8 +25,9 @@ blueprint = Blueprint("export", __name__)
 def api_export(run: Run):
     """Starts `maximus export`. Without a quant, a GGUF / gguf-lora / Ollama export writes the run's
     `training.qat` target (else f16 / q8_0), as the CLI does (`maximus.export.local.quant_for_run`);
-    the answer's ``warnings`` are the CLI's, e.g. for a quant other than the one the run trained for."""
-    from maximus.export.local import quant_for_run
+    the answer's ``warnings`` are the CLI's, e.g. for a quant other than the one the run trained for.
+    gguf-lora takes a ``correction_rank`` (`--correction-rank`), checked as the CLI checks it."""
+    from maximus.export.local import check_correction_rank, quant_for_run
     from maximus.export.to_gguf import check_quant
 
     data = json_body()
@@ -41,6 +42,14 @@ def api_export(run: Run):
         if not isinstance(quant, str):
             raise ConfigError(f"quant must be a string, got {quant!r}", 'e.g. "quant": "q8_0"')
         check_quant(quant)
+    rank = data.get("correction_rank")
+    if rank is not None:
+        if fmt != "gguf-lora":
+            raise ConfigError(f"correction_rank applies to format gguf-lora (the adapter file beside the base), not {fmt}",
+                              "drop correction_rank or use format gguf-lora")
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
+            raise ConfigError(f"correction_rank must be a whole number of 1 or more, got {rank!r}",
+                              'e.g. "correction_rank": 64')
     if not (path / "run.json").is_file():
         raise Conflict(f"run {name} is not finished", "export a finished run")
     ui_state().guard.finished_config(run)  # the export child loads the model: no code without --allow-code
@@ -48,8 +57,11 @@ def api_export(run: Run):
     if fmt in QUANT_FORMATS:
         quant, warnings = quant_for_run(path, quant or None, fmt)
         check_quant(quant)
-    export_id, out = export_target(path, fmt, quant)
-    args = [str(path), "--out", str(out), "--format", fmt] + (["--quant", quant] if quant else [])
+    if rank:
+        check_correction_rank(path, quant, rank)
+    export_id, out = export_target(path, fmt, quant, rank or 0)
+    args = [str(path), "--out", str(out), "--format", fmt] + (["--quant", quant] if quant else []) \
+        + (["--correction-rank", str(rank)] if rank else [])
     if out.exists():
         args.append("--overwrite")  # replaces only a previous export of ours (maximus.export.target)
     out.parent.mkdir(exist_ok=True)
@@ -59,10 +71,10 @@ def api_export(run: Run):
 
 @blueprint.route("/runs/<path:run>/exports/<export_id>")
 def download(run: Run, export_id: str):
-    fmt, quant = format_of(export_id)
+    fmt, quant, rank = format_of(export_id)
     if fmt is None or not re.fullmatch(r"[a-z0-9_]*", quant or ""):
         abort(404)
-    _, out = export_target(run.path, fmt, quant)
+    _, out = export_target(run.path, fmt, quant, rank)
     if out.is_symlink() or not out.exists() or not out.resolve().is_relative_to(run.path):
         abort(404)
     if out.is_file():
