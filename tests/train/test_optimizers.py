@@ -289,8 +289,11 @@ def test_clipping_inside_the_backward_equals_clip_grad_norm_then_step(tiny_llama
     assert [r["loss"] for r in ib] == pytest.approx([r["loss"] for r in ref], rel=1e-5)
     assert [r["grad_norm"] for r in ib] == pytest.approx([r["grad_norm"] for r in ref], rel=1e-5)
     assert min(r["grad_norm"] for r in ref) > 0.5
+    # 1e-5 is a hundredth of one step of lr 1e-3: a sub-ulp difference between the two orders of
+    # summation can flip one 8-bit state code (seen on an AVX-512 Xeon: one gate_proj weight off by
+    # 1.5e-6, every other weight within 1e-7)
     for name, w in ref_w.items():
-        torch.testing.assert_close(ib_w[name], w, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(ib_w[name], w, rtol=0, atol=1e-5, msg=name)
     assert ("notice: training.optimizer_in_backward with max_grad_norm 0.5: each step runs its backward twice (the "
             "first measures the gradient norm, the second steps on clipped gradients); set training.max_grad_norm: "
             "null for one backward, unclipped") in "".join(capsys.readouterr())
