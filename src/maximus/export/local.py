@@ -159,8 +159,9 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
 
     progress("loading")
     tokenizer = AutoTokenizer.from_pretrained(str(run_dir / "adapter"))
-    factors, meta = load_corrections(run_dir / "adapter") or (None, {})
+    # with correction_rank the run has no correction of its own (_calibration_rows refuses one)
     rows = _calibration_rows(run_dir, cfg, tokenizer, quant, correction_rank) if correction_rank else None
+    factors, meta = (None, {}) if correction_rank else load_corrections(run_dir / "adapter") or (None, {})
     base = load_base_model(cfg, torch.device("cpu"), torch.float32, method="lora")
     source = {"run": str(run_dir.absolute()), "base": cfg.model}
     notices: list[str] = list(warnings)
@@ -201,10 +202,10 @@ def export_gguf_lora(run_dir: str | Path, out: str | Path, *, quant: str | None 
 def check_correction_rank(run_dir: Path, quant: str, rank: int) -> None:
     """ExportError where `--correction-rank` cannot apply to a gguf-lora export of `run_dir` at
     `quant`: a run that carries its own correction, a `quant` whose rounding is not modelled."""
-    from maximus.qat.correction import load_corrections
+    from maximus.qat.correction import correction_meta
     from maximus.qat.targets import GGUF_TARGETS
 
-    _, meta = load_corrections(Path(run_dir) / "adapter") or (None, None)
+    meta = correction_meta(Path(run_dir) / "adapter")
     if meta is not None:
         raise ExportError(f"{run_dir} already carries its rank-{meta.get('rank')} correction of the base's "
                           f"{meta.get('target')} rounding (training.qat_correction_rank), and --correction-rank "

@@ -127,8 +127,7 @@ def save_corrections(directory: Path, factors: dict, *, target: str, rank: int) 
               metadata={"maximus": json.dumps({"target": target, "rank": rank})})
 
 
-def load_corrections(directory: Path) -> tuple[dict, dict] | None:
-    """({path: (L, R)}, {"target", "rank"}) from `directory/CORRECTION_FILE`, or None without one."""
+def _read_corrections(directory: Path, tensors: bool) -> tuple[dict | None, dict] | None:
     path = Path(directory) / CORRECTION_FILE
     if not path.is_file():
         return None
@@ -136,5 +135,18 @@ def load_corrections(directory: Path) -> tuple[dict, dict] | None:
 
     with safe_open(str(path), framework="pt") as f:
         meta = json.loads((f.metadata() or {}).get("maximus", "{}"))
+        if not tensors:
+            return None, meta
         names = sorted({k.rsplit(".", 1)[0] for k in f.keys()})
         return {n: (f.get_tensor(f"{n}.left"), f.get_tensor(f"{n}.right")) for n in names}, meta
+
+
+def load_corrections(directory: Path) -> tuple[dict, dict] | None:
+    """({path: (L, R)}, {"target", "rank"}) from `directory/CORRECTION_FILE`, or None without one."""
+    return _read_corrections(directory, tensors=True)
+
+
+def correction_meta(directory: Path) -> dict | None:
+    """{"target", "rank"} of `directory/CORRECTION_FILE` (its header alone), or None without one."""
+    found = _read_corrections(directory, tensors=False)
+    return None if found is None else found[1]
